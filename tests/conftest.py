@@ -6,6 +6,9 @@ import pytest
 import torch
 
 os.environ.setdefault("WANDB_MODE", "offline")
+if not torch.cuda.is_available():
+    # Triton kernels run in its interpreter on CPU; set before any kernel module imports triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
