@@ -1,0 +1,224 @@
+"""compare: scaling-law fits recover known laws, ratios match their closed form, mismatched runs are refused."""
+
+import json
+
+import numpy as np
+import pytest
+
+from diff_transformer import compare
+
+# A baseline law, and DIFF defined to match the baseline at 1/RATIO times its size: L_diff(N) = L_base(N / RATIO).
+E, A, ALPHA = 1.8, 2.5, 0.35
+RATIO = 0.622
+N_REF = 1e8
+SIZES = [1e6, 3e6, 1e7, 3e7, 1e8]
+# Along one run: L(D) = E_D + B (D / D_REF)^-BETA, DIFF needing TOKEN_RATIO of the baseline's tokens.
+E_D, B, BETA, D_REF = 2.0, 1.2, 0.5, 1e7
+TOKEN_RATIO = 0.637
+TOKENS_PER_STEP = 4096
+MAX_STEPS = 1000
+
+
+def baseline_loss(n):
+    return E + A * (np.asarray(n) / N_REF) ** -ALPHA
+
+
+def diff_loss(n):
+    return baseline_loss(np.asarray(n) / RATIO)
+
+
+def token_loss(d, attention):
+    d = np.asarray(d, dtype=np.float64)
+    if attention == "diff":
+        d = d / TOKEN_RATIO
+    return E_D + B * (d / D_REF) ** -BETA
+
+
+def write_run(root, attention, n, final_val_loss, *, noise=0.0, rng=None, data="corpus-v1", max_steps=MAX_STEPS,
+              stop_at=None, tokens_per_step=TOKENS_PER_STEP, eval_interval=50, follow_token_law=False):
+    """A run directory as train.py writes it; validation losses have the token law's shape, ending at final_val_loss
+    (or following the token law exactly when follow_token_law)."""
+    run_dir = root / f"n{int(n)}_{attention}"
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({
+        "name": "synthetic", "model": f"n{int(n)}", "attention": attention, "num_parameters": int(n),
+        "num_non_embedding_parameters": int(n) // 2, "tokens_per_step": tokens_per_step,
+        "seq_length": 128, "data": {"corpus": data}, "max_steps": max_steps,
+    }))
+    last = stop_at or max_steps
+    # The token law's shape along the run, shifted so the last evaluation lands on this size's final loss.
+    shift = 0.0 if follow_token_law else final_val_loss - token_loss(max_steps * tokens_per_step, attention)
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for step in range(1, last + 1):
+            tokens = step * tokens_per_step
+            row = {"step": step, "loss": float(token_loss(tokens, attention) + shift + 0.05), "lr": 1e-3,
+                   "grad_norm": 1.0, "tokens_per_s": 1e4, "tokens": tokens}
+            if step % eval_interval == 0 or step == max_steps:
+                val = float(token_loss(tokens, attention) + shift)
+                if rng is not None:
+                    val += rng.normal(0, noise)
+                row["val_loss"] = val
+            f.write(json.dumps(row) + "\n")
+    return run_dir
+
+
+def sweep(root, noise=0.0, seed=0, **kwargs):
+    rng = np.random.default_rng(seed)
+    for n in SIZES:
+        write_run(root, "vanilla", n, float(baseline_loss(n)) + rng.normal(0, noise), **kwargs)
+        write_run(root, "diff", n, float(diff_loss(n)) + rng.normal(0, noise), **kwargs)
+    return root
+
+
+def test_fit_recovers_exact_power_law():
+    n = np.geomspace(1e6, 1e9, 6)
+    fit = compare.fit_power_law(n, baseline_loss(n))
+    assert fit.E == pytest.approx(E, rel=1e-5)
+    assert fit.alpha == pytest.approx(ALPHA, rel=1e-5)
+    assert fit.A_unscaled == pytest.approx(A * N_REF**ALPHA, rel=1e-4)
+    np.testing.assert_allclose(fit(n), baseline_loss(n), rtol=1e-7)
+    np.testing.assert_allclose(fit.inverse(baseline_loss(n)), n, rtol=1e-5)
+    assert np.isnan(fit.inverse(E - 0.1))
+
+
+def test_fit_uncertainty_covers_truth_under_noise():
+    """Over repeated noisy draws the 2-sigma interval of alpha holds the true alpha in most of them."""
+    n = np.geomspace(1e6, 1e9, 8)
+    covered = 0
+    trials = 40
+    for seed in range(trials):
+        rng = np.random.default_rng(seed)
+        fit = compare.fit_power_law(n, baseline_loss(n) + rng.normal(0, 0.01, len(n)))
+        assert fit.has_uncertainty
+        covered += abs(fit.alpha - ALPHA) <= 2 * fit.stderr[2]
+    assert covered >= 0.8 * trials
+
+
+def test_three_points_fit_has_no_uncertainty_and_two_are_refused():
+    fit = compare.fit_power_law(SIZES[:3], baseline_loss(SIZES[:3]))
+    assert not fit.has_uncertainty
+    with pytest.raises(ValueError, match="needs 3 distinct x"):
+        compare.fit_power_law(SIZES[:2], baseline_loss(SIZES[:2]))
+    with pytest.raises(ValueError, match="do not fall"):
+        compare.fit_power_law(SIZES, -baseline_loss(SIZES))
+
+
+def test_matching_ratio_closed_form():
+    n = np.geomspace(1e6, 1e9, 6)
+    diff_fit = compare.fit_power_law(n, diff_loss(n))
+    base_fit = compare.fit_power_law(n, baseline_loss(n))
+    for at in (3e6, 6.8e8):
+        estimate = compare.matching_ratio(diff_fit, base_fit, at)
+        assert estimate.ratio == pytest.approx(RATIO, rel=1e-4)
+        assert estimate.loss == pytest.approx(float(diff_loss(at)), rel=1e-6)
+
+
+def test_sweep_directory_end_to_end(tmp_path, capsys):
+    root = sweep(tmp_path / "sweep", noise=0.004, seed=1, rng=np.random.default_rng(2))
+    out = tmp_path / "figure.png"
+    assert compare.main([str(root), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads(out.with_suffix(".json").read_text())
+    assert out.stat().st_size > 20_000
+    assert len(summary["runs"]) == 2 * len(SIZES)
+    ratios = summary["parameter_ratios"]
+    assert [r["at"] for r in ratios] == SIZES
+    for r in ratios:
+        # Noisy points: the estimate lies near the truth and its 68% interval is not wider than the noise allows.
+        assert abs(r["ratio"] - RATIO) < max(3 * r["std"], 0.02), r
+        assert 0 < r["std"] < 0.3
+    # Each run's curve is shifted onto its size's final loss, so the token ratio here is only checked for existence.
+    assert summary["token_ratio_runs"] == ["n100000000_diff", "n100000000_vanilla"]
+    assert 0 < summary["token_ratio"]["ratio"] < 1
+    assert "parameter ratio" in printed and "token ratio" in printed
+
+
+def test_exact_sweep_recovers_both_ratios(tmp_path):
+    runs = compare.load_runs([sweep(tmp_path / "sweep")])
+    comparison = compare.compare_runs(runs)
+    assert comparison.size_fits["vanilla"].alpha == pytest.approx(ALPHA, rel=1e-4)
+    assert comparison.size_fits["vanilla"].E == pytest.approx(E, rel=1e-4)
+    assert [r.ratio for r in comparison.parameter_ratios] == pytest.approx([RATIO] * len(SIZES), rel=1e-3)
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.003])
+def test_token_ratio_along_one_run(tmp_path, noise):
+    rng = np.random.default_rng(3) if noise else None
+    for attention in ("diff", "vanilla"):
+        write_run(tmp_path, attention, 1e8, 0.0, follow_token_law=True, noise=noise, rng=rng, eval_interval=20)
+    comparison = compare.compare_runs(compare.load_runs([tmp_path]))
+    assert "a scaling-law fit needs 3" in comparison.notes[0]
+    estimate = comparison.token_ratio
+    assert estimate.at == MAX_STEPS * TOKENS_PER_STEP
+    if noise:
+        assert abs(estimate.ratio - TOKEN_RATIO) < 3 * estimate.std and estimate.std < 0.1
+        assert estimate.low < estimate.ratio < estimate.high
+    else:
+        assert estimate.ratio == pytest.approx(TOKEN_RATIO, rel=1e-4)
+        assert comparison.token_fits["diff"].alpha == pytest.approx(BETA, rel=1e-4)
+        assert comparison.token_fits["vanilla"].E == pytest.approx(E_D, rel=1e-4)
+
+
+def test_refuses_mismatched_data_naming_the_run(tmp_path):
+    root = sweep(tmp_path / "sweep")
+    write_run(root / "odd", "diff", 5e7, float(diff_loss(5e7)), data="other-corpus")
+    with pytest.raises(compare.RunMismatchError, match=r"differ in data.*n50000000_diff \(\S*odd/n50000000_diff\) has") as error:
+        compare.compare_runs(compare.load_runs([root]))
+    assert "other-corpus" in str(error.value)
+    assert compare.main([str(root), "--out", str(tmp_path / "x.png")]) == 2
+
+
+def test_refuses_mismatched_token_budget_naming_the_run(tmp_path):
+    root = sweep(tmp_path / "sweep")
+    write_run(root / "short", "vanilla", 5e7, float(baseline_loss(5e7)), max_steps=500)
+    with pytest.raises(compare.RunMismatchError, match=r"token budget.*n50000000_vanilla \(\S*short/n50000000_vanilla\) has 2,048,000 tokens"):
+        compare.compare_runs(compare.load_runs([root]))
+
+
+def test_refuses_unfinished_run_unless_allowed(tmp_path):
+    root = sweep(tmp_path / "sweep")
+    write_run(root / "cut", "diff", 5e7, float(diff_loss(5e7)), stop_at=700)
+    runs = compare.load_runs([root])
+    with pytest.raises(compare.RunMismatchError, match=r"not finished: n50000000_diff \(\S*cut/n50000000_diff, step 700 of 1000\)"):
+        compare.compare_runs(runs)
+    compare.compare_runs(runs, require_finished=False)
+
+
+def test_replayed_steps_keep_last_record_and_truncated_tail_is_skipped(tmp_path):
+    run_dir = write_run(tmp_path, "diff", 1e6, 3.0, max_steps=4, eval_interval=2)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        # A resume replays step 3 and 4 from the last checkpoint; a killed job leaves half a line.
+        f.write(json.dumps({"step": 3, "loss": 9.0, "tokens": 3 * TOKENS_PER_STEP}) + "\n")
+        f.write(json.dumps({"step": 4, "loss": 8.0, "val_loss": 7.0, "tokens": 4 * TOKENS_PER_STEP}) + "\n")
+        f.write('{"step": 5, "lo')
+    run = compare.load_run(run_dir)
+    assert run.steps.tolist() == [1, 2, 3, 4]
+    assert run.train_loss[2:].tolist() == [9.0, 8.0]
+    assert run.val_steps.tolist() == [2, 4] and run.final_val_loss == 7.0
+
+
+def test_wandb_runs_are_read_like_run_directories():
+    class FakeRun:
+        def __init__(self, attention, n):
+            self.name = f"{attention}-{n}"
+            self.id = self.name
+            self.config = {"model": {"name": f"n{n}", "attention": attention}, "trainer": {"max_steps": 2},
+                           "data": {"corpus": "c"},
+                           "run": {"num_parameters": n, "tokens_per_step": 10, "seq_length": 5}}
+            self.summary = {}
+
+        def scan_history(self, keys=None):
+            yield {"_step": 1, "loss": 4.0, "tokens": 10}
+            yield {"_step": 2, "loss": 3.0, "val_loss": float(baseline_loss(self.config["run"]["num_parameters"])), "tokens": 20}
+
+    class FakeApi:
+        def runs(self, path, filters):
+            assert path == "team/proj" and filters == {"group": "sweep-1"}
+            return [FakeRun(kind, n) for kind in ("diff", "vanilla") for n in (1_000_000, 3_000_000, 10_000_000)]
+
+    runs = compare.load_wandb_runs("team/proj/sweep-1", api=FakeApi())
+    assert {(r.attention, r.model, r.num_parameters, r.token_budget) for r in runs} >= {("diff", "n1000000", 1_000_000, 20)}
+    comparison = compare.compare_runs(runs)
+    assert comparison.size_fits["vanilla"].E == pytest.approx(E, rel=1e-3)
+    with pytest.raises(ValueError, match="ENTITY/PROJECT/GROUP"):
+        compare.load_wandb_runs("team/proj", api=FakeApi())
