@@ -1,0 +1,130 @@
+"""Run-directory logging: ``metrics.jsonl`` (the source of truth), a human-readable progress log, and W&B."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+logger = logging.getLogger("diff_transformer")
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline (default, no account) | online | disabled
+    project: str = "diff-transformer"
+    entity: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    level: str = "INFO"
+
+
+def setup_console_logging(run_dir: str, rank: int, level: str = "INFO") -> None:
+    """Rank 0 logs to stdout and ``train.log``; other ranks log warnings only."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    fmt = logging.Formatter("[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        for handler in (logging.StreamHandler(sys.stdout), logging.FileHandler(os.path.join(run_dir, "train.log"))):
+            handler.setFormatter(fmt)
+            root.addHandler(handler)
+        root.setLevel(level)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"[rank {rank}] %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.WARNING)
+
+
+def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to ``metrics.jsonl`` on the logging rank, and mirrors it to W&B."""
+
+    def __init__(self, run_dir: str, max_steps: int, enabled: bool, wandb_run=None):
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.max_steps = max_steps
+        self.enabled = enabled
+        self.wandb_run = wandb_run
+        self._start_time = time.time()
+        self._start_step: Optional[int] = None
+
+    def log(self, record: Dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            flat = {k: v for k, v in record.items() if k not in ("step", "lambda")}
+            for i, lam in enumerate(record.get("lambda") or []):
+                flat[f"lambda/layer_{i + 1:02d}"] = lam
+            self.wandb_run.log(flat, step=record["step"])
+
+    def progress_line(self, record: Dict[str, Any]) -> str:
+        step = record["step"]
+        if self._start_step is None:
+            self._start_step = step - 1
+            self._start_time = time.time() - record.get("step_time", 0.0)
+        done = step - self._start_step
+        rate = (time.time() - self._start_time) / max(done, 1)
+        eta = rate * (self.max_steps - step)
+        parts = [
+            f"step {step}/{self.max_steps}",
+            f"loss {record['loss']:.4f}",
+            f"lr {record['lr']:.3e}",
+            f"grad_norm {record['grad_norm']:.3f}" if record.get("grad_norm") is not None else None,
+            f"{record['tokens_per_s']:,.0f} tok/s",
+            f"val_loss {record['val_loss']:.4f}" if "val_loss" in record else None,
+            f"ETA {format_duration(eta)}",
+        ]
+        return " | ".join(p for p in parts if p)
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def init_wandb(cfg: Any, run_dir: str, resolved_config: Dict[str, Any], run_id: Optional[str] = None):
+    """Start (or, with ``run_id``, continue) the W&B run; offline by default and never needing an account."""
+    wcfg = cfg.logging.wandb
+    if wcfg.mode not in WANDB_MODES:
+        raise ValueError(f"logging.wandb.mode={wcfg.mode!r} is unknown; use one of {', '.join(WANDB_MODES)}")
+    if wcfg.mode == "disabled":
+        return None
+    try:
+        import wandb
+    except ImportError as err:
+        raise ImportError("logging.wandb.mode needs the wandb package; pip install wandb, or set it to disabled") from err
+    tags = list(wcfg.tags) + [cfg.model.name, cfg.model.attention]
+    return wandb.init(
+        mode=wcfg.mode,
+        project=wcfg.project,
+        entity=wcfg.entity,
+        group=cfg.name,
+        name=os.path.basename(os.path.normpath(run_dir)),
+        tags=tags,
+        config=resolved_config,
+        dir=run_dir,
+        id=run_id,
+        resume="allow" if run_id else None,
+    )

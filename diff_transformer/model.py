@@ -1,0 +1,145 @@
+"""Build the GPT model (DIFF or its mirrored baseline) on megatron-core from the typed config."""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads as megatron_finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from diff_transformer.attention import TP_REPLICATED_ATTR, DifferentialCoreAttention
+from diff_transformer.layer_specs import layer_spec_for
+
+
+def head_dim(model: Any) -> int:
+    """d: the size of every query/key head (DIFF's value heads are 2d)."""
+    return model.head_dim if model.head_dim is not None else model.hidden_size // (2 * model.num_heads)
+
+
+def num_kv_heads(model: Any) -> int:
+    return model.num_kv_heads if model.num_kv_heads is not None else model.num_heads
+
+
+def resolve_precision(precision: str) -> torch.dtype:
+    if precision == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+
+
+def transformer_config(cfg: Any, dtype: torch.dtype = torch.float32, perform_init: bool = True) -> TransformerConfig:
+    """The megatron-core TransformerConfig of a DIFF model or its baseline (identical apart from the core attention).
+
+    Both use 2H query heads and 2Hkv key/value heads of size d in megatron's SelfAttention; DIFF pairs them up.
+    """
+    m, p = cfg.model, cfg.parallel
+    bf16 = dtype == torch.bfloat16
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=2 * m.num_heads,
+        num_query_groups=2 * num_kv_heads(m),
+        kv_channels=head_dim(m),
+        normalization="RMSNorm",
+        layernorm_epsilon=m.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=m.init_std,
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        sequence_parallel=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=bf16,
+        # Full weights drawn on the CPU then sliced: identical initial weights for every TP layout.
+        use_cpu_initialization=True,
+        perform_initialization=perform_init,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        batch_p2p_sync=False,
+        finalize_model_grads_func=finalize_model_grads,
+    )
+
+
+def build_model_chunk(cfg: Any, vocab_size: int, dtype: torch.dtype = torch.float32, perform_init: bool = True) -> GPTModel:
+    """This rank's pipeline stage of the model. ``vocab_size`` is the padded model vocabulary."""
+    config = transformer_config(cfg, dtype, perform_init)
+    if perform_init:
+        torch.manual_seed(cfg.seed)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec_for(cfg.model, seed=cfg.seed),
+        vocab_size=vocab_size,
+        max_sequence_length=cfg.model.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=cfg.model.share_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(cfg.model.rope_base),
+    )
+
+
+def finalize_model_grads(model: List[torch.nn.Module], num_tokens=None, pg_collection=None, **kwargs):
+    """megatron-core's finalize_model_grads, then the TP sum of gradients of TP-replicated parameters.
+
+    λ vectors and the sub-layer norm weight are replicated on TP ranks, but each rank's gradient only covers its
+    own heads; megatron-core reduces such gradients only for sequence-parallel norms, so we sum them here.
+    """
+    megatron_finalize_model_grads(model, num_tokens=num_tokens, pg_collection=pg_collection, **kwargs)
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    grads = [
+        p.main_grad if hasattr(p, "main_grad") else p.grad
+        for chunk in model
+        for p in chunk.parameters()
+        if getattr(p, TP_REPLICATED_ATTR, False) and p.requires_grad
+    ]
+    grads = [g for g in grads if g is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def diff_attention_modules(model_chunks) -> List[DifferentialCoreAttention]:
+    return [
+        m for chunk in model_chunks for m in chunk.modules() if isinstance(m, DifferentialCoreAttention)
+    ]
+
+
+@torch.no_grad()
+def lambda_values(model_chunks) -> List[float]:
+    """Per-layer λ of this rank's DIFF layers, in layer order (empty for the baseline)."""
+    mods = sorted(diff_attention_modules(model_chunks), key=lambda m: m.layer_number)
+    return [float(m.lambda_full()) for m in mods]
+
+
+def count_parameters(model_chunks, exclude_embeddings: bool = False) -> int:
+    """Parameters of this rank's chunks (shared embedding counted once)."""
+    seen = set()
+    total = 0
+    for chunk in model_chunks:
+        for name, p in chunk.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if exclude_embeddings and ("embedding" in name or "output_layer" in name):
+                continue
+            total += p.numel()
+    return total

@@ -1,0 +1,457 @@
+"""The training loop on megatron-core: process groups, model, DDP, optimizer, schedules, validation, metrics.
+
+The same code runs single-process on a CPU, on several CPU processes over gloo, and on GPU clusters over NCCL.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from functools import partial
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from diff_transformer import compat
+from diff_transformer.config import padded_vocab_size, validate
+from diff_transformer.metrics import MetricsWriter, init_wandb, setup_console_logging
+from diff_transformer.model import (
+    build_model_chunk,
+    count_parameters,
+    head_dim,
+    lambda_values,
+    num_kv_heads,
+    resolve_precision,
+)
+
+logger = logging.getLogger("diff_transformer")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Process groups
+# ------------------------------------------------------------------------------------------------------------------
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(cfg: Any) -> None:
+    """Start the default process group (torchrun's env, or a single local process) and megatron's TP/PP groups."""
+    compat.apply_cpu_patches()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    backend = cfg.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not torch.distributed.is_initialized():
+        if "RANK" not in os.environ:  # plain `python train.py`: a world of one
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group(backend=backend)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.parallel.tp, pipeline_model_parallel_size=cfg.parallel.pp
+        )
+    model_parallel_cuda_manual_seed(cfg.seed)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Estimates printed before training
+# ------------------------------------------------------------------------------------------------------------------
+def estimate_memory_per_gpu(cfg: Any, params_on_rank: int, dtype: torch.dtype, dp: int) -> Dict[str, float]:
+    """Rough GiB per GPU: weights, fp32 gradients, optimizer state (sharded with the distributed optimizer), and
+    activations without recomputation (Korthikanti et al. 2022, ~34·s·b·h bytes a layer with fused attention)."""
+    w = 2 if dtype == torch.bfloat16 else 4
+    main = 4 if dtype == torch.bfloat16 else 0  # fp32 master copy
+    optim_bytes = (main + 8) / (dp if cfg.parallel.distributed_optimizer else 1)
+    gib = 1024**3
+    s, b, h = cfg.model.seq_length, cfg.trainer.micro_batch_size, cfg.model.hidden_size
+    layers_on_rank = cfg.model.num_layers // cfg.parallel.pp
+    act = 34 * s * b * h * layers_on_rank / cfg.parallel.tp * (cfg.parallel.pp if cfg.parallel.pp > 1 else 1)
+    out = {
+        "weights": params_on_rank * w / gib,
+        "grads": params_on_rank * 4 / gib,
+        "optimizer": params_on_rank * optim_bytes / gib,
+        "activations": act / gib,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def attention_flops_per_token(cfg: Any) -> float:
+    """Forward FLOPs of the attention scores and weighted sum per token (causal: half the s×s map).
+
+    DIFF: two maps of QKᵀ (2H heads of d) and two weighted sums with 2d-wide V over H heads; the baseline: 2H heads
+    of d for both. Both come to 2·2·(2H·d)·s/2 per layer per token."""
+    s, L = cfg.model.seq_length, cfg.model.num_layers
+    width = 2 * cfg.model.num_heads * head_dim(cfg.model)
+    return L * 2 * 2 * width * s / 2
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Loss and forward step
+# ------------------------------------------------------------------------------------------------------------------
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1)
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator: Iterator, model: torch.nn.Module):
+    batch = next(data_iterator)
+    tokens = batch["tokens"]
+    device = next(model.parameters()).device
+    tokens = tokens.to(device, non_blocking=True)
+    labels = batch["labels"].to(device, non_blocking=True)
+    loss_mask = batch["loss_mask"].to(device, non_blocking=True)
+    position_ids = batch["position_ids"].to(device, non_blocking=True)
+    output = model(tokens, position_ids, None, labels=labels)
+    return output, partial(_loss_func, loss_mask)
+
+
+class _PipelineStageBatches:
+    """Feeds micro-batches to every stage; only the first and last stages use them (tokens, labels, mask)."""
+
+    def __init__(self, loader_iter: Iterator):
+        self.loader_iter = loader_iter
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.loader_iter)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Trainer
+# ------------------------------------------------------------------------------------------------------------------
+class Trainer:
+    """Holds everything a run needs; ``fit`` trains to ``trainer.max_steps``."""
+
+    def __init__(self, cfg: Any, run_dir: str):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.step = 0
+        self.consumed_samples = 0
+
+    # -- setup -------------------------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        from data.datasets import build_datasets, check_vocab, load_tokenizer, prepare
+
+        cfg = self.cfg
+        world = world_size_from_env()
+        validate(cfg, world)
+        cfg.data.validate() if hasattr(cfg.data, "validate") else None
+        prepared = prepare(cfg.data)  # before any process group: a clear error costs nothing
+        self.tokenizer = load_tokenizer(prepared.tokenizer_dir)
+        vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
+        check_vocab(vocab, self.tokenizer)
+
+        init_distributed(cfg)
+        from megatron.core import parallel_state
+
+        self.rank = torch.distributed.get_rank()
+        self._agree_on_run_dir()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.is_last_stage = parallel_state.is_pipeline_last_stage()
+        setup_console_logging(self.run_dir, self.rank, cfg.logging.level)
+
+        self.dtype = resolve_precision(cfg.trainer.precision)
+        if self.dtype == torch.bfloat16 and not torch.cuda.is_available():
+            raise ValueError("trainer.precision=bf16 needs a GPU; use fp32 (or auto) on CPU")
+        self.padded_vocab = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp)
+        self.model = [self._build_model()]
+        self.optimizer, self.scheduler = self._build_optimizer()
+
+        gbs, mbs = cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size
+        self.num_microbatches = gbs // (mbs * self.dp_size)
+        self.tokens_per_step = gbs * cfg.model.seq_length
+        t = cfg.trainer
+        eval_runs = (t.max_steps // t.eval_interval + 1) if t.eval_interval > 0 else 0
+        self.train_ds, self.valid_ds, _ = build_datasets(
+            prepared,
+            self.tokenizer,
+            seq_length=cfg.model.seq_length,
+            seed=cfg.seed,
+            train_samples=t.max_steps * gbs,
+            valid_samples=max(eval_runs * t.eval_iters * gbs, 1),
+            split=cfg.data.split,
+        )
+        self.prepared = prepared
+        self._log_setup()
+
+    def _agree_on_run_dir(self) -> None:
+        """Every rank uses rank 0's run directory (time-stamped default directories can differ by a second)."""
+        own = self.run_dir
+        shared = [own]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        self.run_dir = shared[0]
+        if self.rank == 0:
+            os.makedirs(self.run_dir, exist_ok=True)
+            OmegaConf.save(OmegaConf.structured(self.cfg), os.path.join(self.run_dir, "config.yaml"))
+        elif os.path.realpath(own) != os.path.realpath(self.run_dir):
+            shutil.rmtree(own, ignore_errors=True)  # holds only Hydra's copy of the same config
+
+    def _build_model(self):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        chunk = build_model_chunk(self.cfg, self.padded_vocab, self.dtype)
+        if torch.cuda.is_available():
+            chunk.cuda(torch.cuda.current_device())
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.cfg.parallel.distributed_optimizer,
+        )
+        return DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk)
+
+    def _build_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        o, t = self.cfg.optim, self.cfg.trainer
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.beta1,
+            adam_beta2=o.beta2,
+            adam_eps=o.eps,
+            clip_grad=o.clip_grad,
+            bf16=self.dtype == torch.bfloat16,
+            params_dtype=self.dtype,
+            use_distributed_optimizer=self.cfg.parallel.distributed_optimizer,
+        )
+        optimizer = get_megatron_optimizer(opt_config, self.model)
+        decay_style = {"linear": "linear", "cosine": "cosine", "constant": "constant"}[o.decay]
+        scheduler = OptimizerParamScheduler(
+            optimizer,
+            init_lr=0.0,
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_warmup_steps=o.warmup_steps,
+            lr_decay_steps=t.max_steps,
+            lr_decay_style=decay_style,
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=t.max_steps,
+            wd_incr_style="constant",
+        )
+        return optimizer, scheduler
+
+    def _log_setup(self) -> None:
+        from megatron.core import parallel_state
+
+        cfg = self.cfg
+        params_rank = count_parameters(self.model)
+        totals = torch.tensor([params_rank, count_parameters(self.model, exclude_embeddings=True)], dtype=torch.long)
+        if self.is_last_stage and cfg.model.share_embeddings and not parallel_state.is_pipeline_first_stage():
+            # the last stage's copy of the tied embedding is the same parameter as the first stage's
+            totals[0] -= self.padded_vocab // cfg.parallel.tp * cfg.model.hidden_size
+        # sum over the model-parallel group (TP shards and PP stages) of data-parallel rank 0
+        torch.distributed.all_reduce(totals, group=parallel_state.get_model_parallel_group())
+        # λ and sub-layer norm weights are replicated on TP ranks: count them once
+        replicated = sum(
+            p.numel() for p in self.model[0].parameters() if getattr(p, "tp_replicated_partial_grad", False)
+        )
+        rep = torch.tensor([replicated], dtype=torch.long)
+        torch.distributed.all_reduce(rep, group=parallel_state.get_pipeline_model_parallel_group())
+        self.num_parameters = int(totals[0] - rep[0] * (cfg.parallel.tp - 1))
+        self.num_non_embedding_parameters = int(totals[1] - rep[0] * (cfg.parallel.tp - 1))
+        mem = estimate_memory_per_gpu(cfg, params_rank, self.dtype, self.dp_size)
+        if self.rank != 0:
+            return
+        logger.info("resolved config:\n%s", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        logger.info(
+            "model %s (%s attention, backend %s): %s parameters (%s without embeddings), vocab %d (padded %d)",
+            cfg.model.name, cfg.model.attention, cfg.model.attention_backend,
+            f"{self.num_parameters:,}", f"{self.num_non_embedding_parameters:,}",
+            self.tokenizer.vocab_size, self.padded_vocab,
+        )
+        logger.info(
+            "layout: tp=%d pp=%d dp=%d, %d micro-batches of %d per step, %s tokens per step, dtype %s",
+            cfg.parallel.tp, cfg.parallel.pp, self.dp_size, self.num_microbatches, cfg.trainer.micro_batch_size,
+            f"{self.tokens_per_step:,}", str(self.dtype).replace("torch.", ""),
+        )
+        logger.info(
+            "estimated memory per GPU: %.2f GiB (weights %.2f, grads %.2f, optimizer %.2f, activations %.2f)",
+            mem["total"], mem["weights"], mem["grads"], mem["optimizer"], mem["activations"],
+        )
+
+    # -- data --------------------------------------------------------------------------------------------------------
+    def _loader(self, dataset, consumed_samples: int) -> Iterator:
+        from data.datasets import build_dataloader
+
+        return iter(
+            build_dataloader(
+                dataset,
+                consumed_samples=consumed_samples,
+                micro_batch_size=self.cfg.trainer.micro_batch_size,
+                data_parallel_rank=self.dp_rank,
+                data_parallel_size=self.dp_size,
+                num_workers=getattr(self.cfg.data, "num_workers", 0),
+            )
+        )
+
+    # -- steps -------------------------------------------------------------------------------------------------------
+    def _forward_backward(self, data_iter: Iterator, forward_only: bool) -> Optional[float]:
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=data_iter,
+            model=self.model,
+            num_microbatches=self.num_microbatches,
+            seq_length=self.cfg.model.seq_length,
+            micro_batch_size=self.cfg.trainer.micro_batch_size,
+            forward_only=forward_only,
+        )
+        # mean over micro-batches, then over data-parallel ranks; lives on the last pipeline stage
+        loss = torch.zeros(1, dtype=torch.float64)
+        if self.is_last_stage:
+            loss[0] = torch.stack([x["lm loss"].double().cpu() for x in losses]).mean()
+            torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+            loss /= self.dp_size
+        return self._from_last_stage(loss)
+
+    def _from_last_stage(self, value: torch.Tensor) -> float:
+        """Broadcast a value computed on the last pipeline stage to every rank of the pipeline group."""
+        from megatron.core import parallel_state
+
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            group = parallel_state.get_pipeline_model_parallel_group()
+            src = parallel_state.get_pipeline_model_parallel_last_rank()
+            value = value.to(self._comm_device())
+            torch.distributed.broadcast(value, src=src, group=group)
+        return float(value[0])
+
+    def _comm_device(self):
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def train_step(self, data_iter: Iterator) -> Dict[str, Any]:
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss = self._forward_backward(data_iter, forward_only=False)
+        update_successful, grad_norm, _ = self.optimizer.step()
+        if update_successful:
+            self.scheduler.step(increment=1)
+        self.step += 1
+        self.consumed_samples += self.cfg.trainer.global_batch_size
+        return {"loss": loss, "grad_norm": None if grad_norm is None else float(grad_norm)}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        for chunk in self.model:
+            chunk.eval()
+        it = self._loader(self.valid_ds, consumed_samples=0)
+        losses = [self._forward_backward(it, forward_only=True) for _ in range(self.cfg.trainer.eval_iters)]
+        for chunk in self.model:
+            chunk.train()
+        return float(sum(losses) / len(losses))
+
+    def lambdas(self) -> List[float]:
+        """Per-layer λ of the whole model, gathered over pipeline stages."""
+        from megatron.core import parallel_state
+
+        local = lambda_values(self.model)
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return local
+        gathered: List[List[float]] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+        torch.distributed.all_gather_object(gathered, local, group=parallel_state.get_pipeline_model_parallel_group())
+        return [x for stage in gathered for x in stage]
+
+    # -- loop --------------------------------------------------------------------------------------------------------
+    def write_run_info(self) -> None:
+        if self.rank != 0:
+            return
+        info = {
+            "name": self.cfg.name,
+            "model": self.cfg.model.name,
+            "attention": self.cfg.model.attention,
+            "num_parameters": self.num_parameters,
+            "num_non_embedding_parameters": self.num_non_embedding_parameters,
+            "tokens_per_step": self.tokens_per_step,
+            "seq_length": self.cfg.model.seq_length,
+            "global_batch_size": self.cfg.trainer.global_batch_size,
+            "max_steps": self.cfg.trainer.max_steps,
+            "data": self.prepared.describe() if hasattr(self.prepared, "describe") else str(self.prepared),
+            "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "dp": self.dp_size},
+        }
+        with open(os.path.join(self.run_dir, "run.json"), "w") as f:
+            json.dump(info, f, indent=2)
+
+    def fit(self) -> List[Dict[str, Any]]:
+        cfg = self.cfg
+        t = cfg.trainer
+        self.write_run_info()
+        wandb_run = None
+        if self.rank == 0:
+            wandb_run = init_wandb(cfg, self.run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)))
+        writer = MetricsWriter(self.run_dir, t.max_steps, enabled=self.rank == 0, wandb_run=wandb_run)
+        train_iter = self._loader(self.train_ds, self.consumed_samples)
+        history = []
+        is_diff = cfg.model.attention == "diff"
+        while self.step < t.max_steps:
+            start = time.perf_counter()
+            out = self.train_step(train_iter)
+            step_time = time.perf_counter() - start
+            record = {
+                "step": self.step,
+                "loss": out["loss"],
+                "lr": self.optimizer.param_groups[0]["lr"],
+                "grad_norm": out["grad_norm"],
+                "tokens_per_s": self.tokens_per_step / step_time,
+                "tokens": self.consumed_samples * cfg.model.seq_length,
+                "step_time": step_time,
+            }
+            if is_diff:
+                record["lambda"] = self.lambdas()
+            if t.eval_interval > 0 and (self.step % t.eval_interval == 0 or self.step == t.max_steps):
+                record["val_loss"] = self.evaluate()
+            if not math.isfinite(record["loss"]):
+                logger.warning("step %d: loss is %s", self.step, record["loss"])
+            writer.log(record)
+            history.append(record)
+            if self.rank == 0 and (self.step % t.log_interval == 0 or self.step == t.max_steps):
+                logger.info(writer.progress_line(record))
+        writer.close()
+        return history
+
+
+def run(cfg: Any, run_dir: str) -> List[Dict[str, Any]]:
+    """Set up, train, and tear down. Returns the per-step records (on every rank)."""
+    trainer = Trainer(cfg, run_dir)
+    try:
+        trainer.setup()
+        return trainer.fit()
+    finally:
+        destroy_distributed()

@@ -1,0 +1,142 @@
+"""Differential attention numerics: the module against a transcription of the paper's equations, and backends."""
+
+import math
+
+import pytest
+import torch
+
+from diff_transformer.attention import DifferentialCoreAttention, VanillaCoreAttention, lambda_init_for_layer
+from diff_transformer.compat import apply_cpu_patches
+
+apply_cpu_patches()
+
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def make_config(heads, kv_heads, d):
+    return TransformerConfig(
+        num_layers=4, hidden_size=2 * heads * d, num_attention_heads=2 * heads, num_query_groups=2 * kv_heads,
+        kv_channels=d, use_cpu_initialization=True,
+    )
+
+
+def paper_reference(q, k, v, lq1, lk1, lq2, lk2, lambda_init, norm_weight, eps=1e-5):
+    """The paper's equations, one differential head at a time, in float64.
+
+    q (B, N, 2H, d), k (B, N, 2Hkv, d), v (B, N, Hkv, 2d); head h uses (Q1, Q2) = q heads (2h, 2h+1) and
+    (K1, K2) = k heads (2g, 2g+1), V = v head g, with g = h // (H / Hkv).
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    B, N, two_h, d = q.shape
+    H, Hkv = two_h // 2, v.shape[2]
+    lam = (
+        math.exp(float(torch.dot(lq1.detach().double(), lk1.detach().double())))
+        - math.exp(float(torch.dot(lq2.detach().double(), lk2.detach().double())))
+        + lambda_init
+    )
+    mask = torch.full((N, N), float("-inf"), dtype=torch.float64).triu(1)
+    heads = []
+    for h in range(H):
+        g = h // (H // Hkv)
+        a1 = torch.softmax(q[:, :, 2 * h] @ k[:, :, 2 * g].transpose(-1, -2) / math.sqrt(d) + mask, dim=-1)
+        a2 = torch.softmax(q[:, :, 2 * h + 1] @ k[:, :, 2 * g + 1].transpose(-1, -2) / math.sqrt(d) + mask, dim=-1)
+        head = (a1 - lam * a2) @ v[:, :, g]  # (B, N, 2d)
+        head = head / torch.sqrt(head.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
+        heads.append(head * (1 - lambda_init))
+    return torch.cat(heads, dim=-1)  # (B, N, H * 2d)
+
+
+def as_megatron_inputs(q, k, v):
+    """(B, N, heads, d) -> megatron's [s, b, heads, d]; V's (Hkv, 2d) heads become 2Hkv heads of d."""
+    B, N, hkv, two_d = v.shape
+    return q.transpose(0, 1), k.transpose(0, 1), v.reshape(B, N, 2 * hkv, two_d // 2).transpose(0, 1)
+
+
+@pytest.mark.parametrize("layer", [1, 2, 7])
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2)], ids=["H2-Hkv2", "H4-Hkv2"])
+def test_diff_eager_matches_paper_equations(layer, heads, kv_heads):
+    torch.manual_seed(layer * 10 + heads)
+    B, N, d = 2, 24, 16
+    attn = DifferentialCoreAttention(make_config(heads, kv_heads, d), layer, AttnMaskType.causal, backend="eager")
+    with torch.no_grad():
+        attn.sublayer_norm.weight.uniform_(0.5, 1.5)
+    q = torch.randn(B, N, 2 * heads, d)
+    k = torch.randn(B, N, 2 * kv_heads, d)
+    v = torch.randn(B, N, kv_heads, 2 * d)
+    out = attn(*as_megatron_inputs(q, k, v), None, attn_mask_type=AttnMaskType.causal)
+    assert out.shape == (N, B, heads * 2 * d)
+    ref = paper_reference(
+        q, k, v, attn.lambda_q1, attn.lambda_k1, attn.lambda_q2, attn.lambda_k2,
+        lambda_init_for_layer(layer), attn.sublayer_norm.weight.detach(),
+    )
+    assert rel_err(out.transpose(0, 1), ref) < 1e-5
+    assert attn.lambda_init == pytest.approx(0.8 - 0.6 * math.exp(-0.3 * (layer - 1)))
+
+
+def test_lambda_init_schedule():
+    assert lambda_init_for_layer(1) == pytest.approx(0.2)
+    assert lambda_init_for_layer(2) == pytest.approx(0.8 - 0.6 * math.exp(-0.3))
+    assert lambda_init_for_layer(40) == pytest.approx(0.8, abs=1e-5)
+    with pytest.raises(ValueError, match="1-based"):
+        lambda_init_for_layer(0)
+
+
+def test_lambda_reparameterisation_and_init():
+    torch.manual_seed(0)
+    attn = DifferentialCoreAttention(make_config(2, 2, 32), 3, AttnMaskType.causal)
+    stds = torch.stack([p.detach() for p in attn.lambda_parameters()]).std()
+    assert 0.07 < float(stds) < 0.13  # normal(0, 0.1)
+    expected = (
+        torch.exp((attn.lambda_q1 * attn.lambda_k1).sum()) - torch.exp((attn.lambda_q2 * attn.lambda_k2).sum())
+        + lambda_init_for_layer(3)
+    )
+    assert float(attn.lambda_full()) == pytest.approx(float(expected), rel=1e-6)
+    assert all(p.dtype == torch.float32 and p.shape == (32,) for p in attn.lambda_parameters())
+
+
+def _run(module, q, k, v):
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = module(q, k, v, None, attn_mask_type=AttnMaskType.causal)
+    grad_out = torch.randn_like(out, generator=torch.Generator().manual_seed(3))
+    out.backward(grad_out)
+    return out.detach(), [t.grad for t in (q, k, v)], [p.grad.clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("kind", ["diff", "vanilla"])
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2)], ids=["H2-Hkv2", "H4-Hkv2"])
+def test_sdpa_matches_eager_values_and_grads(kind, heads, kv_heads):
+    torch.manual_seed(1)
+    N, B, d = 40, 2, 16
+    cls = DifferentialCoreAttention if kind == "diff" else VanillaCoreAttention
+    config = make_config(heads, kv_heads, d)
+    eager = cls(config, 2, AttnMaskType.causal, backend="eager")
+    sdpa = cls(config, 2, AttnMaskType.causal, backend="sdpa")
+    sdpa.load_state_dict(eager.state_dict())
+    q = torch.randn(N, B, 2 * heads, d)
+    k = torch.randn(N, B, 2 * kv_heads, d)
+    v = torch.randn(N, B, 2 * kv_heads, d)
+    out_e, grads_e, pgrads_e = _run(eager, q, k, v)
+    out_s, grads_s, pgrads_s = _run(sdpa, q, k, v)
+    assert rel_err(out_s, out_e) < 1e-5
+    for a, b in zip(grads_s + pgrads_s, grads_e + pgrads_e):
+        assert rel_err(a, b) < 1e-5
+    if kind == "diff":
+        assert len(pgrads_e) == 5 and all(g.abs().sum() > 0 for g in pgrads_e)
+
+
+def test_unknown_backend_and_missing_flash_attn():
+    config = make_config(2, 2, 16)
+    with pytest.raises(ValueError, match="attention_backend='cudnn'.*eager, sdpa, flash_attn, triton"):
+        DifferentialCoreAttention(config, 1, AttnMaskType.causal, backend="cudnn")
+    try:  # flash-attn is GPU-only; without it the backend names the fix
+        import flash_attn  # noqa: F401
+    except ImportError:
+        attn = VanillaCoreAttention(config, 1, AttnMaskType.causal, backend="flash_attn")
+        q = torch.randn(8, 1, 4, 16)
+        with pytest.raises(ImportError, match="flash-attn"):
+            attn(q, q, q, None, attn_mask_type=AttnMaskType.causal)

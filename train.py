@@ -1,0 +1,40 @@
+"""Pretrain a Differential Transformer or its mirrored baseline.
+
+    python train.py experiment=smoke
+    python train.py model=1.4b model.attention=vanilla hydra.run.dir=runs/1.4b-vanilla
+    torchrun --nproc_per_node=8 train.py model=3b parallel.tp=2 parallel.pp=2
+"""
+
+import os
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from diff_transformer.config import register_configs, to_object, validate
+from diff_transformer.trainer import Trainer, destroy_distributed, world_size_from_env
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="config")
+def main(dict_cfg: DictConfig) -> None:
+    trainer = None
+    try:
+        cfg = to_object(dict_cfg)
+        validate(cfg, world_size_from_env())  # before any process group starts or data is touched
+        trainer = Trainer(cfg, HydraConfig.get().runtime.output_dir)
+        trainer.setup()
+    except ValueError as err:  # bad configuration or data: one clear line
+        print(f"error: {err}", file=sys.stderr)
+        destroy_distributed()
+        sys.exit(2)
+    try:
+        trainer.fit()
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
