@@ -47,10 +47,18 @@ def _hopper_configs(pairs, warps, stages):
     ]
 
 
-def _prune_by_registers(configs, named_args, **kwargs):
-    """Drop tiles whose two fp32 accumulators would not fit in registers (they spill and run several times slower)."""
-    value_block = triton.next_power_of_2(named_args["VALUE_D"]) if "VALUE_D" in named_args else kwargs["BLOCK_DV"]
+def _prune_fwd_configs(configs, named_args, **kwargs):
+    """Drop query blocks whose two (BLOCK_M, Dv) fp32 accumulators would spill out of registers."""
+    value_block = triton.next_power_of_2({**named_args, **kwargs}["VALUE_D"])
     kept = [c for c in configs if 2 * c.kwargs["BLOCK_M"] * value_block <= 128 * 256]
+    return kept or configs[:1]
+
+
+def _prune_bwd_configs(configs, named_args, **kwargs):
+    """Drop blocks whose fp32 accumulators (dK1, dK2, dV per key row; dQ1, dQ2 and dO per query row) would spill."""
+    args = {**named_args, **kwargs}
+    row_width = 2 * triton.next_power_of_2(args["HEAD_D"]) + triton.next_power_of_2(args["VALUE_D"])
+    kept = [c for c in configs if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) * row_width <= 64 * 512]
     return kept or configs[:1]
 
 
@@ -147,7 +155,7 @@ def _key_ranges(start_m, N_Q, N_K, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N
     return full_end, end
 
 
-@_autotuned(_FWD_CONFIGS, _TUNE_KEY, _prune_by_registers)
+@_autotuned(_FWD_CONFIGS, _TUNE_KEY, _prune_fwd_configs)
 @triton.jit
 def _diff_attn_fwd_kernel(
     Q, K, V, LAM, OUT, LSE,
@@ -245,7 +253,7 @@ def _bwd_r2_key_loop(
     return r2
 
 
-@_autotuned(_BWD_CONFIGS, _TUNE_KEY, _prune_by_registers)
+@_autotuned(_BWD_CONFIGS, _TUNE_KEY, _prune_bwd_configs)
 @triton.jit
 def _diff_attn_bwd_preprocess_kernel(
     Q, K, V, LAM, OUT, DOUT, LSE, DELTA, R2,
@@ -357,7 +365,7 @@ def _query_ranges(start_n, N_Q, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N: t
     return start, full_start, end
 
 
-@_autotuned(_BWD_CONFIGS, _TUNE_KEY, _prune_by_registers)
+@_autotuned(_BWD_CONFIGS, _TUNE_KEY, _prune_bwd_configs)
 @triton.jit
 def _diff_attn_bwd_dkdv_kernel(
     Q, K, V, LAM, DOUT, LSE, DELTA, DK, DV,
@@ -459,7 +467,7 @@ def _bwd_dq_key_loop(
     return dq1, dq2
 
 
-@_autotuned(_BWD_CONFIGS, _TUNE_KEY, _prune_by_registers)
+@_autotuned(_BWD_CONFIGS, _TUNE_KEY, _prune_bwd_configs)
 @triton.jit
 def _diff_attn_bwd_dq_kernel(
     Q, K, V, LAM, DOUT, LSE, DELTA, DQ,
