@@ -128,7 +128,8 @@ def _on_cpu(factory, *args, **kwargs):
 # ---------------------------------------------------------------------------------------------------------------
 # Literal device="cuda": pipeline_parallel/schedules.py:596,983,2138 (token counters),
 # optimizer/optimizer.py:473,481,485,907 (loss-scale tensors), optimizer/clip_grads.py:90,103,115,174,207,
-# dist_checkpointing/strategies/state_dict_saver.py:204, dist_checkpointing/exchange_utils.py:104,110,326.
+# dist_checkpointing/strategies/state_dict_saver.py:204, dist_checkpointing/exchange_utils.py:104,110,326,
+# utils.py:1207 (local_multi_tensor_l2_norm, the grad-norm fallback without apex/TE).
 # Tensor.cuda(): models/common/language_module/language_module.py:244 (tied embeddings across PP stages),
 # dist_checkpointing/exchange_utils.py:336,499 (resharding exchange); ShardedTensor.init_data("cuda"):
 # exchange_utils.py:98,106.
@@ -140,6 +141,7 @@ _MODULES_WITH_LITERAL_CUDA = (
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.exchange_utils",
     "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.utils",
 )
 
 

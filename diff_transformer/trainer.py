@@ -147,6 +147,13 @@ class _PipelineStageBatches:
         return next(self.loader_iter)
 
 
+def _without_test_split(split: str) -> str:
+    """The train/valid split with no test documents: training never reads them, and megatron-core's epoch count
+    loops forever on a split that holds no tokens (small corpora round the test share to zero documents)."""
+    parts = [p.strip() for p in split.split(",")]
+    return ",".join(parts[:2] + ["0"] * (3 - len(parts[:2])))
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Trainer
 # ------------------------------------------------------------------------------------------------------------------
@@ -166,7 +173,7 @@ class Trainer:
         cfg = self.cfg
         world = world_size_from_env()
         validate(cfg, world)
-        cfg.data.validate() if hasattr(cfg.data, "validate") else None
+        cfg.data.validate()
         prepared = prepare(cfg.data)  # before any process group: a clear error costs nothing
         self.tokenizer = load_tokenizer(prepared.tokenizer_dir)
         vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
@@ -201,7 +208,9 @@ class Trainer:
             seed=cfg.seed,
             train_samples=t.max_steps * gbs,
             valid_samples=max(eval_runs * t.eval_iters * gbs, 1),
-            split=cfg.data.split,
+            split=_without_test_split(cfg.data.split),
+            index_cache_dir=cfg.data.index_cache_dir,
+            eod_mask_loss=cfg.data.eod_mask_loss,
         )
         self.prepared = prepared
         self._log_setup()
@@ -421,13 +430,14 @@ class Trainer:
         history = []
         is_diff = cfg.model.attention == "diff"
         while self.step < t.max_steps:
+            lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
             start = time.perf_counter()
             out = self.train_step(train_iter)
             step_time = time.perf_counter() - start
             record = {
                 "step": self.step,
                 "loss": out["loss"],
-                "lr": self.optimizer.param_groups[0]["lr"],
+                "lr": lr,
                 "grad_norm": out["grad_norm"],
                 "tokens_per_s": self.tokens_per_step / step_time,
                 "tokens": self.consumed_samples * cfg.model.seq_length,
