@@ -1,0 +1,302 @@
+"""Readers, tokenizer training and preprocessing to megatron-core shards: round trips, bad input, resume."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data import indexed, preprocess, readers
+from data.config import BUNDLED_CORPUS, REPO_ROOT
+from data.tokenizer import load_tokenizer, sample_sentences, train_tokenizer
+
+
+def _bundled_documents(count: int, chars: int) -> list[str]:
+    with gzip.open(BUNDLED_CORPUS, "rt", encoding="utf-8") as stream:
+        return [json.loads(line)["text"][:chars] for _, line in zip(range(count), stream)]
+
+
+# Edge cases a lossless tokenizer must carry through: unseen characters, tabs, runs of spaces, blank lines, CRLF.
+UNUSUAL_DOCUMENTS = [
+    "Naïve café — “quoted” ☃ 日本語 🙂",
+    "  leading spaces,\ttabs\tand   runs of spaces  ",
+    "line one\n\n\nafter blank lines\r\nwindows line end",
+    "digits 1234567890 and symbols <>{}[]|\\^~",
+]
+
+
+@pytest.fixture(scope="module")
+def documents() -> list[str]:
+    return _bundled_documents(24, 1500) + UNUSUAL_DOCUMENTS
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory, documents) -> str:
+    corpus = tmp_path_factory.mktemp("tok") / "train.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    out = tmp_path_factory.mktemp("tok") / "tokenizer"
+    train_tokenizer([str(corpus)], out, 512, num_threads=1)
+    return str(out)
+
+
+def _write_jsonl(path: Path, docs, field="text") -> None:
+    payload = "".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)).encode()
+    if path.name.endswith(".gz"):
+        path.write_bytes(gzip.compress(payload))
+    elif path.name.endswith(".zst"):
+        import zstandard
+
+        path.write_bytes(zstandard.ZstdCompressor().compress(payload))
+    else:
+        path.write_bytes(payload)
+
+
+def _write_parquet(path: Path, docs, field="text") -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({field: docs, "id": list(range(len(docs)))}), path, row_group_size=5)
+
+
+def _shard_documents(prefix: str, tokenizer) -> list[str]:
+    """Decode every sequence of a shard with megatron-core's own reader, checking each ends with one EOD."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(prefix)
+    decoded = []
+    for i in range(len(dataset)):
+        tokens = dataset[i]
+        assert tokens[-1] == tokenizer.eod and tokenizer.eod not in tokens[:-1].tolist()
+        decoded.append(tokenizer.decode(tokens[:-1].tolist()))
+    return decoded
+
+
+def test_tokenizer_is_lossless_and_megatron_compatible(tokenizer_dir, documents):
+    tokenizer = load_tokenizer(tokenizer_dir)
+    assert tokenizer.vocab_size == 512 and tokenizer.eod == 2 and tokenizer.pad == 3
+    for doc in documents:
+        assert tokenizer.decode(tokenizer.encode(doc)) == doc
+    assert tokenizer.encode_batch(documents[:3]) == [tokenizer.encode(d) for d in documents[:3]]
+    # The newline is a piece of its own, never merged away or mapped to unk.
+    assert tokenizer.encode("\n") == [4]
+    assert tokenizer.unique_identifiers["model_sha256"] == tokenizer.model_sha256
+
+
+def test_unigram_with_special_tokens_and_sentence_bound(tmp_path, documents):
+    corpus = tmp_path / "train.txt"
+    corpus.write_text("\n".join(documents))
+    tokenizer = train_tokenizer([str(corpus)], tmp_path / "uni", 600, model_type="unigram",
+                                special_tokens=["<|user|>", "<|code|>"], max_sentences=200, num_threads=1)
+    config = json.loads((tmp_path / "uni" / "tokenizer_config.json").read_text())
+    assert config["model_type"] == "unigram" and config["trained_on"]["sentences_sampled"] == 200
+    assert config["trained_on"]["sentences_seen"] > 200
+    ids = tokenizer.encode("hello <|user|> world")
+    assert len([i for i in ids if tokenizer.decode([i]) == "<|user|>"]) == 1
+    unseen = "Ωμέγα ✓ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢"
+    assert tokenizer.decode(tokenizer.encode(unseen)) == unseen  # byte fallback, no <unk>
+    assert 0 not in tokenizer.encode(unseen)
+
+
+def test_sentence_sample_is_bounded_uniform_and_in_order():
+    docs = ["\n".join(f"line {d}-{i}" for i in range(100)) for d in range(50)]
+    sample, seen = sample_sentences(docs, 500, seed=7)
+    assert seen == 5000 and len(sample) == 500 and sample == sample_sentences(docs, 500, seed=7)[0]
+    order = [int(s.split()[1].split("-")[0]) * 100 + int(s.split("-")[1]) for s in sample]
+    assert order == sorted(order)
+    # Each tenth of the corpus holds about a tenth of the sample (binomial sd ~ 6.7).
+    counts = np.bincount(np.array(order) // 500, minlength=10)
+    assert counts.min() > 20 and counts.max() < 80
+
+
+@pytest.mark.parametrize("name", ["docs.jsonl", "docs.jsonl.gz", "docs.jsonl.zst", "docs.parquet", "txt-files",
+                                  "docs.txt", "docs.txt.gz"])
+def test_round_trip_every_format(tmp_path, tokenizer_dir, documents, name):
+    """The detokenized shard equals the input documents, in order, for each reader."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    txt_mode = "file"
+    expected = documents
+    if name.endswith((".jsonl", ".jsonl.gz", ".jsonl.zst")):
+        _write_jsonl(tmp_path / name, documents)
+        inputs = [str(tmp_path / name)]
+    elif name.endswith(".parquet"):
+        _write_parquet(tmp_path / name, documents)
+        inputs = [str(tmp_path / name)]
+    elif name == "txt-files":  # a directory of .txt files, one document each, read in sorted name order
+        folder = tmp_path / "texts"
+        folder.mkdir()
+        for i, doc in enumerate(documents):
+            (folder / f"{i:03d}.txt").write_text(doc, encoding="utf-8", newline="")
+        inputs = [str(folder)]
+    else:  # one file, documents separated by blank lines: the normalised document has no blank lines inside
+        txt_mode = "blank_line"
+        expected = [d.replace("\r\n", "\n").replace("\n\n\n", "\n").replace("\n\n", "\n").strip("\n")
+                    for d in documents]
+        payload = "\n\n".join(expected).encode()
+        (tmp_path / name).write_bytes(gzip.compress(payload) if name.endswith(".gz") else payload)
+        inputs = [str(tmp_path / name)]
+    files = readers.expand_inputs(inputs)
+    manifest = preprocess.preprocess(files, tokenizer_dir, str(tmp_path / "out" / "shard"), txt_mode=txt_mode)
+    assert _shard_documents(str(tmp_path / "out" / "shard"), tokenizer) == expected
+    assert manifest["totals"]["documents"] == len(expected)
+    assert manifest["totals"]["tokens"] == sum(len(tokenizer.encode(d)) + 1 for d in expected)
+    assert manifest["inputs"][0]["sha256"] == indexed_sha(files[0])
+
+
+def indexed_sha(path: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def test_index_bytes_equal_megatron_builder(tmp_path):
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, 5000, size=n).astype(np.uint16) for n in (5, 1, 17, 3)]
+    builder = IndexedDatasetBuilder(str(tmp_path / "ref.bin"), dtype=np.uint16)
+    for seq in sequences:
+        builder.add_item(torch.from_numpy(seq.astype(np.int64)))
+        builder.end_document()
+    builder.finalize(str(tmp_path / "ref.idx"))
+    lengths = np.array([len(s) for s in sequences])
+    indexed.write_index(str(tmp_path / "ours.idx"), np.uint16, lengths, np.arange(len(sequences) + 1))
+    assert (tmp_path / "ours.idx").read_bytes() == (tmp_path / "ref.idx").read_bytes()
+
+
+def test_bad_records_are_counted_not_fatal(tmp_path, tokenizer_dir):
+    good = ["first good document", "second good one", "third"]
+    lines = [
+        json.dumps({"text": good[0]}).encode(),
+        b'{"text": "unterminated',                          # malformed JSON
+        json.dumps({"content": "wrong field"}).encode(),   # missing text field
+        json.dumps({"text": 17}).encode(),                 # text is not a string
+        b'{"text": "caf\xe9 latin-1 byte"}',               # not UTF-8
+        b'{"text": "lone surrogate \\ud800"}',             # decodes to text that is not encodable
+        json.dumps({"text": "   \n "}).encode(),          # empty after whitespace
+        json.dumps({"text": good[1]}).encode(),
+        b"",                                               # blank line: not a record
+        json.dumps([1, 2]).encode(),                       # not an object
+        json.dumps({"text": good[2]}).encode(),
+    ]
+    (tmp_path / "bad.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe not utf-8")
+    (tmp_path / "empty.txt").write_bytes(b"  \n")
+    files = readers.expand_inputs([str(tmp_path)])
+    manifest = preprocess.preprocess(files, tokenizer_dir, str(tmp_path / "out" / "shard"))
+    assert manifest["totals"]["skipped"] == {"empty": 2, "malformed_json": 1, "missing_text_field": 3, "non_utf8": 3}
+    assert manifest["totals"]["documents"] == 3 and manifest["totals"]["records"] == 12
+    by_name = {Path(entry["path"]).name: entry for entry in manifest["inputs"]}
+    assert by_name["bad.txt"]["skipped"] == {"non_utf8": 1}
+    assert _shard_documents(str(tmp_path / "out" / "shard"), load_tokenizer(tokenizer_dir)) == good
+    assert "malformed_json 1" in preprocess.summary(manifest)
+
+
+def test_truncated_compressed_file_keeps_what_was_read(tmp_path, tokenizer_dir, documents):
+    _write_jsonl(tmp_path / "whole.jsonl.gz", documents)
+    data = (tmp_path / "whole.jsonl.gz").read_bytes()
+    (tmp_path / "cut.jsonl.gz").write_bytes(data[: len(data) * 2 // 3])
+    manifest = preprocess.preprocess([str(tmp_path / "cut.jsonl.gz")], tokenizer_dir, str(tmp_path / "out" / "s"))
+    entry = manifest["inputs"][0]
+    assert entry["skipped"].get("unreadable_rest_of_file") == 1 and entry["errors"]
+    decoded = _shard_documents(str(tmp_path / "out" / "s"), load_tokenizer(tokenizer_dir))
+    assert 0 < len(decoded) < len(documents) and decoded == documents[: len(decoded)]
+
+
+def test_large_jsonl_is_split_into_units_at_line_starts(tmp_path, tokenizer_dir, documents):
+    """Byte-range units never cut or repeat a line, whatever the cut points."""
+    _write_jsonl(tmp_path / "big.jsonl", documents * 3)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    reference = preprocess.preprocess([str(tmp_path / "big.jsonl")], tokenizer_dir, str(tmp_path / "a" / "s"))
+    assert reference["run"]["parts"] == 1
+    for unit_bytes in (997, 4096):
+        manifest = preprocess.preprocess([str(tmp_path / "big.jsonl")], tokenizer_dir, str(tmp_path / f"u{unit_bytes}" / "s"),
+                                         unit_bytes=unit_bytes)
+        assert manifest["run"]["parts"] > 3
+        assert (tmp_path / f"u{unit_bytes}" / "s.bin").read_bytes() == (tmp_path / "a" / "s.bin").read_bytes()
+        assert (tmp_path / f"u{unit_bytes}" / "s.idx").read_bytes() == (tmp_path / "a" / "s.idx").read_bytes()
+    assert _shard_documents(str(tmp_path / "a" / "s"), tokenizer) == documents * 3
+
+
+KILL_AFTER_PARTS = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    from data import preprocess
+    original, finished = preprocess._write_json_atomic, []
+    def write_then_die(path, payload):
+        original(path, payload)
+        finished.append(path)
+        if len(finished) == {parts}:
+            os.kill(os.getpid(), signal.SIGKILL)  # an abrupt death right after a part is committed
+    preprocess._write_json_atomic = write_then_die
+    preprocess.main(sys.argv[1:])
+""")
+
+
+def test_resume_after_kill_is_byte_identical(tmp_path, tokenizer_dir, documents):
+    inputs = []
+    for i in range(4):
+        _write_jsonl(tmp_path / f"in{i}.jsonl", documents[i * 7:(i + 1) * 7] * 2)
+        inputs.append(str(tmp_path / f"in{i}.jsonl"))
+    args = ["--input", *inputs, "--tokenizer", tokenizer_dir, "--unit-mb", "1"]
+    preprocess.preprocess(inputs, tokenizer_dir, str(tmp_path / "clean" / "s"))
+
+    script = tmp_path / "killed.py"
+    script.write_text(KILL_AFTER_PARTS.format(root=str(REPO_ROOT), parts=2))
+    killed = subprocess.run([sys.executable, str(script), *args, "--out", str(tmp_path / "resumed" / "s")],
+                            capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr
+    assert not (tmp_path / "resumed" / "s.bin").exists()
+    assert len(list((tmp_path / "resumed" / "s.parts").glob("*.json"))) == 2
+
+    manifest = preprocess.preprocess(inputs, tokenizer_dir, str(tmp_path / "resumed" / "s"))
+    assert manifest["run"]["reused_parts"] == 2 and manifest["run"]["parts"] == 4
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / "resumed" / f"s{suffix}").read_bytes() == (tmp_path / "clean" / f"s{suffix}").read_bytes()
+    assert not (tmp_path / "resumed" / "s.parts").exists()
+
+    # Unchanged inputs: a no-op that leaves the files untouched; a touched input is redone.
+    before = os.stat(tmp_path / "resumed" / "s.bin").st_mtime_ns
+    again = preprocess.preprocess(inputs, tokenizer_dir, str(tmp_path / "resumed" / "s"))
+    assert again == manifest and os.stat(tmp_path / "resumed" / "s.bin").st_mtime_ns == before
+    with open(inputs[0], "a") as stream:
+        stream.write(json.dumps({"text": "one more"}) + "\n")
+    redone = preprocess.preprocess(inputs, tokenizer_dir, str(tmp_path / "resumed" / "s"))
+    assert redone["totals"]["documents"] == manifest["totals"]["documents"] + 1
+
+
+def test_parallel_workers_write_the_same_shard(tmp_path, tokenizer_dir, documents):
+    inputs = []
+    for i in range(3):
+        _write_jsonl(tmp_path / f"in{i}.jsonl", documents[i::3])
+        inputs.append(str(tmp_path / f"in{i}.jsonl"))
+    _write_parquet(tmp_path / "in3.parquet", documents)
+    inputs.append(str(tmp_path / "in3.parquet"))
+    serial = preprocess.preprocess(inputs, tokenizer_dir, str(tmp_path / "one" / "s"), workers=1)
+    parallel = preprocess.preprocess(inputs, tokenizer_dir, str(tmp_path / "two" / "s"), workers=2)
+    assert parallel["totals"] == serial["totals"]
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / "one" / f"s{suffix}").read_bytes() == (tmp_path / "two" / f"s{suffix}").read_bytes()
+
+
+def test_presets_and_input_expansion(tmp_path, tokenizer_dir):
+    (tmp_path / "b").mkdir()
+    _write_jsonl(tmp_path / "b" / "2.jsonl", ["two"], field="raw_content")
+    _write_jsonl(tmp_path / "a.jsonl", ["one"], field="raw_content")
+    (tmp_path / "notes.md").write_text("ignored: not a corpus format")
+    files = readers.expand_inputs([str(tmp_path)])
+    assert [Path(f).relative_to(tmp_path).as_posix() for f in files] == ["a.jsonl", "b/2.jsonl"]
+    preset = readers.PRESETS["redpajama-v2"]
+    assert preset.text_field == "raw_content"
+    assert list(readers.iter_documents(files, preset.text_field)) == ["one", "two"]
+    with pytest.raises(FileNotFoundError, match="matches no file"):
+        readers.expand_inputs([str(tmp_path / "*.parquet")])
+    with pytest.raises(ValueError, match="unsupported input file"):
+        readers.expand_inputs([str(tmp_path / "notes.md")])
