@@ -256,22 +256,29 @@ def _run(command: Sequence[str], what: str) -> str:
     return result.stdout
 
 
-def submit(arguments: Sequence[str], dry_run: bool = False) -> dict:
-    """Snapshot code and config into the run directory, write submit.sbatch and submit it; returns launch.json."""
-    settings, overrides = split_arguments(arguments)
-    cfg = compose_config(overrides, world_size=settings.nodes * procs_per_node(settings))
-    from omegaconf import OmegaConf
-
-    run_dir_override = _hydra_override_value(overrides, "hydra.run.dir")
-    if run_dir_override and settings.run_dir:
-        raise ValueError(f"give the run directory once: run_dir={settings.run_dir} or hydra.run.dir={run_dir_override}")
-    run_dir = Path(settings.run_dir or run_dir_override or default_run_dir(cfg)).expanduser().absolute()
-    overrides = [o for o in overrides if not o.startswith("hydra.run.dir=")]
+def _refuse_existing_submission(run_dir: Path) -> None:
     if (run_dir / "submit.sbatch").exists():
         raise FileExistsError(
             f"{run_dir} already holds a submission; resubmit it with `sbatch {run_dir}/submit.sbatch` "
             "or give another run_dir"
         )
+
+
+def submit(arguments: Sequence[str], dry_run: bool = False) -> dict:
+    """Snapshot code and config into the run directory, write submit.sbatch and submit it; returns launch.json."""
+    from omegaconf import OmegaConf
+
+    settings, overrides = split_arguments(arguments)
+    run_dir_override = _hydra_override_value(overrides, "hydra.run.dir")
+    if run_dir_override and settings.run_dir:
+        raise ValueError(f"give the run directory once: run_dir={settings.run_dir} or hydra.run.dir={run_dir_override}")
+    overrides = [o for o in overrides if not o.startswith("hydra.run.dir=")]
+    given_run_dir = settings.run_dir or run_dir_override
+    if given_run_dir:
+        _refuse_existing_submission(Path(given_run_dir).expanduser().absolute())
+    cfg = compose_config(overrides, world_size=settings.nodes * procs_per_node(settings))
+    run_dir = Path(given_run_dir or default_run_dir(cfg)).expanduser().absolute()
+    _refuse_existing_submission(run_dir)
     python = settings.python or str(REPO_ROOT / ".venv" / "bin" / "python")
     if not Path(python).exists() and not dry_run:
         raise FileNotFoundError(f"python={python} does not exist; create the .venv or pass python=/path/to/python")

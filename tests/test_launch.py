@@ -1,0 +1,197 @@
+"""launch: SLURM submission files and commands (against stand-in SLURM clients), requeue, torchrun.sh checks, sweeps."""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import slurm
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def fake_slurm_commands(bin_dir: Path, job_state: str = "RUNNING", fail: str | None = None) -> Path:
+    """sbatch/scontrol/scancel stand-ins that log their arguments to calls.log and answer like SLURM 22.05."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    log = bin_dir / "calls.log"
+    answers = {
+        "sbatch": 'echo "4242;localtest"',
+        "scontrol": (
+            'if [ "$1" = show ] && [ "$2" = hostnames ]; then echo node07; echo node08; '
+            f'else echo "JobId=4242 JobName=smoke JobState={job_state} Reason=None Restarts=1 RunTime=00:01:02 '
+            'TimeLimit=1-00:00:00 NodeList=node07 ExitCode=0:0"; fi'
+        ),
+        "scancel": "true",
+    }
+    for name, answer in answers.items():
+        script = bin_dir / name
+        body = f'echo "{name} $*" >> {log}\n' + (f"echo '{name}: error' >&2; exit 1\n" if name == fail else answer + "\n")
+        script.write_text("#!/bin/bash\n" + body)
+        script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return log
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch):
+    log = fake_slurm_commands(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    return log
+
+
+def test_split_arguments_separates_launch_settings_from_overrides():
+    settings, overrides = slurm.split_arguments(
+        ["model=3b", "nodes=4", "gpus_per_node=8", "parallel.tp=2", "partition=gpu", "exclusive=true", "grace=300"]
+    )
+    assert (settings.nodes, settings.gpus_per_node, settings.partition, settings.exclusive, settings.grace) == (
+        4, 8, "gpu", True, 300)
+    assert overrides == ["model=3b", "parallel.tp=2"]
+
+
+@pytest.mark.parametrize("argument, message", [
+    ("nodes=0", "nodes=0 must be at least 1"),
+    ("nodes=two", "nodes='two' is not an integer"),
+    ("time=tomorrow", "time='tomorrow' is not a SLURM time"),
+    ("grace=3", "grace=3 s is too short"),
+    ("exclusive=maybe", "exclusive='maybe' is not a boolean"),
+    ("experiment", "'experiment' is not KEY=VALUE"),
+])
+def test_bad_launch_settings_are_named(argument, message):
+    with pytest.raises(ValueError, match=message):
+        slurm.split_arguments([argument])
+
+
+def test_submit_writes_snapshot_config_and_sbatch_then_status_and_cancel(tmp_path, fake_slurm):
+    run_dir = tmp_path / "run"
+    record = slurm.submit(["experiment=smoke", "trainer.max_steps=7", "trainer.global_batch_size=32", "nodes=2", "gpus_per_node=4", "partition=gpu",
+                           "account=proj", "qos=high", "time=02:00:00", f"run_dir={run_dir}", "python=/usr/bin/python3"])
+    assert record["job_ids"] == ["4242"]
+    assert json.loads((run_dir / "launch.json").read_text())["job_ids"] == ["4242"]
+    script = (run_dir / "submit.sbatch").read_text()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
+                 "#SBATCH --cpus-per-task=32", "#SBATCH --partition=gpu", "#SBATCH --account=proj",
+                 "#SBATCH --qos=high", "#SBATCH --time=02:00:00", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+                 "#SBATCH --signal=USR1@120", f"#SBATCH --output={run_dir}/slurm-%j.out", f"cd {run_dir}/code",
+                 "export NPROC_PER_NODE=4", "srun --kill-on-bad-exit=1 --cpu-bind=none bash launch/torchrun.sh \\",
+                 "  experiment=smoke \\", "  trainer.max_steps=7 \\", "  trainer.global_batch_size=32 \\",
+                 f"  hydra.run.dir={run_dir}"):
+        assert line in script.splitlines(), line
+    assert "nodes=2" not in script.split("#SBATCH")[-1].split("srun", 1)[1]  # launch settings never reach Hydra
+    # The snapshot holds the code the job runs; the config is the composed one.
+    for relative in ("train.py", "launch/torchrun.sh", "launch/slurm.py", "configs/config.yaml",
+                     "configs/experiment/smoke.yaml"):
+        assert (run_dir / "code" / relative).read_bytes() == (REPO_ROOT / relative).read_bytes()
+    assert not (run_dir / "code" / ".venv").exists() and not (run_dir / "code" / ".git").exists()
+    config = (run_dir / "config.yaml").read_text()
+    assert "max_steps: 7" in config and "name: debug" in config
+    calls = fake_slurm.read_text().splitlines()
+    assert calls == [f"sbatch --parsable {run_dir}/submit.sbatch"]
+
+    state = slurm.status(str(run_dir))
+    assert (state["job_id"], state["state"], state["restarts"], state["nodes"]) == ("4242", "RUNNING", 1, "node07")
+    assert slurm.main(["cancel", str(run_dir)]) == 0
+    assert fake_slurm.read_text().splitlines()[-1] == "scancel 4242"
+
+    with pytest.raises(FileExistsError, match="already holds a submission"):
+        slurm.submit(["experiment=smoke", f"run_dir={run_dir}", "python=/usr/bin/python3"])
+
+
+def test_submit_refuses_a_bad_config_before_queueing(tmp_path, fake_slurm):
+    with pytest.raises(Exception, match="no_such_key"):
+        slurm.submit(["experiment=smoke", "trainer.no_such_key=1", f"run_dir={tmp_path / 'a'}", "python=/usr/bin/python3"])
+    # The layout must fit the job's processes: TP=3 does not divide 2 heads.
+    with pytest.raises(ValueError, match="parallel.tp=3"):
+        slurm.submit(["experiment=smoke", "parallel.tp=3", "nodes=1", "gpus_per_node=3", f"run_dir={tmp_path / 'b'}",
+                      "python=/usr/bin/python3"])
+    assert not fake_slurm.exists()
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_cpu_job_dry_run_takes_one_process_per_node(tmp_path):
+    assert slurm.main(["submit", "--dry-run", "experiment=smoke", "gpus_per_node=0", f"run_dir={tmp_path}",
+                       "python=/usr/bin/python3"]) == 0
+    script = (tmp_path / "submit.sbatch").read_text()
+    assert "--gpus-per-node" not in script and "export NPROC_PER_NODE=1" in script
+    assert json.loads((tmp_path / "launch.json").read_text())["job_ids"] == []
+    with pytest.raises(ValueError, match="never submitted"):
+        slurm.status(str(tmp_path))
+
+
+def test_requeue_current_job(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    assert slurm.requeue_current_job() is False  # outside SLURM: nothing to do
+    log = fake_slurm_commands(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    assert slurm.requeue_current_job() is True
+    assert log.read_text().splitlines() == ["scontrol requeue 77"]
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "70")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    assert slurm.requeue_current_job() is True
+    assert log.read_text().splitlines()[-1] == "scontrol requeue 70_3"
+    fake_slurm_commands(tmp_path / "bin", fail="scontrol")
+    assert slurm.requeue_current_job() is False
+
+
+def test_torch_env_from_slurm_for_directly_started_tasks(tmp_path, monkeypatch):
+    fake_slurm_commands(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NNODES": "2",
+                       "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_JOB_ID": "20123"}.items():
+        monkeypatch.setenv(key, value)
+    assert slurm.set_torch_env_from_slurm() is True
+    assert [os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")] \
+        == ["5", "8", "1", "4", "node07", "20123"]
+    assert slurm.set_torch_env_from_slurm() is False  # torchrun (or a first call) already set RANK
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2 must be below NNODES=2"),
+    ({"NPROC_PER_NODE": "x"}, "NPROC_PER_NODE=x is not a non-negative integer"),
+])
+def test_torchrun_script_refuses_bad_layout(env, message):
+    result = subprocess.run(["bash", str(REPO_ROOT / "launch" / "torchrun.sh"), "experiment=smoke"],
+                            env={**os.environ, **env}, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and message in result.stderr
+
+
+def compose(overrides):
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from diff_transformer.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "configs"), version_base="1.3"):
+        return hydra_compose("config", overrides=overrides, return_hydra_config=True)
+
+
+def test_paper_scaling_sweep_reproduces_the_recipe():
+    for size, lr in (("830m", 1.5e-3), ("1.4b", 1.5e-3), ("2.8b", 1.5e-3), ("6.8b", 7.5e-4), ("13.1b", 7.5e-4)):
+        cfg = compose(["+sweep=paper_scaling", f"+sweep/paper_size={size}", "model.attention=vanilla"])
+        tokens = cfg.trainer.max_steps * cfg.trainer.global_batch_size * cfg.model.seq_length
+        assert (cfg.model.name, cfg.model.attention, cfg.optim.lr) == (size, "vanilla", lr)
+        assert (cfg.optim.beta2, cfg.optim.warmup_steps, cfg.optim.decay, cfg.optim.weight_decay) == (0.98, 375, "linear", 0.05)
+        assert cfg.trainer.global_batch_size * cfg.model.seq_length == 262_144 and 10e9 < tokens < 10.5e9
+    params = cfg.hydra.sweeper.params
+    assert params["+sweep/paper_size"].split(",") == ["830m", "1.4b", "2.8b", "6.8b", "13.1b"]
+    assert params["model.attention"] == "diff,vanilla"
+
+
+def test_tiny_sweep_sizes_span_1_to_10m_parameters():
+    cfg = compose(["+sweep=tiny"])
+    sizes = cfg.hydra.sweeper.params["model"].split(",")
+    assert 3 <= len(sizes) <= 4 and cfg.hydra.sweeper.params["model.attention"] == "diff,vanilla"
+    vocab = cfg.data.bundled_vocab_size
+    totals = []
+    for size in sizes:
+        m = compose(["+sweep=tiny", f"model={size}"]).model
+        head_dim = m.hidden_size // (2 * m.num_heads)
+        # DIFF and its baseline have the same count: q, k, v, o (E x E) + SwiGLU (3 E F) + 2 norms, tied embedding.
+        layer = 4 * m.hidden_size * 2 * m.num_heads * head_dim + 3 * m.hidden_size * m.ffn_hidden_size + 2 * m.hidden_size
+        totals.append(m.num_layers * layer + vocab * m.hidden_size)
+    assert totals == sorted(totals) and 1e6 <= totals[0] and totals[-1] <= 10e6, totals
