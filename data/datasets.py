@@ -21,7 +21,7 @@ from typing import Callable, Iterator, List, Optional, Sequence
 import torch
 
 from data import indexed
-from data.config import BUNDLED_CORPUS, DataConfig, parse_split, resolve_path
+from data.config import BUNDLED_CORPUS, DataConfig, parse_split, resolve_path, validate
 from data.indexed import ShardError
 from data.tokenizer import CONFIG_FILE, MODEL_FILE, Tokenizer, file_sha256, load_tokenizer
 
@@ -51,8 +51,10 @@ def file_lock(path: str) -> Iterator[None]:
 
 
 def prepare(cfg: DataConfig) -> PreparedData:
-    """Resolve the data to train on; for the bundled corpus, train the tokenizer and write the shard on first use."""
-    cfg.validate()
+    """Resolve the data to train on; for the bundled corpus, train the tokenizer and write the shard on first use.
+
+    `cfg` is a DataConfig or an OmegaConf node of its schema."""
+    validate(cfg)
     if cfg.source == "shards":
         prefixes = [resolve_path(p) for p in cfg.blend]
         weights = list(cfg.blend_weights) if cfg.blend_weights is not None else None

@@ -215,3 +215,28 @@ def test_prepare_bundled_concurrently(tmp_path):
     verify_shards(prefixes, load_tokenizer(tokenizer_dir).vocab_size, check_tokens=True)
     again = prepare(DataConfig(cache_dir=str(tmp_path), bundled_vocab_size=1024))
     assert again.prefixes == prefixes and json.loads(Path(prefixes[0] + ".manifest.json").read_text()) == manifest
+
+
+def test_inspect_reports_counts_epochs_and_samples(shards, capsys):
+    from data import inspect as data_inspect
+
+    root, _, _ = shards
+    prefixes = [str(root / "a"), str(root / "b")]
+    summaries = data_inspect.summarise_blend(prefixes, [1.0, 3.0], "90,10,0")
+    for summary, prefix in zip(summaries, prefixes):
+        manifest = json.loads(Path(prefix + ".manifest.json").read_text())
+        assert summary.tokens == manifest["totals"]["tokens"] == sum(summary.split_tokens)
+        assert summary.documents == 200 and summary.split_tokens[2] == 0
+    assert [s.weight for s in summaries] == [0.25, 0.75]
+    train_tokens = 10 * summaries[0].split_tokens[0]
+    epochs = data_inspect.epochs_implied(summaries, train_tokens)
+    assert epochs[0] == pytest.approx(2.5)
+    assert epochs[1] == pytest.approx(7.5 * summaries[0].split_tokens[0] / summaries[1].split_tokens[0])
+
+    data_inspect.main(["--blend", *prefixes, "--weights", "1", "3", "--tokenizer", str(root / "tok"), "--split",
+                       "90,10,0", "--seq-length", "16", "--global-batch-size", "4", "--train-steps", "100",
+                       "--samples", "2", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["train_tokens_planned"] == 6400 and len(report["samples"]) == 2
+    # Samples start mid-word and span documents (the EOD token decodes to nothing): check the characters only.
+    assert all(s and set(s) <= set(" ".join(WORDS_A + WORDS_B)) for s in report["samples"])
