@@ -1,0 +1,119 @@
+"""Config composition, the paper's sizes, parameter parity with the baseline, and refusal of bad configs."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError
+
+from diff_transformer.config import register_configs, to_object, validate
+
+REPO = Path(__file__).resolve().parent.parent
+register_configs()
+
+# Table 10 of the paper (and its 3B model), in parameters.
+PAPER_SIZES = {"830m": 830e6, "1.4b": 1.4e9, "2.8b": 2.8e9, "6.8b": 6.8e9, "13.1b": 13.1e9}
+
+
+def compose_cfg(*overrides):
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        return to_object(compose("config", overrides=list(overrides)))
+
+
+def count_on_meta(cfg):
+    from diff_transformer.model import build_model_chunk, count_parameters
+
+    with torch.device("meta"):
+        model = build_model_chunk(cfg, cfg.model.vocab_size, perform_init=False)
+    return count_parameters([model]), model
+
+
+@pytest.mark.parametrize("size", list(PAPER_SIZES))
+def test_paper_sizes_match_the_paper(size, megatron_single_process):
+    cfg = compose_cfg(f"model={size}")
+    count, model = count_on_meta(cfg)
+    assert abs(count - PAPER_SIZES[size]) / PAPER_SIZES[size] < 0.03, f"{size}: {count:,}"
+    assert next(model.parameters()).device.type == "meta"
+
+
+def test_3b_has_the_papers_shape(megatron_single_process):
+    # The paper's "3B": 28 layers, hidden 3072, FFN 8192, 12 DIFF heads of 128, vocabulary 100,288 (tied).
+    cfg = compose_cfg("model=3b", "optim=adamw_3b")
+    count, _ = count_on_meta(cfg)
+    per_layer = 4 * 3072**2 + 3 * 3072 * 8192 + 2 * 3072 + 6 * 128
+    assert count == 28 * per_layer + 100288 * 3072 + 3072
+    assert (cfg.model.seq_length, cfg.optim.lr, cfg.optim.beta2) == (4096, 3.2e-4, 0.95)
+
+
+@pytest.mark.parametrize("size", ["debug", "tiny", "1.4b"])
+def test_diff_and_baseline_have_equal_parameters(size, megatron_single_process):
+    diff, _ = count_on_meta(compose_cfg(f"model={size}", "model.vocab_size=4096"))
+    vanilla, _ = count_on_meta(compose_cfg(f"model={size}", "model.attention=vanilla", "model.vocab_size=4096"))
+    cfg = compose_cfg(f"model={size}")
+    d = cfg.model.hidden_size // (2 * cfg.model.num_heads)
+    # equal projections; DIFF adds only its four λ vectors and the sub-layer norm weight (6d) per layer
+    assert diff - vanilla == cfg.model.num_layers * 6 * d
+
+
+def test_lambda_init_uses_global_layer_numbers(megatron_single_process):
+    from diff_transformer.attention import lambda_init_for_layer
+    from diff_transformer.model import diff_attention_modules
+
+    _, model = count_on_meta(compose_cfg("model=tiny", "model.vocab_size=4096"))
+    mods = diff_attention_modules([model])
+    assert [m.layer_number for m in mods] == [1, 2, 3, 4]
+    assert [m.lambda_init for m in mods] == [lambda_init_for_layer(i) for i in range(1, 5)]
+
+
+def test_experiment_presets_compose():
+    smoke = compose_cfg("experiment=smoke")
+    assert (smoke.name, smoke.model.name, smoke.trainer.max_steps) == ("smoke", "debug", 30)
+    quick = compose_cfg("experiment=quickstart", "model.attention=vanilla")
+    assert (quick.model.name, quick.model.attention) == ("tiny", "vanilla")
+    validate(smoke, world_size=1)
+    validate(compose_cfg("model=13.1b", "optim=adamw_large", "parallel.tp=4", "parallel.pp=4"), world_size=64)
+
+
+@pytest.mark.parametrize(
+    "overrides,world,message",
+    [
+        (["model=tiny", "parallel.tp=4"], 4,
+         r"parallel.tp=4 does not divide model.num_heads=2 .*pair.*use 1, 2"),
+        (["model=830m", "parallel.tp=3"], 3, r"parallel.tp=3 does not divide model.num_heads=8.*use 1, 2, 4, 8"),
+        (["model=tiny", "parallel.pp=3"], 3, r"parallel.pp=3 does not divide model.num_layers=4; use 1, 2, 4"),
+        (["model=tiny", "parallel.tp=2"], 3, r"world size 3 is not divisible by parallel.tp\*parallel.pp=2"),
+        (["trainer.global_batch_size=12", "trainer.micro_batch_size=4"], 2,
+         r"trainer.global_batch_size=12 is not divisible by trainer.micro_batch_size=4 x data-parallel size 2"),
+        (["model.attention=sparse"], 1, r"model.attention='sparse' is unknown; use one of diff, vanilla"),
+        (["model.attention_backend=xformers"], 1, r"attention_backend='xformers' is unknown"),
+        (["trainer.precision=fp8"], 1, r"trainer.precision='fp8' is unknown"),
+        (["model.num_kv_heads=3", "model=830m"], 1, r"model.num_kv_heads=3 must divide model.num_heads=8"),
+    ],
+    ids=["heads-tp", "heads-tp3", "layers-pp", "world", "batch", "attention", "backend", "precision", "kv-heads"],
+)
+def test_bad_configs_are_refused_naming_the_value(overrides, world, message):
+    cfg = compose_cfg(*overrides)
+    with pytest.raises(ValueError, match=message):
+        validate(cfg, world_size=world)
+
+
+def test_unknown_keys_are_refused():
+    with pytest.raises(ConfigCompositionException, match="num_head"):
+        compose_cfg("model.num_head=4")
+    with pytest.raises((ConfigCompositionException, ConfigKeyError)):
+        compose_cfg("trainer.max_step=4")
+
+
+def test_train_py_refuses_before_starting_anything(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "experiment=smoke", "parallel.tp=3", f"hydra.run.dir={run_dir}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "error: parallel.tp=3 does not divide model.num_heads=2" in proc.stderr
+    assert not (run_dir / "metrics.jsonl").exists()

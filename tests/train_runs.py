@@ -1,0 +1,40 @@
+"""Run train.py as users do (plain python or torchrun) and read back what it wrote."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_train(run_dir, overrides, nproc: int = 1, timeout: int = 300, check: bool = True):
+    """Train with Hydra overrides into ``run_dir``; returns the CompletedProcess."""
+    if nproc == 1:
+        launcher = [sys.executable, str(REPO / "train.py")]
+    else:
+        launcher = [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO / "train.py"),
+        ]
+    env = dict(os.environ, WANDB_MODE="offline", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        launcher + list(overrides) + [f"hydra.run.dir={run_dir}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def read_metrics(run_dir):
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
