@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import torch
 from data import indexed
 from data.config import BUNDLED_CORPUS, DataConfig, parse_split, resolve_path, validate
 from data.indexed import ShardError
+from data.locking import file_lock
 from data.tokenizer import CONFIG_FILE, MODEL_FILE, Tokenizer, file_sha256, load_tokenizer
 
 __all__ = ["PreparedData", "prepare", "load_tokenizer", "build_datasets", "build_dataloader", "verify_shards",
@@ -36,18 +36,6 @@ class PreparedData:
     tokenizer_dir: str
     prefixes: List[str]
     weights: Optional[List[float]]
-
-
-@contextlib.contextmanager
-def file_lock(path: str) -> Iterator[None]:
-    """An exclusive advisory lock across processes (torchrun ranks, pytest workers), released on exit or death."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def prepare(cfg: DataConfig) -> PreparedData:

@@ -25,11 +25,12 @@ import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
 from data import indexed, readers
+from data.locking import file_lock
 from data.tokenizer import Tokenizer, file_sha256, load_tokenizer
 
 MANIFEST_VERSION = 1
@@ -135,18 +136,66 @@ def _read_line_range(path: str, start: int, end: int) -> Iterator[bytes]:
 
 # One tokenizer per worker process, loaded once by the pool initializer.
 _worker_tokenizer: Optional[Tokenizer] = None
+_worker_report: Optional[Callable[[int, int], None]] = None
 
 
-def _init_worker(tokenizer_path: str) -> None:
-    global _worker_tokenizer
+def _init_worker(tokenizer_path: str, reports) -> None:
+    global _worker_tokenizer, _worker_report
     _worker_tokenizer = load_tokenizer(tokenizer_path)
+    if reports is not None:
+        _worker_report = lambda documents, tokens: reports.put((documents, tokens))  # noqa: E731
+
+
+def _drain(reports, bar: "_ProgressBar", wait: float) -> None:
+    """Apply the workers' chunk reports to the bar, waiting up to `wait` seconds for the first."""
+    import queue
+
+    try:
+        bar.chunk(*reports.get(timeout=wait) if wait else reports.get_nowait())
+        while True:
+            bar.chunk(*reports.get_nowait())
+    except queue.Empty:
+        pass
+
+
+class _ProgressBar:
+    """Tokens done (with tokens/s), documents and parts, updated as each chunk of documents is encoded."""
+
+    def __init__(self, units: Sequence[WorkUnit], finished: dict, started: float) -> None:
+        from tqdm import tqdm
+
+        self.parts_total = len(units)
+        self.parts_done = len(finished)
+        self.documents = sum(s["documents"] for s in finished.values())
+        self.bar = tqdm(initial=sum(s["tokens"] for s in finished.values()), unit="tok", unit_scale=True,
+                        desc="tokenizing", file=sys.stderr, smoothing=0.1)
+        if finished:
+            self.bar.write(f"resuming: {len(finished)} of {len(units)} parts already done")
+        self._postfix()
+
+    def _postfix(self) -> None:
+        self.bar.set_postfix_str(f"{self.documents:,} docs, parts {self.parts_done}/{self.parts_total}")
+
+    def chunk(self, documents: int, tokens: int) -> None:
+        self.documents += documents
+        self.bar.update(tokens)
+        self._postfix()
+
+    def part_done(self) -> None:
+        self.parts_done += 1
+        self._postfix()
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def tokenize_unit(unit: WorkUnit, parts_dir: str, part_name: str, options: Options, chunk_docs: int,
-                  chunk_bytes: int, tokenizer: Optional[Tokenizer] = None) -> dict:
+                  chunk_bytes: int, tokenizer: Optional[Tokenizer] = None,
+                  report: Optional[Callable[[int, int], None]] = None) -> dict:
     """Tokenize one unit into `parts_dir/part_name.{bin,idx}` and return its statistics (also written as `.json`,
     last, which marks the part complete)."""
     tokenizer = tokenizer or _worker_tokenizer
+    report = report or _worker_report
     dtype = np.dtype(options.dtype).type
     eod = tokenizer.eod
     started = time.perf_counter()
@@ -167,6 +216,8 @@ def tokenize_unit(unit: WorkUnit, parts_dir: str, part_name: str, options: Optio
         lengths.append(sizes)
         documents += len(texts)
         tokens += len(flat)
+        if report is not None:
+            report(len(texts), len(flat))
 
     with open(staging + ".bin", "wb") as out:
         texts: list[str] = []
@@ -261,6 +312,14 @@ def preprocess(
         raise ValueError(f"txt_mode={txt_mode!r} is not one of {readers.TXT_MODES}")
     files = [os.path.abspath(f) for f in files]
     out_prefix = os.path.abspath(out_prefix)
+    # Two runs writing one prefix would race on its parts and final renames: the second waits, then finds it done.
+    with file_lock(out_prefix + ".lock"):
+        return _preprocess_locked(files, tokenizer_path, out_prefix, workers, text_field, txt_mode, unit_bytes,
+                                  chunk_docs, chunk_bytes, keep_parts, progress)
+
+
+def _preprocess_locked(files, tokenizer_path, out_prefix, workers, text_field, txt_mode, unit_bytes, chunk_docs,
+                       chunk_bytes, keep_parts, progress) -> dict:
     tokenizer = load_tokenizer(tokenizer_path)
     options = Options(tokenizer.model_sha256, text_field, txt_mode, np.dtype(indexed.token_dtype(tokenizer.vocab_size)).name)
     manifest = _is_up_to_date(out_prefix, files, options)
@@ -285,44 +344,38 @@ def preprocess(
     todo = [unit for unit in units if unit.index not in stats]
     reused = len(units) - len(todo)
 
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=sum(u.work_bytes for u in units), initial=sum(u.work_bytes for u in units if u.index in stats),
-                   unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr)
-        if reused:
-            bar.write(f"resuming: {reused} of {len(units)} parts already done")
-    new_tokens = 0
-
-    def record(result: dict) -> None:
-        nonlocal new_tokens
-        stats[result["unit"]["index"]] = result
-        new_tokens += result["tokens"]
-        if bar is not None:
-            elapsed = time.perf_counter() - started
-            bar.update(units[result["unit"]["index"]].work_bytes)
-            bar.set_postfix(docs=sum(s["documents"] for s in stats.values()),
-                            tokens=sum(s["tokens"] for s in stats.values()),
-                            tok_per_s=f"{new_tokens / max(elapsed, 1e-9):.3g}")
-
+    bar = _ProgressBar(units, stats, started) if progress else None
     hashes: dict[str, str] = {}
     processes = min(workers, max(len(todo), 1))
     if processes == 1:
         for unit in todo:
-            record(tokenize_unit(unit, parts_dir, names[unit.index], options, chunk_docs, chunk_bytes, tokenizer))
+            stats[unit.index] = tokenize_unit(unit, parts_dir, names[unit.index], options, chunk_docs, chunk_bytes,
+                                              tokenizer, report=bar.chunk if bar else None)
+            if bar:
+                bar.part_done()
         hashes = dict(_hash_input(path) for path in files)
     else:
         # spawn, not fork: the caller may be a training process with threads (gloo, torch) running.
         context = multiprocessing.get_context("spawn")
-        with context.Pool(processes, initializer=_init_worker, initargs=(tokenizer_path,)) as pool:
-            pending = [pool.apply_async(tokenize_unit, (u, parts_dir, names[u.index], options, chunk_docs, chunk_bytes))
-                       for u in sorted(todo, key=lambda u: -u.work_bytes)]  # largest first: less idle time at the end
+        reports = context.Queue() if bar else None
+        with context.Pool(processes, initializer=_init_worker, initargs=(tokenizer_path, reports)) as pool:
+            pending = {u.index: pool.apply_async(tokenize_unit, (u, parts_dir, names[u.index], options, chunk_docs,
+                                                                 chunk_bytes))
+                       for u in sorted(todo, key=lambda u: -u.work_bytes)}  # largest first: less idle time at the end
             hash_results = pool.map_async(_hash_input, files)
-            for result in pending:
-                record(result.get())
+            while pending:
+                if reports is not None:
+                    _drain(reports, bar, wait=0.2)
+                for index in [i for i, result in pending.items() if result.ready()]:
+                    stats[index] = pending.pop(index).get()  # re-raises a worker's exception here
+                    if bar:
+                        bar.part_done()
+                if reports is None and pending:
+                    next(iter(pending.values())).wait(0.2)
             hashes = dict(hash_results.get())
-    if bar is not None:
+            if reports is not None:
+                _drain(reports, bar, wait=0)
+    if bar:
         bar.close()
 
     ordered = [stats[unit.index] for unit in units]

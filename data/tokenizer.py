@@ -248,15 +248,20 @@ def _load_huggingface(tokenizer_json: str) -> Tokenizer:
                      model_sha256=file_sha256(tokenizer_json))
 
 
-def sample_sentences(documents: Iterable[str], max_sentences: int, seed: int) -> tuple[list[str], int]:
-    """A uniform sample of at most `max_sentences` non-empty lines (reservoir sampling: memory stays bounded by the
-    sample, never by the corpus), in corpus order; also the number of lines seen."""
+def sample_sentences(documents: Iterable[str], max_sentences: int, seed: int,
+                     max_sentence_bytes: Optional[int] = None) -> tuple[list[str], int]:
+    """A uniform sample of at most `max_sentences` non-empty lines (reservoir sampling), in corpus order, and the
+    number of lines seen. Lines over `max_sentence_bytes` are passed over (sentencepiece would drop them), so memory
+    stays below max_sentences x max_sentence_bytes whatever the corpus size."""
     rng = random.Random(seed)
     reservoir: list[tuple[int, str]] = []
     seen = 0
     for document in documents:
         for line in document.split(NEWLINE):
             if not line.strip():
+                continue
+            if max_sentence_bytes is not None and len(line) * 4 > max_sentence_bytes and \
+                    len(line.encode("utf-8")) > max_sentence_bytes:
                 continue
             if len(reservoir) < max_sentences:
                 reservoir.append((seen, line))
@@ -304,7 +309,7 @@ def train_tokenizer(
 
         documents = tqdm(documents, desc="reading documents", unit=" docs", file=sys.stderr)
     started = time.perf_counter()
-    sentences, seen = sample_sentences(documents, max_sentences, seed)
+    sentences, seen = sample_sentences(documents, max_sentences, seed, max_sentence_length)
     if not sentences:
         raise ValueError(f"no text found in {list(files)} (field {text_field!r})")
     model = io.BytesIO()

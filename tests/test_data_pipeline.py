@@ -300,3 +300,22 @@ def test_presets_and_input_expansion(tmp_path, tokenizer_dir):
         readers.expand_inputs([str(tmp_path / "*.parquet")])
     with pytest.raises(ValueError, match="unsupported input file"):
         readers.expand_inputs([str(tmp_path / "notes.md")])
+
+
+def test_existing_sentencepiece_model_is_accepted(tmp_path, tokenizer_dir, documents):
+    from data.tokenizer import MODEL_FILE, import_sentencepiece
+
+    model = Path(tokenizer_dir) / MODEL_FILE
+    bare = load_tokenizer(model)
+    imported = import_sentencepiece(model, tmp_path / "imported")
+    for tokenizer in (bare, imported):
+        assert tokenizer.vocab_size == 512 and tokenizer.eod == 2
+        assert tokenizer.model_sha256 == load_tokenizer(tokenizer_dir).model_sha256
+        assert tokenizer.encode(documents[0]) == load_tokenizer(tokenizer_dir).encode(documents[0])
+    with pytest.raises(FileNotFoundError, match="holds neither tokenizer.model nor tokenizer.json"):
+        load_tokenizer(tmp_path)
+
+
+def test_sentence_sample_skips_overlong_lines():
+    sample, seen = sample_sentences(["short line\n" + "x" * 5000 + "\nanother"], 10, seed=0, max_sentence_bytes=100)
+    assert sample == ["short line", "another"] and seen == 2
