@@ -15,6 +15,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from data.config import DataConfig
 from diff_transformer.attention import BACKENDS
+from diff_transformer.checkpoint import CheckpointConfig, validate_checkpoint_config
+from diff_transformer.failures import FailureConfig, validate_failure_config
 from diff_transformer.layer_specs import ATTENTION_KINDS
 from diff_transformer.model import num_kv_heads
 from diff_transformer.metrics import LoggingConfig
@@ -82,6 +84,8 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    failures: FailureConfig = field(default_factory=FailureConfig)
     name: str = "default"  # experiment name (the W&B group)
     seed: int = 1234
 
@@ -158,6 +162,8 @@ def validate(cfg: Any, world_size: int) -> None:
         raise ValueError(f"optim.warmup_steps={o.warmup_steps} must lie in [0, trainer.max_steps={t.max_steps}]")
     if p.backend not in ("auto", "nccl", "gloo"):
         raise ValueError(f"parallel.backend={p.backend!r} is unknown; use auto, nccl or gloo")
+    validate_checkpoint_config(cfg.checkpoint)
+    validate_failure_config(cfg.failures)
 
 
 def to_object(cfg: DictConfig) -> Config:

@@ -28,6 +28,7 @@ class WandbConfig:
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     level: str = "INFO"
+    peak_tflops_per_device: Optional[float] = None  # for MFU; None: the datasheet bf16 peak of a known GPU, none on CPU
 
 
 def setup_console_logging(run_dir: str, rank: int, level: str = "INFO") -> None:
@@ -58,16 +59,43 @@ def format_duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
+def truncate_metrics(path: str, last_step: int) -> int:
+    """Drop the records after ``last_step`` (logged after the checkpoint a run resumes from, so they will be logged
+    again); rewrites the file atomically. Returns how many records were dropped."""
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    kept = []
+    for line in lines:
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError):  # a line cut short by a crash mid-write
+            continue
+        if step <= last_step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    dropped = len(lines) - len(kept)
+    if dropped:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+        logger.info("metrics.jsonl: dropped %d records after step %d, the step this run resumes from", dropped, last_step)
+    return dropped
+
+
 class MetricsWriter:
     """Appends one JSON object per step to ``metrics.jsonl`` on the logging rank, and mirrors it to W&B."""
 
-    def __init__(self, run_dir: str, max_steps: int, enabled: bool, wandb_run=None):
+    def __init__(self, run_dir: str, max_steps: int, enabled: bool, wandb_run=None, resume_step: Optional[int] = None):
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.max_steps = max_steps
         self.enabled = enabled
         self.wandb_run = wandb_run
         self._start_time = time.time()
         self._start_step: Optional[int] = None
+        if enabled and resume_step is not None:
+            truncate_metrics(self.path, resume_step)
 
     def log(self, record: Dict[str, Any]) -> None:
         if not self.enabled:

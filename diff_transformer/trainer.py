@@ -18,7 +18,26 @@ import torch
 from omegaconf import OmegaConf
 
 from diff_transformer import compat
+from diff_transformer.checkpoint import (
+    CheckpointManager,
+    check_model_compatible,
+    checkpoints_dir,
+    directory_bytes,
+    ensure_free_space,
+    estimate_checkpoint_bytes,
+    latest_checkpoint,
+    read_trainer_state,
+    remove_partial_saves,
+    resolve_checkpoint_path,
+)
 from diff_transformer.config import padded_vocab_size, validate
+from diff_transformer.failures import (
+    BadStepGuard,
+    PreemptionSignals,
+    TrainingDiverged,
+    grace_period_seconds,
+    poison_gradients,
+)
 from diff_transformer.metrics import MetricsWriter, init_wandb, setup_console_logging
 from diff_transformer.model import (
     build_model_chunk,
@@ -165,6 +184,10 @@ class Trainer:
         self.run_dir = run_dir
         self.step = 0
         self.consumed_samples = 0
+        self.skipped_steps = 0
+        self.wandb_run_id: Optional[str] = None
+        self.resumed_from: Optional[str] = None
+        self.bad_steps = BadStepGuard(cfg.failures)
 
     # -- setup -------------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -214,6 +237,7 @@ class Trainer:
         )
         self.prepared = prepared
         self._log_setup()
+        self._setup_checkpoints()
 
     def _agree_on_run_dir(self) -> None:
         """Every rank uses rank 0's run directory (time-stamped default directories can differ by a second)."""
@@ -314,6 +338,60 @@ class Trainer:
             mem["total"], mem["weights"], mem["grads"], mem["optimizer"], mem["activations"],
         )
 
+    # -- checkpoints -------------------------------------------------------------------------------------------------
+    def _setup_checkpoints(self) -> None:
+        """Find what to resume (rank 0 decides, every rank follows), check the disk, and load."""
+        c = self.cfg.checkpoint
+        self.checkpoint_root = checkpoints_dir(self.cfg, self.run_dir)
+        self.checkpoints = CheckpointManager(self, self.checkpoint_root)
+        decision: List[Any] = [None, None, None]  # resume path, weights-only path, error message
+        if self.rank == 0:
+            try:
+                decision[:2] = self._checkpoint_to_load()
+                if c.check_free_space:
+                    source = decision[0] or decision[1]
+                    needed = directory_bytes(source) if source else estimate_checkpoint_bytes(
+                        self.num_parameters, self.dtype
+                    )
+                    ensure_free_space(self.checkpoint_root, needed)
+            except ValueError as err:
+                decision[2] = str(err)
+        torch.distributed.broadcast_object_list(decision, src=0)
+        resume, weights, error = decision
+        if error:
+            raise ValueError(error)
+        if resume:
+            saved = self.checkpoints.load(resume)
+            self.step, self.consumed_samples = saved["step"], saved["consumed_samples"]
+            self.skipped_steps = saved.get("skipped_steps", 0)
+            self.wandb_run_id = saved.get("wandb_run_id")
+            self.resumed_from = resume
+            if self.rank == 0:
+                logger.info("resumed from %s at step %d (%d samples consumed)", resume, self.step, self.consumed_samples)
+        elif weights:
+            self.checkpoints.load(weights, weights_only=True)
+            if self.rank == 0:
+                logger.info("started from the weights of %s", weights)
+
+    def _checkpoint_to_load(self):
+        """(checkpoint to resume, checkpoint to take weights from); at most one is set. Rank 0 only."""
+        c = self.cfg.checkpoint
+        current_model = OmegaConf.to_container(OmegaConf.structured(self.cfg.model))
+        remove_partial_saves(self.checkpoint_root)
+        resume = None
+        if c.resume == "auto":
+            resume = latest_checkpoint(self.checkpoint_root)
+        elif c.resume != "none":
+            resume = resolve_checkpoint_path(c.resume)
+        if resume:
+            check_model_compatible(resume, read_trainer_state(resume)["config"]["model"], current_model)
+            return resume, None
+        if c.load_weights_only:
+            weights = resolve_checkpoint_path(c.load_weights_only)
+            check_model_compatible(weights, read_trainer_state(weights)["config"]["model"], current_model)
+            return None, weights
+        return None, None
+
     # -- data --------------------------------------------------------------------------------------------------------
     def _loader(self, dataset, consumed_samples: int) -> Iterator:
         from data.datasets import build_dataloader
@@ -366,16 +444,29 @@ class Trainer:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def train_step(self, data_iter: Iterator) -> Dict[str, Any]:
+        """One optimizer step; a bad loss (NaN/Inf, or a spike) skips the update but consumes the batch."""
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss = self._forward_backward(data_iter, forward_only=False)
-        update_successful, grad_norm, _ = self.optimizer.step()
-        if update_successful:
-            self.scheduler.step(increment=1)
+        if self.step + 1 in self.cfg.failures.inject_nan_at_steps:
+            loss = float("nan")
+            poison_gradients(self.model)
+        bad_reason = self.bad_steps.check(loss)
+        grad_norm = None
+        if bad_reason is None:
+            update_successful, grad_norm, _ = self.optimizer.step()
+            if update_successful:
+                self.scheduler.step(increment=1)
+        else:
+            self.skipped_steps += 1
         self.step += 1
         self.consumed_samples += self.cfg.trainer.global_batch_size
-        return {"loss": loss, "grad_norm": None if grad_norm is None else float(grad_norm)}
+        return {
+            "loss": loss,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "skipped": bad_reason,
+        }
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -419,42 +510,132 @@ class Trainer:
             json.dump(info, f, indent=2)
 
     def fit(self) -> List[Dict[str, Any]]:
+        """Train to ``trainer.max_steps``; returns early (after a checkpoint) when a preemption signal arrives, and
+        raises TrainingDiverged (after a checkpoint) after too many bad steps in a row."""
         cfg = self.cfg
         t = cfg.trainer
         self.write_run_info()
         wandb_run = None
         if self.rank == 0:
-            wandb_run = init_wandb(cfg, self.run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)))
-        writer = MetricsWriter(self.run_dir, t.max_steps, enabled=self.rank == 0, wandb_run=wandb_run)
+            wandb_run = init_wandb(
+                cfg, self.run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)), run_id=self.wandb_run_id
+            )
+            self.wandb_run_id = getattr(wandb_run, "id", None)
+        writer = MetricsWriter(
+            self.run_dir, t.max_steps, enabled=self.rank == 0, wandb_run=wandb_run,
+            resume_step=self.step if self.resumed_from else None,
+        )
+        signals = PreemptionSignals(cfg.failures.signals, grace_period_seconds(cfg.failures)).install()
         train_iter = self._loader(self.train_ds, self.consumed_samples)
         history = []
         is_diff = cfg.model.attention == "diff"
-        while self.step < t.max_steps:
-            lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
-            start = time.perf_counter()
-            out = self.train_step(train_iter)
-            step_time = time.perf_counter() - start
-            record = {
-                "step": self.step,
-                "loss": out["loss"],
-                "lr": lr,
-                "grad_norm": out["grad_norm"],
-                "tokens_per_s": self.tokens_per_step / step_time,
-                "tokens": self.consumed_samples * cfg.model.seq_length,
-                "step_time": step_time,
-            }
-            if is_diff:
-                record["lambda"] = self.lambdas()
-            if t.eval_interval > 0 and (self.step % t.eval_interval == 0 or self.step == t.max_steps):
-                record["val_loss"] = self.evaluate()
-            if not math.isfinite(record["loss"]):
-                logger.warning("step %d: loss is %s", self.step, record["loss"])
-            writer.log(record)
-            history.append(record)
-            if self.rank == 0 and (self.step % t.log_interval == 0 or self.step == t.max_steps):
-                logger.info(writer.progress_line(record))
-        writer.close()
+        flops_per_token = model_flops_per_token(cfg, self.num_non_embedding_parameters, self.padded_vocab)
+        peak_flops = peak_flops_per_device(cfg)
+        world = torch.distributed.get_world_size()
+        interval = cfg.checkpoint.interval
+        try:
+            while self.step < t.max_steps:
+                lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+                start = time.perf_counter()
+                out = self.train_step(train_iter)
+                step_time = time.perf_counter() - start
+                tokens_per_s = self.tokens_per_step / step_time
+                record = {
+                    "step": self.step,
+                    "loss": out["loss"],
+                    "lr": lr,
+                    "grad_norm": out["grad_norm"],
+                    "tokens_per_s": tokens_per_s,
+                    "tokens": self.consumed_samples * cfg.model.seq_length,
+                    "step_time": step_time,
+                    "skipped": out["skipped"] is not None,
+                    "skipped_steps": self.skipped_steps,
+                    "memory_gib": memory_gib(),
+                }
+                if peak_flops:
+                    record["mfu"] = flops_per_token * tokens_per_s / (world * peak_flops)
+                if is_diff:
+                    record["lambda"] = self.lambdas()
+                if t.eval_interval > 0 and (self.step % t.eval_interval == 0 or self.step == t.max_steps):
+                    record["val_loss"] = self.evaluate()
+                if out["skipped"] is not None:
+                    logger.warning(
+                        "step %d skipped (%s); %d in a row, %d in all",
+                        self.step, out["skipped"], self.bad_steps.consecutive, self.skipped_steps,
+                    )
+                writer.log(record)
+                history.append(record)
+                if self.rank == 0 and (self.step % t.log_interval == 0 or self.step == t.max_steps):
+                    logger.info(writer.progress_line(record))
+                if self.bad_steps.exhausted:
+                    self.checkpoints.save(reason="diverged")
+                    self.checkpoints.wait()
+                    raise TrainingDiverged(
+                        f"{self.bad_steps.consecutive} bad steps in a row up to step {self.step} "
+                        f"(failures.max_consecutive_bad_steps={cfg.failures.max_consecutive_bad_steps}); "
+                        f"checkpoint saved in {self.checkpoint_root}"
+                    )
+                if signals.agreed(self._comm_device()):
+                    self._save_and_exit_on_signal(signals)
+                    break
+                if interval and self.step % interval == 0:
+                    self.checkpoints.save(reason="interval")
+                self.checkpoints.poll()
+            else:
+                if cfg.checkpoint.save_at_end:
+                    self.checkpoints.save(reason="end")
+            self.checkpoints.wait()
+        finally:
+            signals.uninstall()
+            writer.close()
         return history
+
+    def _save_and_exit_on_signal(self, signals: PreemptionSignals) -> None:
+        """Save the current step; under SLURM, rank 0 requeues the job. The caller then leaves the loop."""
+        received = signals.received or "a signal on another rank"
+        if self.rank == 0:
+            logger.warning("%s: saving step %d before exiting", received, self.step)
+        self.checkpoints.save(reason=received)
+        self.checkpoints.wait()
+        if self.rank == 0 and os.environ.get("SLURM_JOB_ID"):
+            try:
+                from launch.slurm import requeue_current_job
+            except ImportError:
+                logger.warning("launch.slurm is not importable: the job is not requeued")
+            else:
+                requeue_current_job()
+
+
+def model_flops_per_token(cfg: Any, num_non_embedding_parameters: int, padded_vocab: int) -> float:
+    """Training FLOPs per token: 6 per weight of every matmul (forward 2, backward 4), the logits layer included
+    (tied or not), plus 3x the forward attention FLOPs (scores and weighted sums, causal)."""
+    matmul_weights = num_non_embedding_parameters + padded_vocab * cfg.model.hidden_size
+    return 6 * matmul_weights + 3 * attention_flops_per_token(cfg)
+
+
+# bf16 dense peak of one device, by CUDA device name (vendor datasheets)
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}
+
+
+def peak_flops_per_device(cfg: Any) -> Optional[float]:
+    """logging.peak_tflops_per_device when set, else the datasheet value of a known GPU; None on CPU."""
+    if getattr(cfg.logging, "peak_tflops_per_device", None):
+        return cfg.logging.peak_tflops_per_device * 1e12
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, tflops in PEAK_BF16_TFLOPS.items():
+            if key in name:
+                return tflops * 1e12
+    return None
+
+
+def memory_gib() -> float:
+    """Peak GPU memory allocated by this process, or its resident memory on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**30
 
 
 def run(cfg: Any, run_dir: str) -> List[Dict[str, Any]]:

@@ -1,0 +1,562 @@
+"""Checkpoints on megatron-core dist_checkpointing (torch_dist): atomic saves, automatic resume, resharding, tooling.
+
+A run's checkpoints live under ``<run dir>/checkpoints/``::
+
+    step_00000100/          a complete checkpoint: dist_checkpointing files + trainer_state.json (written last)
+    step_00000200/
+    latest                  the name of the newest complete checkpoint (replaced atomically)
+    .step_00000300.tmp/     a save in progress (or one killed mid-way); never loaded, removed by the next save
+
+A checkpoint holds the model, the optimizer (the distributed optimizer saved ``fully_reshardable``, so it loads on any
+TP/PP/DP layout), the LR scheduler, step, consumed samples, skipped-step count, every rank's RNG states, the W&B run
+id and the resolved config. Resuming on the layout that saved restores the run bit for bit.
+
+    python -m diff_transformer.checkpoint inspect runs/x/checkpoints            # latest; or a step_* directory
+    python -m diff_transformer.checkpoint convert runs/x/checkpoints/step_00000100 model.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("diff_transformer")
+
+CHECKPOINTS_DIRNAME = "checkpoints"
+LATEST_FILE = "latest"
+STATE_FILE = "trainer_state.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+# The distributed optimizer's only format that reshards across TP/PP/DP (and the one that works on the torch-Adam path).
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# Model settings that may differ between the run that saved and the run that loads: same parameters, same math.
+MODEL_KEYS_FREE_TO_CHANGE = ("attention_backend",)
+RESUME_MODES = ("auto", "none")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None  # None: <run dir>/checkpoints
+    interval: int = 1000  # save every N steps (0: only at the end and on a signal)
+    save_at_end: bool = True
+    keep_last: int = 3  # keep the newest K checkpoints ...
+    keep_every: int = 0  # ... and every checkpoint whose step is a multiple of M (0: none)
+    resume: str = "auto"  # auto: latest under dir, if any | none | a checkpoint path (step_* or a checkpoints dir)
+    load_weights_only: Optional[str] = None  # a checkpoint whose weights start a new run (step 0, fresh optimizer)
+    async_save: bool = False  # GPU only: write in the background, the loop blocks only while tensors are staged
+    check_free_space: bool = True  # refuse to start when the disk cannot hold one more checkpoint
+
+
+def validate_checkpoint_config(c: CheckpointConfig) -> None:
+    """Raise ValueError naming the first invalid ``checkpoint.*`` value."""
+    if c.interval < 0:
+        raise ValueError(f"checkpoint.interval={c.interval} must be >= 0 (0 saves only at the end and on signals)")
+    if c.keep_last < 1:
+        raise ValueError(f"checkpoint.keep_last={c.keep_last} must be >= 1 (the newest checkpoint is always kept)")
+    if c.keep_every < 0:
+        raise ValueError(f"checkpoint.keep_every={c.keep_every} must be >= 0 (0 keeps no extra checkpoints)")
+    if c.resume not in RESUME_MODES and not os.path.exists(c.resume):
+        raise ValueError(f"checkpoint.resume={c.resume!r} is neither auto, none, nor an existing checkpoint path")
+    if c.load_weights_only is not None and not os.path.exists(c.load_weights_only):
+        raise ValueError(f"checkpoint.load_weights_only={c.load_weights_only!r} does not exist")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Directory layout: names, the `latest` pointer, retention, free space
+# ------------------------------------------------------------------------------------------------------------------
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoints_dir(cfg: Any, run_dir: str) -> str:
+    return cfg.checkpoint.dir or os.path.join(run_dir, CHECKPOINTS_DIRNAME)
+
+
+def is_complete(path: str) -> bool:
+    """A checkpoint is complete once its trainer_state.json exists: it is written after every tensor file."""
+    return os.path.isfile(os.path.join(path, STATE_FILE))
+
+
+def list_checkpoints(root: str) -> List[Tuple[int, str]]:
+    """Complete checkpoints under ``root`` as (step, path), oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        match = _STEP_DIR.match(name)
+        path = os.path.join(root, name)
+        if match and is_complete(path):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str) -> Optional[str]:
+    """The checkpoint that ``latest`` names; the newest complete one when the pointer is absent or stale."""
+    pointer = os.path.join(root, LATEST_FILE)
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            path = os.path.join(root, f.read().strip())
+        if is_complete(path):
+            return path
+        logger.warning("%s names %s, which is not a complete checkpoint; using the newest complete one", pointer, path)
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def resolve_checkpoint_path(path: str) -> str:
+    """A checkpoint directory from a path that is either one or a directory of them (then its latest)."""
+    if is_complete(path):
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise ValueError(f"{path} is neither a complete checkpoint (no {STATE_FILE}) nor a directory holding one")
+    return latest
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def checkpoints_to_delete(steps: List[int], keep_last: int, keep_every: int) -> List[int]:
+    """Steps that fall outside the newest ``keep_last`` and the multiples of ``keep_every``."""
+    newest = set(sorted(steps)[-keep_last:])
+    return [s for s in sorted(steps) if s not in newest and not (keep_every and s % keep_every == 0)]
+
+
+def apply_retention(root: str, keep_last: int, keep_every: int) -> List[str]:
+    removed = []
+    by_step = dict(list_checkpoints(root))
+    for step in checkpoints_to_delete(list(by_step), keep_last, keep_every):
+        shutil.rmtree(by_step[step], ignore_errors=True)
+        removed.append(by_step[step])
+    return removed
+
+
+def remove_partial_saves(root: str) -> None:
+    """Temporary directories of saves that never completed (a process killed mid-save)."""
+    if not os.path.isdir(root):
+        return
+    for name in os.listdir(root):
+        if name.startswith(".step_") and name.endswith(".tmp"):
+            logger.warning("removing the partial checkpoint %s left by an interrupted save", name)
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def directory_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def free_bytes(path: str) -> int:
+    """Free bytes on the file system that holds ``path`` (or its nearest existing parent)."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    return shutil.disk_usage(probe).free
+
+
+def estimate_checkpoint_bytes(num_parameters: int, params_dtype: torch.dtype) -> int:
+    """Weights in their dtype, an fp32 master copy when they are not fp32, and Adam's two fp32 moments."""
+    weight = torch.empty((), dtype=params_dtype).element_size()
+    master = 0 if params_dtype == torch.float32 else 4
+    return num_parameters * (weight + master + 8)
+
+
+def ensure_free_space(root: str, needed_bytes: int) -> None:
+    free = free_bytes(root)
+    if free < needed_bytes:
+        raise ValueError(
+            f"the checkpoint disk at {root} has {free / 2**30:.2f} GiB free, less than one checkpoint "
+            f"({needed_bytes / 2**30:.2f} GiB); free space, point checkpoint.dir elsewhere, or set "
+            "checkpoint.check_free_space=false"
+        )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Config compatibility
+# ------------------------------------------------------------------------------------------------------------------
+def model_config_differences(saved: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
+    """``model.<key>: checkpoint X, config Y`` for every model setting that changes the parameters or the math."""
+    diffs = []
+    for key in sorted(set(saved) | set(current)):
+        if key in MODEL_KEYS_FREE_TO_CHANGE:
+            continue
+        if saved.get(key) != current.get(key):
+            diffs.append(f"model.{key}: checkpoint {saved.get(key)!r}, config {current.get(key)!r}")
+    return diffs
+
+
+def check_model_compatible(path: str, saved_model: Dict[str, Any], current_model: Dict[str, Any]) -> None:
+    diffs = model_config_differences(saved_model, current_model)
+    if diffs:
+        raise ValueError(
+            f"checkpoint {path} was saved with a different model config; differing keys: " + "; ".join(diffs)
+        )
+
+
+def read_trainer_state(path: str) -> Dict[str, Any]:
+    with open(os.path.join(path, STATE_FILE)) as f:
+        return json.load(f)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# RNG states
+# ------------------------------------------------------------------------------------------------------------------
+def rng_state() -> Dict[str, Any]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Save and load
+# ------------------------------------------------------------------------------------------------------------------
+def _layout(trainer) -> Dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+        "world_size": torch.distributed.get_world_size(),
+        "distributed_optimizer": bool(trainer.cfg.parallel.distributed_optimizer),
+    }
+
+
+def _rng_sharded_object(layout: Dict[str, int], state: Optional[Dict[str, Any]]):
+    """One object per rank, addressed by its (pp, tp, dp) coordinates: only the layout that saved can load it."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject(
+        "rng_state",
+        state,
+        (layout["pp"], layout["tp"], layout["dp"]),
+        (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()),
+        replica_id=0,
+    )
+
+
+def _model_chunks(trainer) -> List[torch.nn.Module]:
+    return [getattr(chunk, "module", chunk) for chunk in trainer.model]
+
+
+def _model_sharded_state_dict(trainer) -> Dict[str, Any]:
+    chunks = _model_chunks(trainer)
+    if len(chunks) != 1:
+        raise NotImplementedError("checkpoints of virtual pipeline stages (several model chunks) are not supported")
+    return chunks[0].sharded_state_dict()
+
+
+def _sharded_state_dict(trainer, *, is_loading: bool, optimizer: bool, rng: bool) -> Dict[str, Any]:
+    model_sd = _model_sharded_state_dict(trainer)
+    state = {"model": model_sd}
+    if optimizer:
+        state["optimizer"] = trainer.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA
+        )
+        state["opt_param_scheduler"] = trainer.scheduler.state_dict()
+    if rng:
+        state["rng_state"] = _rng_sharded_object(_layout(trainer), None if is_loading else rng_state())
+    return state
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def trainer_state(trainer, save_seconds: Optional[float] = None) -> Dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": trainer.step,
+        "consumed_samples": trainer.consumed_samples,
+        "skipped_steps": getattr(trainer, "skipped_steps", 0),
+        "wandb_run_id": getattr(trainer, "wandb_run_id", None),
+        "layout": _layout(trainer),
+        "num_parameters": getattr(trainer, "num_parameters", None),
+        "params_dtype": str(trainer.dtype).replace("torch.", ""),
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "save_seconds": save_seconds,
+        "config": OmegaConf.to_container(OmegaConf.structured(trainer.cfg)),
+    }
+
+
+class CheckpointManager:
+    """Saves and loads one run's checkpoints; every rank calls every method (they are collective)."""
+
+    def __init__(self, trainer, root: str):
+        self.trainer = trainer
+        self.root = root
+        self.config: CheckpointConfig = trainer.cfg.checkpoint
+        self.rank = torch.distributed.get_rank()
+        self.last_save_seconds: Optional[float] = None
+        self._pending = None  # (async request, finalize) of a background save
+
+    # -- save ----------------------------------------------------------------------------------------------------
+    def save(self, reason: str = "interval") -> Optional[str]:
+        """Write a checkpoint of the current step; returns its path (None if it already exists)."""
+        step = self.trainer.step
+        final = os.path.join(self.root, checkpoint_name(step))
+        if is_complete(final):
+            return None
+        self.wait()  # one save at a time: the previous background save must be renamed first
+        start = time.perf_counter()
+        tmp = os.path.join(self.root, f".{checkpoint_name(step)}.tmp")
+        if self.rank == 0:
+            os.makedirs(self.root, exist_ok=True)
+            remove_partial_saves(self.root)
+            os.makedirs(tmp)
+        _barrier()
+        from megatron.core import dist_checkpointing
+
+        state = _sharded_state_dict(self.trainer, is_loading=False, optimizer=True, rng=True)
+        use_async = self.config.async_save and torch.cuda.is_available()
+        request = dist_checkpointing.save(state, tmp, async_sharded_save=use_async)
+        meta = trainer_state(self.trainer)
+
+        def finalize() -> None:
+            _barrier()
+            seconds = time.perf_counter() - start
+            if self.rank == 0:
+                meta["save_seconds"] = round(seconds, 3)
+                # the state file marks completeness, so it goes last, then the directory becomes visible by rename
+                _write_file_atomically(os.path.join(tmp, STATE_FILE), json.dumps(meta, indent=2))
+                os.rename(tmp, final)
+                _fsync_dir(self.root)
+                _write_file_atomically(os.path.join(self.root, LATEST_FILE), os.path.basename(final) + "\n")
+                removed = apply_retention(self.root, self.config.keep_last, self.config.keep_every)
+                logger.info(
+                    "saved checkpoint %s (%s, %.2f GiB, %.1f s)%s", final, reason, directory_bytes(final) / 2**30,
+                    seconds, f"; removed {len(removed)} old" if removed else "",
+                )
+            self.last_save_seconds = seconds
+            _barrier()
+
+        if request is None:
+            finalize()
+        else:
+            self._pending = self._schedule_async(request, finalize)
+        return final
+
+    def _schedule_async(self, request, finalize):
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        if not hasattr(self, "_queue"):
+            self._queue = AsyncCallsQueue()
+        request.add_finalize_fn(finalize)
+        self._queue.schedule_async_request(request)
+        return self._queue
+
+    def poll(self) -> None:
+        """Finish a background save whose writes are done (collective; call at a step boundary)."""
+        if self._pending is not None:
+            self._pending.maybe_finalize_async_calls(blocking=False)
+            if self._pending.get_num_unfinalized_calls() == 0:
+                self._pending = None
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            self._pending.maybe_finalize_async_calls(blocking=True)
+            self._pending = None
+
+    # -- load ----------------------------------------------------------------------------------------------------
+    def load(self, path: str, weights_only: bool = False) -> Dict[str, Any]:
+        """Load ``path`` into the trainer's model (and, unless ``weights_only``, optimizer, scheduler, step, data
+        position and RNG); returns the checkpoint's trainer state."""
+        from megatron.core import dist_checkpointing
+
+        saved = read_trainer_state(path)
+        current_layout = _layout(self.trainer)
+        if not weights_only and saved["layout"]["distributed_optimizer"] != current_layout["distributed_optimizer"]:
+            raise ValueError(
+                f"checkpoint {path} was saved with parallel.distributed_optimizer="
+                f"{saved['layout']['distributed_optimizer']}, the run uses {current_layout['distributed_optimizer']}; "
+                "use the same setting, or start from its weights with checkpoint.load_weights_only"
+            )
+        same_layout = all(saved["layout"][k] == current_layout[k] for k in ("tp", "pp", "dp"))
+        with_rng = not weights_only and same_layout
+        state = _sharded_state_dict(self.trainer, is_loading=True, optimizer=not weights_only, rng=with_rng)
+        loaded = dist_checkpointing.load(state, path)
+        _model_chunks(self.trainer)[0].load_state_dict(loaded["model"], strict=True)
+        if not weights_only:
+            self.trainer.optimizer.load_state_dict(loaded["optimizer"])
+            _unshare_adam_step_tensors(self.trainer.optimizer)
+            self.trainer.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+            if with_rng:
+                set_rng_state(loaded["rng_state"])
+            else:
+                logger.warning(
+                    "layout changed (saved tp=%d pp=%d dp=%d, now tp=%d pp=%d dp=%d): RNG states restart from the seed",
+                    *(saved["layout"][k] for k in ("tp", "pp", "dp")), *(current_layout[k] for k in ("tp", "pp", "dp")),
+                )
+        _barrier()
+        return saved
+
+
+def _unshare_adam_step_tensors(optimizer) -> None:
+    """megatron's load gives every parameter the same ``step`` tensor; torch Adam increments it in place once per
+    parameter, so each parameter needs its own copy."""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    for opt in chained:
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for param_state in inner.state.values():
+            step = param_state.get("step")
+            if torch.is_tensor(step):
+                param_state["step"] = step.clone()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Tooling: inspect and convert
+# ------------------------------------------------------------------------------------------------------------------
+def describe(path: str) -> Dict[str, Any]:
+    path = resolve_checkpoint_path(path)
+    state = read_trainer_state(path)
+    model = state["config"]["model"]
+    return {
+        "path": path,
+        "step": state["step"],
+        "consumed_samples": state["consumed_samples"],
+        "skipped_steps": state.get("skipped_steps", 0),
+        "layout": state["layout"],
+        "model": model,
+        "num_parameters": state.get("num_parameters"),
+        "size_bytes": directory_bytes(path),
+        "wandb_run_id": state.get("wandb_run_id"),
+        "saved_at": state.get("saved_at"),
+        "save_seconds": state.get("save_seconds"),
+    }
+
+
+def _single_process_world() -> None:
+    """A gloo world of one with TP=PP=1 groups, for the conversion (it reshards to one rank)."""
+    from diff_transformer.trainer import init_distributed
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    from types import SimpleNamespace
+
+    init_distributed(SimpleNamespace(parallel=SimpleNamespace(backend="gloo", tp=1, pp=1), seed=0))
+
+
+def convert_to_torch(path: str, output: str) -> Dict[str, Any]:
+    """Write the model of checkpoint ``path`` as one PyTorch file at TP=1, PP=1: ``{"model": state_dict,
+    "config": resolved config, "step": int}``; the state dict is GPTModel's own (what ``load_state_dict`` takes)."""
+    from omegaconf import OmegaConf
+
+    from diff_transformer.config import Config, padded_vocab_size
+    from diff_transformer.model import build_model_chunk, resolve_precision
+    from diff_transformer.trainer import destroy_distributed
+
+    path = resolve_checkpoint_path(path)
+    state = read_trainer_state(path)
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), state["config"]))
+    cfg.parallel.tp, cfg.parallel.pp = 1, 1
+    _single_process_world()
+    try:
+        from megatron.core import dist_checkpointing
+
+        dtype = resolve_precision(cfg.trainer.precision) if torch.cuda.is_available() else torch.float32
+        saved_tp = state["layout"]["tp"]
+        vocab = cfg.model.vocab_size
+        if vocab is None:  # the padded size was derived from the tokenizer at save time: read it from the tensor
+            meta = dist_checkpointing.load_tensors_metadata(path)
+            vocab = meta["embedding.word_embeddings.weight"].local_shape[0]
+        chunk = build_model_chunk(cfg, padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, 1), dtype)
+        loaded = dist_checkpointing.load({"model": chunk.sharded_state_dict()}, path)
+        chunk.load_state_dict(loaded["model"], strict=True)
+        weights = {k: v.detach().cpu().clone() for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}
+        torch.save({"model": weights, "config": state["config"], "step": state["step"]}, output)
+        logger.info("converted %s (saved at tp=%d) to %s", path, saved_tp, output)
+        return {"path": output, "tensors": len(weights), "parameters": sum(v.numel() for v in weights.values())}
+    finally:
+        destroy_distributed()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m diff_transformer.checkpoint", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_inspect = sub.add_parser("inspect", help="print step, layout, config and sizes")
+    p_inspect.add_argument("path", help="a step_* checkpoint or a checkpoints directory (then its latest)")
+    p_inspect.add_argument("--json", action="store_true", help="print JSON")
+    p_convert = sub.add_parser("convert", help="write a single-file PyTorch state dict (TP=1, PP=1)")
+    p_convert.add_argument("path")
+    p_convert.add_argument("output")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        if args.command == "inspect":
+            info = describe(args.path)
+            if args.json:
+                print(json.dumps(info, indent=2))
+                return 0
+            lay = info["layout"]
+            print(f"checkpoint   {info['path']}")
+            print(f"step         {info['step']} ({info['consumed_samples']:,} samples, {info['skipped_steps']} skipped)")
+            print(
+                f"layout       tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} world={lay['world_size']} "
+                f"distributed_optimizer={lay['distributed_optimizer']}"
+            )
+            n = info["num_parameters"]
+            print(f"parameters   {n:,}" if n else "parameters   ?")
+            print(f"size         {info['size_bytes'] / 2**20:.2f} MiB")
+            print(f"saved        {info['saved_at']} in {info['save_seconds']} s; W&B run {info['wandb_run_id']}")
+            print("model        " + ", ".join(f"{k}={v}" for k, v in info["model"].items()))
+        else:
+            out = convert_to_torch(args.path, args.output)
+            print(f"wrote {out['path']}: {out['tensors']} tensors, {out['parameters']:,} parameters")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
