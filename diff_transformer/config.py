@@ -158,8 +158,11 @@ def validate(cfg: Any, world_size: int) -> None:
         raise ValueError(f"optim.decay={o.decay!r} is unknown; use one of {', '.join(DECAYS)}")
     if not (o.lr > 0 and 0 <= o.min_lr <= o.lr):
         raise ValueError(f"optim.lr={o.lr} must be positive and optim.min_lr={o.min_lr} within [0, lr]")
-    if o.warmup_steps < 0 or o.warmup_steps > t.max_steps:
-        raise ValueError(f"optim.warmup_steps={o.warmup_steps} must lie in [0, trainer.max_steps={t.max_steps}]")
+    if o.warmup_steps < 0 or o.warmup_steps >= t.max_steps:
+        raise ValueError(
+            f"optim.warmup_steps={o.warmup_steps} must lie in [0, trainer.max_steps={t.max_steps}) so that the "
+            "learning rate has steps left to decay"
+        )
     if p.backend not in ("auto", "nccl", "gloo"):
         raise ValueError(f"parallel.backend={p.backend!r} is unknown; use auto, nccl or gloo")
     validate_checkpoint_config(cfg.checkpoint)

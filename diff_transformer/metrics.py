@@ -43,6 +43,8 @@ def setup_console_logging(run_dir: str, rank: int, level: str = "INFO") -> None:
             handler.setFormatter(fmt)
             root.addHandler(handler)
         root.setLevel(level)
+        # megatron-core logs every bucket and parameter name at INFO; keep its warnings only
+        logging.getLogger("megatron").setLevel(logging.WARNING)
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(f"[rank {rank}] %(message)s"))

@@ -92,8 +92,11 @@ def test_experiment_presets_compose():
         (["model.attention_backend=xformers"], 1, r"attention_backend='xformers' is unknown"),
         (["trainer.precision=fp8"], 1, r"trainer.precision='fp8' is unknown"),
         (["model.num_kv_heads=3", "model=830m"], 1, r"model.num_kv_heads=3 must divide model.num_heads=8"),
+        (["trainer.max_steps=10", "optim.warmup_steps=10"], 1,
+         r"optim.warmup_steps=10 must lie in \[0, trainer.max_steps=10\)"),
     ],
-    ids=["heads-tp", "heads-tp3", "layers-pp", "world", "batch", "attention", "backend", "precision", "kv-heads"],
+    ids=["heads-tp", "heads-tp3", "layers-pp", "world", "batch", "attention", "backend", "precision", "kv-heads",
+         "warmup"],
 )
 def test_bad_configs_are_refused_naming_the_value(overrides, world, message):
     cfg = compose_cfg(*overrides)
