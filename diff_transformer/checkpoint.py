@@ -18,6 +18,7 @@ id and the resolved config. Resuming on the layout that saved restores the run b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -296,6 +297,8 @@ def _sharded_state_dict(trainer, *, is_loading: bool, optimizer: bool, rng: bool
     model_sd = _model_sharded_state_dict(trainer)
     state = {"model": model_sd}
     if optimizer:
+        if is_loading:
+            _initialise_adam_state(trainer.optimizer)
         state["optimizer"] = trainer.optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA
         )
@@ -426,7 +429,8 @@ class CheckpointManager:
         loaded = dist_checkpointing.load(state, path)
         _model_chunks(self.trainer)[0].load_state_dict(loaded["model"], strict=True)
         if not weights_only:
-            self.trainer.optimizer.load_state_dict(loaded["optimizer"])
+            with _step_left_out_of_param_copies(self.trainer.optimizer):
+                self.trainer.optimizer.load_state_dict(loaded["optimizer"])
             _unshare_adam_step_tensors(self.trainer.optimizer)
             self.trainer.scheduler.load_state_dict(loaded["opt_param_scheduler"])
             if with_rng:
@@ -440,14 +444,59 @@ class CheckpointManager:
         return saved
 
 
+def _inner_optimizers(optimizer) -> List[torch.optim.Optimizer]:
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [opt.optimizer for opt in chained if getattr(opt, "optimizer", None) is not None]
+
+
+def _initialise_adam_state(optimizer) -> None:
+    """Give a fresh torch Adam its state tensors (zeros, step 0) so that a load has somewhere to write; megatron's
+    distributed optimizer reads the step of existing state when it builds the state dict to load into."""
+    for inner in _inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {
+                        "step": torch.zeros((), dtype=torch.float32),
+                        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+                    }
+
+
+@contextlib.contextmanager
+def _step_left_out_of_param_copies(optimizer):
+    """The distributed optimizer's fully_reshardable load copies every key of a parameter's torch-Adam state from
+    the checkpoint's per-parameter tensors, which carry no ``step`` (it travels in the param groups):
+    megatron/core/optimizer/distrib_optimizer.py:938-940 raises KeyError('step'). Copy the keys that exist only."""
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        original = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if original is None or getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
+            continue
+
+        def set_states(model_param, tensors, opt=opt, original=original):
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            state = opt.optimizer.state[opt.optimizer.param_groups[group_index]["params"][group_order]]
+            step = state.pop("step") if "step" in state and "step" not in tensors else None
+            try:
+                original(model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+
+
 def _unshare_adam_step_tensors(optimizer) -> None:
     """megatron's load gives every parameter the same ``step`` tensor; torch Adam increments it in place once per
     parameter, so each parameter needs its own copy."""
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
-    for opt in chained:
-        inner = getattr(opt, "optimizer", None)
-        if inner is None:
-            continue
+    for inner in _inner_optimizers(optimizer):
         for param_state in inner.state.values():
             step = param_state.get("step")
             if torch.is_tensor(step):
