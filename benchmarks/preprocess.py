@@ -61,7 +61,9 @@ def web_sized_documents(doc_chars: int) -> list[str]:
 
 def raw_sentencepiece(model_path: str, documents: list[str], workers: int, chunk_docs: int) -> tuple[int, float]:
     started = time.perf_counter()
-    chunks = [documents[i:i + chunk_docs] for i in range(0, len(documents), chunk_docs)]
+    # Chunks small enough to balance the processes, as large as the pipeline's otherwise.
+    size = max(1, min(chunk_docs, len(documents) // (8 * workers)))
+    chunks = [documents[i:i + size] for i in range(0, len(documents), size)]
     if workers == 1:
         _init_sentencepiece(model_path)
         tokens = sum(_encode_count(chunk) for chunk in chunks)

@@ -26,7 +26,7 @@ from data.locking import file_lock
 from data.tokenizer import CONFIG_FILE, MODEL_FILE, Tokenizer, file_sha256, load_tokenizer
 
 __all__ = ["PreparedData", "prepare", "load_tokenizer", "build_datasets", "build_dataloader", "verify_shards",
-           "check_vocab", "MegatronPretrainingSampler", "ShardError"]
+           "check_vocab", "check_shard_tokenizer", "MegatronPretrainingSampler", "ShardError"]
 
 
 @dataclass
@@ -85,6 +85,20 @@ def verify_shards(prefixes: Sequence[str], vocab_size: Optional[int] = None, che
         indexed.verify_shard(prefix, vocab_size=vocab_size, check_tokens=check_tokens)
 
 
+def check_shard_tokenizer(prefix: str, tokenizer: Tokenizer) -> None:
+    """Refuse a shard whose manifest names another tokenizer (shards without a manifest cannot be checked)."""
+    from data.preprocess import read_manifest
+
+    manifest = read_manifest(prefix)
+    if manifest is None:
+        return
+    made_with = manifest["tokenizer"]
+    if made_with["sha256"] != tokenizer.model_sha256:
+        raise ValueError(f"shard {prefix} was tokenized with {made_with['path']} (sha256 {made_with['sha256'][:12]}), "
+                         f"not with {tokenizer.path} (sha256 {tokenizer.model_sha256[:12]}); train with the shard's "
+                         f"tokenizer (data.tokenizer_dir) or preprocess the shard again")
+
+
 def check_vocab(model_vocab_size: int, tokenizer: Tokenizer) -> None:
     """Refuse a model whose embedding table cannot hold every token id."""
     if model_vocab_size < tokenizer.vocab_size:
@@ -130,6 +144,8 @@ def build_datasets(
     sizes = [train_samples, valid_samples, test_samples]
     document_counts = {prefix: indexed.verify_shard(prefix, vocab_size=tokenizer.vocab_size).num_documents
                        for prefix in prepared.prefixes}
+    for prefix in prepared.prefixes:
+        check_shard_tokenizer(prefix, tokenizer)
 
     config = GPTDatasetConfig(
         random_seed=seed,

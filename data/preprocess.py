@@ -197,7 +197,6 @@ def tokenize_unit(unit: WorkUnit, parts_dir: str, part_name: str, options: Optio
     tokenizer = tokenizer or _worker_tokenizer
     report = report or _worker_report
     dtype = np.dtype(options.dtype).type
-    eod = tokenizer.eod
     started = time.perf_counter()
     prefix = os.path.join(parts_dir, part_name)
     staging = f"{prefix}.tmp{os.getpid()}"
@@ -208,10 +207,9 @@ def tokenize_unit(unit: WorkUnit, parts_dir: str, part_name: str, options: Optio
 
     def flush(texts: list[str], out) -> None:
         nonlocal documents, tokens
-        encoded = tokenizer.encode_batch(texts)
-        sizes = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int32, count=len(encoded))
-        flat = np.fromiter(itertools.chain.from_iterable(ids + [eod] for ids in encoded), dtype=dtype,
-                           count=int(sizes.sum(dtype=np.int64)))
+        encoded = tokenizer.encode_batch(texts, append_eod=True)
+        sizes = np.fromiter(map(len, encoded), dtype=np.int32, count=len(encoded))
+        flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype=dtype, count=int(sizes.sum(dtype=np.int64)))
         out.write(flat.tobytes())
         lengths.append(sizes)
         documents += len(texts)

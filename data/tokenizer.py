@@ -95,8 +95,11 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._backend.encode(text)
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Encode on the calling thread only: preprocessing parallelises over processes."""
+    def encode_batch(self, texts: Sequence[str], append_eod: bool = False) -> list[list[int]]:
+        """Encode on the calling thread only (preprocessing parallelises over processes); with `append_eod`, each
+        document's ids end with the end-of-document token."""
+        if append_eod:
+            return self._backend.encode_batch(list(texts), append_id=self._eod)
         return self._backend.encode_batch(list(texts))
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -125,8 +128,11 @@ class _SentencePieceBackend:
     def encode(self, text: str) -> list[int]:
         return self.processor.encode(text)
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.processor.encode(texts, num_threads=1)
+    def encode_batch(self, texts: list[str], append_id: Optional[int] = None) -> list[list[int]]:
+        if append_id is not None and append_id == self.processor.eos_id():
+            return self.processor.encode(texts, num_threads=1, add_eos=True)  # appended in C++, no list copies
+        encoded = self.processor.encode(texts, num_threads=1)
+        return encoded if append_id is None else [ids + [append_id] for ids in encoded]
 
     def decode(self, ids: list[int]) -> str:
         return self.processor.decode(ids)
@@ -147,8 +153,9 @@ class _HuggingFaceBackend:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+    def encode_batch(self, texts: list[str], append_id: Optional[int] = None) -> list[list[int]]:
+        tail = [] if append_id is None else [append_id]
+        return [e.ids + tail for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -178,8 +185,9 @@ class _TiktokenBackend:
     def encode(self, text: str) -> list[int]:
         return self.encoding.encode_ordinary(text)
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.encoding.encode_ordinary_batch(texts)
+    def encode_batch(self, texts: list[str], append_id: Optional[int] = None) -> list[list[int]]:
+        tail = [] if append_id is None else [append_id]
+        return [ids + tail for ids in self.encoding.encode_ordinary_batch(texts)]
 
     def decode(self, ids: list[int]) -> str:
         return self.encoding.decode(ids)

@@ -154,6 +154,14 @@ def test_corrupted_shard_is_named(shards, tmp_path):
                        seed=0, train_samples=4, valid_samples=0)
 
 
+def test_shard_made_with_another_tokenizer_is_refused(shards, tmp_path):
+    root, _, _ = shards
+    other = train_tokenizer([str(root / "a.jsonl")], tmp_path / "other", 300, num_threads=1)
+    with pytest.raises(ValueError, match=f"shard {root / 'a'} was tokenized with {root / 'tok'}"):
+        build_datasets(PreparedData(str(tmp_path / "other"), [str(root / "a")], None), other, seq_length=8, seed=0,
+                       train_samples=4, valid_samples=0)
+
+
 def _reference_order(total, consumed, micro, rank, size):
     """Megatron-LM's sampler written out: global batches of micro*size consecutive indices, rank r takes slice r."""
     global_batch = micro * size
