@@ -140,3 +140,22 @@ def test_unknown_backend_and_missing_flash_attn():
         q = torch.randn(8, 1, 4, 16)
         with pytest.raises(ImportError, match="flash-attn"):
             attn(q, q, q, None, attn_mask_type=AttnMaskType.causal)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2)], ids=["H2-Hkv2", "H4-Hkv2"])
+def test_triton_backend_matches_eager_values_and_grads(heads, kv_heads):
+    """The fused kernel as the model's backend (Triton's interpreter on CPU)."""
+    torch.manual_seed(4)
+    N, B, d = 20, 1, 16
+    config = make_config(heads, kv_heads, d)
+    eager = DifferentialCoreAttention(config, 3, AttnMaskType.causal, backend="eager")
+    fused = DifferentialCoreAttention(config, 3, AttnMaskType.causal, backend="triton")
+    fused.load_state_dict(eager.state_dict())
+    q = torch.randn(N, B, 2 * heads, d)
+    k = torch.randn(N, B, 2 * kv_heads, d)
+    v = torch.randn(N, B, 2 * kv_heads, d)
+    out_e, grads_e, pgrads_e = _run(eager, q, k, v)
+    out_t, grads_t, pgrads_t = _run(fused, q, k, v)
+    assert rel_err(out_t, out_e) < 1e-4
+    for a, b in zip(grads_t + pgrads_t, grads_e + pgrads_e):
+        assert rel_err(a, b) < 1e-4

@@ -1,0 +1,27 @@
+"""The smoke experiment end to end on the bundled corpus: the loss falls and the run directory has what it should."""
+
+import json
+
+from tests.train_runs import read_metrics, run_train
+
+
+def test_smoke_experiment_loss_falls_and_run_dir_is_complete(tmp_path):
+    proc = run_train(tmp_path, ["experiment=smoke"])
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, 31))
+    first, last = records[:5], records[-5:]
+    mean = lambda rs: sum(r["loss"] for r in rs) / len(rs)  # noqa: E731
+    assert mean(last) < mean(first) - 0.5, (mean(first), mean(last))
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(vals) == 3 and vals[-1] < vals[0]
+    for r in records:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "lambda"} <= r.keys()
+        assert len(r["lambda"]) == 2 and r["tokens_per_s"] > 0
+    assert records[0]["lr"] < records[4]["lr"]  # warm-up
+    assert (tmp_path / "config.yaml").read_text().count("attention: diff") == 1
+    info = json.loads((tmp_path / "run.json").read_text())
+    assert info["model"] == "debug" and info["num_parameters"] > 0
+    log = (tmp_path / "train.log").read_text()
+    assert "parameters" in log and "estimated memory per GPU" in log
+    assert "step 30/30" in log and "tok/s" in log and "ETA" in log
+    assert "resolved config" in proc.stdout
