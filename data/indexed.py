@@ -104,11 +104,13 @@ def read_index(path: str) -> IndexContents:
     return IndexContents(CODE_DTYPES[code], lengths, pointers, documents)
 
 
-def verify_shard(prefix: str, *, vocab_size: Optional[int] = None, check_tokens: bool = False) -> IndexContents:
+def verify_shard(prefix: str, *, vocab_size: Optional[int] = None, check_tokens: bool = False,
+                 allow_empty: bool = False) -> IndexContents:
     """Check that `prefix.bin` and `prefix.idx` are a consistent pair; raise ShardError naming the bad file.
 
     Cheap checks (sizes, offsets, document boundaries) always; with `check_tokens`, also that every token id is
-    below `vocab_size` (a full read of `.bin`).
+    below `vocab_size` (a full read of `.bin`). A shard with no tokens is refused unless `allow_empty` (a part of a
+    file whose records were all skipped is legitimately empty; a training shard is not).
     """
     index = read_index(idx_path(prefix))
     data_path = bin_path(prefix)
@@ -133,6 +135,9 @@ def verify_shard(prefix: str, *, vocab_size: Optional[int] = None, check_tokens:
             (np.diff(documents) < 0).any():
         raise ShardError(f"index file {idx_path(prefix)} has document boundaries that do not cover its "
                          f"{len(index.sequence_lengths)} sequences")
+    if index.num_tokens == 0 and not allow_empty:
+        raise ShardError(f"data file {data_path} holds no tokens (every input record was skipped?); see "
+                         f"{prefix}.manifest.json")
     if check_tokens and vocab_size is not None and index.num_tokens:
         tokens = np.memmap(data_path, dtype=index.dtype, mode="r")
         largest = int(tokens.max())

@@ -394,7 +394,7 @@ def _read_finished_part(parts_dir: str, name: str) -> Optional[dict]:
     try:
         with open(prefix + ".json") as stream:
             stats = json.load(stream)
-        index = indexed.verify_shard(prefix)
+        index = indexed.verify_shard(prefix, allow_empty=True)
     except (OSError, json.JSONDecodeError, indexed.ShardError):
         return None
     if index.num_tokens != stats["tokens"] or index.num_documents != stats["documents"]:

@@ -120,13 +120,59 @@ def open_binary(path: str | os.PathLike) -> IO[bytes]:
     if path.endswith(".gz"):
         return gzip.open(path, "rb")
     if path.endswith(".zst"):
+        return io.BufferedReader(_ZstdReader(path), buffer_size=1 << 20)
+    return open(path, "rb")
+
+
+class _ZstdReader(io.RawIOBase):
+    """Decompresses a (multi-frame) zstd file as a stream and, unlike zstandard's stream_reader, raises EOFError when
+    the file ends inside a frame, so that a truncated download is reported rather than read as a shorter corpus."""
+
+    def __init__(self, path: str) -> None:
         import zstandard
 
-        raw = open(path, "rb")
+        self._zstandard = zstandard
+        self._path = path
+        self._raw = open(path, "rb")
+        self._pending = memoryview(b"")
+        self._frame_started = False
+        self._new_frame()
+
+    def _new_frame(self) -> None:
         # Large window: some corpora (The Pile) are compressed with --long.
-        reader = zstandard.ZstdDecompressor(max_window_size=2**31).stream_reader(raw, closefd=True)
-        return io.BufferedReader(reader, buffer_size=1 << 20)
-    return open(path, "rb")
+        self._frame = self._zstandard.ZstdDecompressor(max_window_size=2**31).decompressobj()
+        self._frame_started = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not len(self._pending):
+            compressed = self._raw.read(1 << 20)
+            if not compressed:
+                if self._frame_started and not self._frame.eof:
+                    raise EOFError(f"{self._path} ends inside a zstd frame: the file is truncated")
+                return 0
+            self._pending = memoryview(self._decompress(compressed))
+        count = min(len(buffer), len(self._pending))
+        buffer[:count] = self._pending[:count]
+        self._pending = self._pending[count:]
+        return count
+
+    def _decompress(self, compressed: bytes) -> bytes:
+        pieces = []
+        while compressed:
+            self._frame_started = True
+            pieces.append(self._frame.decompress(compressed))
+            if not self._frame.eof:
+                break
+            compressed = self._frame.unused_data  # the next frame starts here
+            self._new_frame()
+        return b"".join(pieces)
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
 
 
 def iter_records(path: str | os.PathLike, text_field: str = "text", txt_mode: str = "file") -> Iterator[Record]:

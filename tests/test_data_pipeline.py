@@ -199,15 +199,25 @@ def test_bad_records_are_counted_not_fatal(tmp_path, tokenizer_dir):
     assert "malformed_json 1" in preprocess.summary(manifest)
 
 
-def test_truncated_compressed_file_keeps_what_was_read(tmp_path, tokenizer_dir, documents):
-    _write_jsonl(tmp_path / "whole.jsonl.gz", documents)
-    data = (tmp_path / "whole.jsonl.gz").read_bytes()
-    (tmp_path / "cut.jsonl.gz").write_bytes(data[: len(data) * 2 // 3])
-    manifest = preprocess.preprocess([str(tmp_path / "cut.jsonl.gz")], tokenizer_dir, str(tmp_path / "out" / "s"))
+@pytest.mark.parametrize("suffix", [".gz", ".zst"])
+def test_truncated_compressed_file_keeps_what_was_read(tmp_path, tokenizer_dir, documents, suffix):
+    _write_jsonl(tmp_path / f"whole.jsonl{suffix}", documents * 20)
+    data = (tmp_path / f"whole.jsonl{suffix}").read_bytes()
+    (tmp_path / f"cut.jsonl{suffix}").write_bytes(data[:-64])  # the download stopped 64 bytes short
+    manifest = preprocess.preprocess([str(tmp_path / f"cut.jsonl{suffix}")], tokenizer_dir, str(tmp_path / "out" / "s"))
     entry = manifest["inputs"][0]
-    assert entry["skipped"].get("unreadable_rest_of_file") == 1 and entry["errors"]
+    assert entry["skipped"].get("unreadable_rest_of_file") == 1
+    assert entry["errors"][0].startswith("EOFError")
     decoded = _shard_documents(str(tmp_path / "out" / "s"), load_tokenizer(tokenizer_dir))
-    assert 0 < len(decoded) < len(documents) and decoded == documents[: len(decoded)]
+    assert 0 < len(decoded) < len(documents) * 20 and decoded == (documents * 20)[: len(decoded)]
+
+
+def test_multi_frame_zstd_is_read_whole(tmp_path):
+    import zstandard
+
+    frames = [zstandard.ZstdCompressor().compress(f'{{"text": "frame {i}"}}\n'.encode()) for i in range(3)]
+    (tmp_path / "multi.jsonl.zst").write_bytes(b"".join(frames))
+    assert list(readers.iter_records(tmp_path / "multi.jsonl.zst")) == ["frame 0", "frame 1", "frame 2"]
 
 
 def test_large_jsonl_is_split_into_units_at_line_starts(tmp_path, tokenizer_dir, documents):
