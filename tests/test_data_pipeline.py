@@ -329,3 +329,32 @@ def test_existing_sentencepiece_model_is_accepted(tmp_path, tokenizer_dir, docum
 def test_sentence_sample_skips_overlong_lines():
     sample, seen = sample_sentences(["short line\n" + "x" * 5000 + "\nanother"], 10, seed=0, max_sentence_bytes=100)
     assert sample == ["short line", "another"] and seen == 2
+
+
+def test_hugging_face_tokenizer_json(tmp_path):
+    hf = pytest.importorskip("tokenizers")
+    texts = ["hello world, this is a test of the tokenizer", "another line of text"] * 50
+    model = hf.Tokenizer(hf.models.BPE())
+    model.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = hf.decoders.ByteLevel()
+    model.train_from_iterator(texts, hf.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<pad>"], initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet()))
+    model.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = load_tokenizer(tmp_path)
+    assert tokenizer.library == "huggingface" and tokenizer.eod == 0 and tokenizer.pad == 1
+    assert tokenizer.decode(tokenizer.encode("hello world ☃")) == "hello world ☃"
+    assert tokenizer.encode_batch(["hi there"], append_eod=True) == [tokenizer.encode("hi there") + [0]]
+
+
+def test_tiktoken_rank_file(tmp_path):
+    pytest.importorskip("tiktoken")
+    import base64
+
+    ranks = {bytes([i]): i for i in range(256)}
+    ranks.update({b"he": 256, b"ll": 257})
+    (tmp_path / "mini.tiktoken").write_text("".join(f"{base64.b64encode(k).decode()} {v}\n" for k, v in ranks.items()))
+    tokenizer = load_tokenizer(tmp_path / "mini.tiktoken")
+    assert tokenizer.vocab_size == 259 and tokenizer.eod == 258
+    assert tokenizer.encode("hello") == [256, 257, ord("o")]
+    assert tokenizer.decode(tokenizer.encode("hello ☃")) == "hello ☃"
+    assert tokenizer.encode_batch(["hello"], append_eod=True) == [[256, 257, ord("o"), 258]]
