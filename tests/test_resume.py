@@ -1,0 +1,213 @@
+"""Save and resume end to end: train.py runs the debug model as users run it (python or torchrun over gloo).
+
+Each scenario trains once uninterrupted (saving on the way) and once resumed from a mid-run checkpoint; the resumed
+losses must equal the uninterrupted ones bit for bit on the same layout, and within 1e-5 across layouts.
+"""
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from diff_transformer.checkpoint import LATEST_FILE, checkpoint_name, is_complete, read_trainer_state
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 4  # 2N: the resumed runs start from the checkpoint at step N = 2
+SHORT_RUN = [
+    "experiment=smoke", f"trainer.max_steps={STEPS}", "optim.warmup_steps=1", "trainer.eval_interval=0",
+    "trainer.micro_batch_size=2", "trainer.global_batch_size=4", "checkpoint.interval=2",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_command(run_dir, overrides, nproc: int = 1):
+    if nproc == 1:
+        launcher = [sys.executable, str(REPO / "train.py")]
+    else:
+        launcher = [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(REPO / "train.py"),
+        ]
+    return launcher + list(overrides) + [f"hydra.run.dir={run_dir}"]
+
+
+def train_env():
+    return dict(os.environ, WANDB_MODE="offline", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+
+
+def train(run_dir, overrides, nproc: int = 1, expect_rc: int = 0):
+    proc = subprocess.run(
+        train_command(run_dir, overrides, nproc), cwd=REPO, env=train_env(), capture_output=True, text=True,
+        timeout=300,
+    )
+    if proc.returncode != expect_rc:
+        raise AssertionError(
+            f"train.py exited {proc.returncode}, expected {expect_rc}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
+    return proc
+
+
+def read_metrics(run_dir):
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def by_step(records):
+    return {r["step"]: r for r in records}
+
+
+def ckpt(run_dir, step):
+    return str(Path(run_dir) / "checkpoints" / checkpoint_name(step))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Same layout: bit for bit; TP=2 -> TP=1: within 1e-5
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def diff_tp2(tmp_path_factory):
+    """DIFF at TP=2 with the distributed optimizer: uninterrupted, resumed at TP=2, resumed at TP=1."""
+    root = tmp_path_factory.mktemp("diff_tp2")
+    overrides = SHORT_RUN + ["model.attention=diff", "parallel.distributed_optimizer=true"]
+    train(root / "full", overrides + ["parallel.tp=2"], nproc=2)
+    train(root / "resumed_tp2", overrides + ["parallel.tp=2", f"checkpoint.resume={ckpt(root / 'full', 2)}"], nproc=2)
+    train(root / "resumed_tp1", overrides + [f"checkpoint.resume={ckpt(root / 'full', 2)}"])
+    return root
+
+
+def test_diff_resume_same_layout_is_bit_exact(diff_tp2):
+    full, resumed = by_step(read_metrics(diff_tp2 / "full")), by_step(read_metrics(diff_tp2 / "resumed_tp2"))
+    assert sorted(resumed) == [3, 4], "the resumed run starts after the checkpoint's step"
+    for step in (3, 4):
+        for key in ("loss", "grad_norm", "lr", "lambda", "tokens"):
+            assert resumed[step][key] == full[step][key], (step, key, resumed[step][key], full[step][key])
+
+
+def test_diff_resume_tp2_to_tp1_within_1e5(diff_tp2):
+    full, resumed = by_step(read_metrics(diff_tp2 / "full")), by_step(read_metrics(diff_tp2 / "resumed_tp1"))
+    assert sorted(resumed) == [3, 4]
+    log = (diff_tp2 / "resumed_tp1" / "train.log").read_text()
+    assert "layout changed (saved tp=2" in log and "tp=1 pp=1 dp=1, " in log
+    for step in (3, 4):
+        assert abs(resumed[step]["loss"] - full[step]["loss"]) < 1e-5
+        assert resumed[step]["lr"] == full[step]["lr"]
+        # λ vectors are TP-replicated parameters: resharding must restore them, not re-initialise them
+        for lam_resumed, lam_full in zip(resumed[step]["lambda"], full[step]["lambda"]):
+            assert abs(lam_resumed - lam_full) < 1e-5
+    saved = read_trainer_state(ckpt(diff_tp2 / "resumed_tp1", 4))
+    assert saved["layout"]["tp"] == 1 and saved["step"] == 4 and saved["consumed_samples"] == 4 * 4
+
+
+def test_incompatible_model_config_names_the_keys(diff_tp2):
+    proc = train(
+        diff_tp2 / "bad_config",
+        SHORT_RUN + ["parallel.distributed_optimizer=true", "model.hidden_size=96", "model.ffn_hidden_size=256",
+                     f"checkpoint.resume={ckpt(diff_tp2 / 'full', 2)}"],
+        expect_rc=2,
+    )
+    assert "model.hidden_size: checkpoint 64, config 96" in proc.stderr
+    assert "model.ffn_hidden_size: checkpoint 176, config 256" in proc.stderr
+    assert "model.num_layers" not in proc.stderr  # only the keys that differ
+
+
+def test_vanilla_dp2_distributed_optimizer_resume_is_bit_exact(tmp_path):
+    overrides = SHORT_RUN + ["model.attention=vanilla", "parallel.distributed_optimizer=true"]
+    train(tmp_path / "full", overrides, nproc=2)
+    train(tmp_path / "resumed", overrides + [f"checkpoint.resume={ckpt(tmp_path / 'full', 2)}"], nproc=2)
+    full, resumed = by_step(read_metrics(tmp_path / "full")), by_step(read_metrics(tmp_path / "resumed"))
+    assert sorted(resumed) == [3, 4]
+    for step in (3, 4):
+        for key in ("loss", "grad_norm", "lr"):
+            assert resumed[step][key] == full[step][key], (step, key)
+    assert read_trainer_state(ckpt(tmp_path / "full", 2))["layout"]["dp"] == 2
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# SIGKILL during a save, SIGTERM during training
+# ------------------------------------------------------------------------------------------------------------------
+def _wait_for(predicate, timeout: float, proc, what: str, poll: float = 0.002):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"train.py exited ({proc.returncode}) before {what}:\n{_tail(proc.log)}")
+        time.sleep(poll)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _tail(path) -> str:
+    return Path(path).read_text()[-4000:]
+
+
+def _start(run, overrides, log, **kwargs):
+    """train.py in the background, its output in ``log`` (a pipe nobody reads could fill and block it)."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            train_command(run, overrides), cwd=REPO, env=train_env(), stdout=out, stderr=subprocess.STDOUT, **kwargs
+        )
+    proc.log = log
+    return proc
+
+
+def test_sigkill_during_save_then_sigterm_then_resume(tmp_path):
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    long_run = [o for o in SHORT_RUN if not o.startswith("trainer.max_steps")] + ["trainer.max_steps=30"]
+
+    # 1. killed (the whole process group, as a node failure would) while writing the checkpoint of step 4
+    proc = _start(run, long_run, tmp_path / "killed.log", start_new_session=True)
+    try:
+        _wait_for(lambda: is_complete(str(root / checkpoint_name(2))), 240, proc, "the checkpoint of step 2")
+        _wait_for(lambda: (root / f".{checkpoint_name(4)}.tmp").is_dir(), 60, proc, "the save of step 4 to start")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert (root / LATEST_FILE).read_text().strip() == checkpoint_name(2)
+    assert not (root / checkpoint_name(4)).exists(), "a partial save must never appear under its final name"
+    assert not is_complete(str(root / f".{checkpoint_name(4)}.tmp"))
+    killed = by_step(read_metrics(run))
+    assert max(killed) >= 3
+
+    # 2. resumed automatically from step 2; SIGTERM mid-training saves the current step and exits cleanly
+    proc = _start(run, long_run + ["checkpoint.interval=0"], tmp_path / "terminated.log")
+    metrics = run / "metrics.jsonl"
+
+    def resumed_past_step_4():
+        return metrics.exists() and any(r.get("step", 0) >= 5 for r in map(json.loads, metrics.read_text().splitlines()))
+
+    try:
+        _wait_for(resumed_past_step_4, 240, proc, "the resumed run to reach step 5", poll=0.05)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0, _tail(proc.log)
+    stopped = read_metrics(run)
+    last = stopped[-1]["step"]
+    assert 5 <= last < 30
+    assert (root / LATEST_FILE).read_text().strip() == checkpoint_name(last), "SIGTERM saves the current step"
+    assert read_trainer_state(ckpt(run, last))["consumed_samples"] == last * 4
+    assert not (root / f".{checkpoint_name(4)}.tmp").exists(), "the next save removes the partial one"
+    assert [r["step"] for r in stopped] == list(range(1, last + 1)), "no duplicate steps after the resume"
+    # the resumed step 3 retraces the killed run's step 3 exactly: resume from the previous checkpoint is exact
+    assert by_step(stopped)[3]["loss"] == killed[3]["loss"]
+
+    # 3. the next start continues from the SIGTERM checkpoint to the end
+    train(run, long_run + ["checkpoint.interval=0", "checkpoint.save_at_end=false"])
+    final = read_metrics(run)
+    assert [r["step"] for r in final] == list(range(1, 31))
+    assert by_step(final)[last]["loss"] == by_step(stopped)[last]["loss"]
+    assert all(math.isfinite(r["loss"]) for r in final)
