@@ -138,7 +138,8 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask) / mask.sum().clamp(min=1)
-    return loss, {"lm loss": loss.detach()}
+    # clone: the schedule divides the returned loss in place by the number of micro-batches
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 def forward_step(data_iterator: Iterator, model: torch.nn.Module):

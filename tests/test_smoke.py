@@ -1,6 +1,7 @@
 """The smoke experiment end to end on the bundled corpus: the loss falls and the run directory has what it should."""
 
 import json
+import math
 
 from tests.train_runs import read_metrics, run_train
 
@@ -9,6 +10,9 @@ def test_smoke_experiment_loss_falls_and_run_dir_is_complete(tmp_path):
     proc = run_train(tmp_path, ["experiment=smoke"])
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == list(range(1, 31))
+    # an untrained model predicts nearly uniformly over the bundled tokenizer's 4096 tokens: the reported loss is the
+    # true mean cross-entropy (not, say, divided by the number of micro-batches)
+    assert abs(records[0]["loss"] - math.log(4096)) < 0.2, records[0]["loss"]
     first, last = records[:5], records[-5:]
     mean = lambda rs: sum(r["loss"] for r in rs) / len(rs)  # noqa: E731
     assert mean(last) < mean(first) - 0.5, (mean(first), mean(last))
