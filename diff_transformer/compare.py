@@ -426,6 +426,7 @@ def compare_runs(
     token_ratio_model: str | None = None,
     token_fit_from: float = 0.1,
     require_finished: bool = True,
+    at_parameters: Sequence[float] = (),
 ) -> Comparison:
     """Fit the scaling laws and compute both ratios; refuses runs that are not comparable."""
     if parameter_count not in PARAMETER_COUNTS:
@@ -443,8 +444,10 @@ def compare_runs(
         size_fits[kind] = fit_power_law([r.parameters(parameter_count) for r in of_kind], [r.final_val_loss for r in of_kind])
     parameter_ratios = []
     if len(size_fits) == 2:
+        # At each DIFF size trained, then at any size asked for (an extrapolation of both fits).
         diff_sizes = sorted({r.parameters(parameter_count) for r in runs if r.attention == DIFF})
         parameter_ratios = [matching_ratio(size_fits[DIFF], size_fits[BASELINE], n) for n in diff_sizes]
+        parameter_ratios += [matching_ratio(size_fits[DIFF], size_fits[BASELINE], float(n)) for n in at_parameters]
 
     token_pair = _largest_pair(runs, token_ratio_model, parameter_count)
     token_fits: dict[str, PowerLawFit] = {}
@@ -545,8 +548,9 @@ def plot_comparison(comparison: Comparison, out_path: str | Path, title: str | N
             fit = comparison.size_fits[kind]
             ax.plot(grid, fit(grid), styles[kind], color="C0" if kind == DIFF else "C1",
                     label=f"{labels[kind]} fit: E={fit.E:.3f}, α={fit.alpha:.2f}")
-    if comparison.parameter_ratios:
-        largest = comparison.parameter_ratios[-1]
+    trained = [e for e in comparison.parameter_ratios if e.at <= all_n.max()]
+    if trained:
+        largest = trained[-1]
         if math.isfinite(largest.ratio):
             matched = largest.at / largest.ratio
             ax.annotate("", xy=(matched, largest.loss), xytext=(largest.at, largest.loss),
@@ -681,6 +685,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--parameters", choices=PARAMETER_COUNTS, default="total", help="parameter count on the x axis of the size fit")
     parser.add_argument("--token-ratio-model", help="model name whose DIFF/baseline pair gives the token ratio (default: the largest)")
     parser.add_argument("--token-fit-from", type=float, default=0.1, help="fit L(D) on evaluations past this fraction of training")
+    parser.add_argument("--at", type=float, nargs="+", default=[], metavar="N",
+                        help="also report the parameter ratio at these DIFF sizes, e.g. --at 6.8e9 (extrapolated)")
     parser.add_argument("--allow-unfinished", action="store_true", help="compare runs that stopped before max_steps")
     parser.add_argument("--title", help="figure title")
     args = parser.parse_args(argv)
@@ -688,7 +694,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("give run or sweep directories, or --wandb ENTITY/PROJECT/GROUP (one of the two)")
     try:
         runs = load_wandb_runs(args.wandb) if args.wandb else load_runs(args.paths)
-        comparison = compare_runs(runs, args.parameters, args.token_ratio_model, args.token_fit_from, not args.allow_unfinished)
+        comparison = compare_runs(runs, args.parameters, args.token_ratio_model, args.token_fit_from,
+                                  not args.allow_unfinished, args.at)
     except (RunMismatchError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
