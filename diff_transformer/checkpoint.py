@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import random
 import re
@@ -308,6 +309,16 @@ def _sharded_state_dict(trainer, *, is_loading: bool, optimizer: bool, rng: bool
     return state
 
 
+def _fork_write_results_queue() -> None:
+    """megatron's torch_dist writer gathers its workers' results through a Manager queue that it starts with the
+    spawn method (dist_checkpointing/strategies/filesystem_async.py:51-56); a spawned child re-imports the training
+    script, seconds per process. A forked Manager serves the same queue at once (the writers themselves fork too)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", "absent") is None:
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+
+
 def _barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -359,6 +370,7 @@ class CheckpointManager:
         _barrier()
         from megatron.core import dist_checkpointing
 
+        _fork_write_results_queue()
         state = _sharded_state_dict(self.trainer, is_loading=False, optimizer=True, rng=True)
         use_async = self.config.async_save and torch.cuda.is_available()
         request = dist_checkpointing.save(state, tmp, async_sharded_save=use_async)

@@ -1,0 +1,134 @@
+"""W&B offline logging against metrics.jsonl, across a NaN-guarded stop and a resume that continues the same run.
+
+The offline ``.wandb`` file is read with wandb's own protobuf schema (``wandb.proto.wandb_internal_pb2.Record``);
+wandb 0.31 ships no reader for the file, so the record framing (LevelDB log: 32 KiB blocks, 7-byte headers, records
+split FIRST/MIDDLE/LAST across blocks, after a 7-byte ``:W&B`` file header) is unpacked here.
+"""
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import pytest
+
+from diff_transformer.checkpoint import LATEST_FILE, checkpoint_name, read_trainer_state
+from tests.test_resume import SHORT_RUN, by_step, read_metrics, train
+
+BLOCK = 32 * 1024
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def read_wandb_records(path):
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B transaction log"
+    payloads, pending, pos = [], b"", 7
+    while pos + 7 <= len(data):
+        room = BLOCK - pos % BLOCK
+        if room < 7:  # a block's tail too short for a header is padding
+            pos += room
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:
+            pos += room
+            continue
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == FULL:
+            payloads.append(chunk)
+        elif kind == FIRST:
+            pending = chunk
+        elif kind == MIDDLE:
+            pending += chunk
+        elif kind == LAST:
+            payloads.append(pending + chunk)
+    records = []
+    for payload in payloads:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        records.append(record)
+    return records
+
+
+def offline_runs(run_dir):
+    """(run id, group, tags, {step: {key: value}}) of each offline run under the run directory, oldest first."""
+    runs = []
+    for wandb_file in sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb")):
+        run_id, group, tags, history = None, None, None, {}
+        for record in read_wandb_records(wandb_file):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                run_id, group, tags = record.run.run_id, record.run.run_group, list(record.run.tags)
+            elif kind == "history":
+                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                history[record.history.step.num] = items
+        runs.append((run_id, group, tags, history))
+    return runs
+
+
+def same_value(a, b):
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
+    return a == b
+
+
+@pytest.fixture(scope="module")
+def nan_guarded_run(tmp_path_factory):
+    """Steps 2, 5 and 6 poisoned (loss and gradients NaN); two bad steps in a row stop the run at step 6 with a
+    checkpoint; the restart resumes from it, with the same W&B run, to step 8."""
+    run = tmp_path_factory.mktemp("nan") / "run"
+    common = [o for o in SHORT_RUN if not o.startswith(("trainer.max_steps", "checkpoint.interval"))] + [
+        "trainer.max_steps=8", "checkpoint.interval=0", "trainer.eval_interval=4", "logging.wandb.mode=offline",
+        "failures.max_consecutive_bad_steps=2",
+    ]
+    stopped = train(run, common + ["failures.inject_nan_at_steps=[2,5,6]"], expect_rc=1)
+    stopped_metrics = read_metrics(run)
+    train(run, common)
+    return run, stopped, stopped_metrics
+
+
+def test_nan_steps_are_skipped_counted_and_stop_the_run_with_a_checkpoint(nan_guarded_run):
+    run, stopped, metrics = nan_guarded_run
+    assert "TrainingDiverged" in stopped.stderr and "2 bad steps in a row up to step 6" in stopped.stderr
+    steps = by_step(metrics)
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6]
+    assert [steps[s]["skipped"] for s in range(1, 7)] == [False, True, False, False, True, True]
+    assert [steps[s]["skipped_steps"] for s in range(1, 7)] == [0, 1, 1, 1, 2, 3]
+    assert steps[2]["grad_norm"] is None and math.isnan(steps[2]["loss"])
+    # had the NaN gradients of step 2 been applied, every later loss would be NaN
+    assert all(math.isfinite(steps[s]["loss"]) for s in (3, 4)) and math.isfinite(steps[4]["val_loss"])
+    # the skipped step consumed its batch but did not advance the LR schedule
+    assert steps[3]["lr"] == steps[2]["lr"]
+    saved = read_trainer_state(str(run / "checkpoints" / checkpoint_name(6)))
+    assert (saved["step"], saved["consumed_samples"], saved["skipped_steps"]) == (6, 24, 3)
+
+
+def test_resume_after_the_stop_continues_without_duplicate_steps(nan_guarded_run):
+    run, _, before = nan_guarded_run
+    after = read_metrics(run)
+    assert [r["step"] for r in after] == list(range(1, 9))
+    for kept, original in zip(after[:6], before):  # the records up to the checkpoint stay as they were
+        assert kept.keys() == original.keys() and all(same_value(kept[k], original[k]) for k in kept)
+    assert all(math.isfinite(r["loss"]) for r in after[6:]) and after[-1]["skipped_steps"] == 3
+    assert (run / "checkpoints" / LATEST_FILE).read_text().strip() == checkpoint_name(8)
+
+
+def test_wandb_offline_history_matches_metrics_and_resume_keeps_the_run_id(nan_guarded_run):
+    run, _, _ = nan_guarded_run
+    runs = offline_runs(run)
+    assert len(runs) == 2, "one offline run per process start"
+    (first_id, group, tags, first), (second_id, _, _, second) = runs
+    assert first_id and first_id == second_id, "the resumed run continues the same W&B run"
+    assert read_trainer_state(str(run / "checkpoints" / checkpoint_name(8)))["wandb_run_id"] == first_id
+    assert group == "smoke" and {"debug", "diff"} <= set(tags)
+    assert sorted(first) == [1, 2, 3, 4, 5, 6] and sorted(second) == [7, 8], "no step logged twice"
+    history = {**first, **second}
+    for record in read_metrics(run):
+        logged = history[record["step"]]
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tokens", "skipped", "skipped_steps", "val_loss"):
+            if key in record and record[key] is not None:
+                assert same_value(logged[key], record[key]), (record["step"], key, logged[key], record[key])
+        for layer, lam in enumerate(record["lambda"], start=1):
+            assert logged[f"lambda/layer_{layer:02d}"] == lam
