@@ -57,7 +57,7 @@ class CheckpointConfig:
     keep_every: int = 0  # ... and every checkpoint whose step is a multiple of M (0: none)
     resume: str = "auto"  # auto: latest under dir, if any | none | a checkpoint path (step_* or a checkpoints dir)
     load_weights_only: Optional[str] = None  # a checkpoint whose weights start a new run (step 0, fresh optimizer)
-    async_save: bool = False  # GPU only: write in the background, the loop blocks only while tensors are staged
+    async_save: bool = False  # write from a forked process; the loop blocks only while the state is staged
     check_free_space: bool = True  # refuse to start when the disk cannot hold one more checkpoint
 
 
@@ -356,11 +356,11 @@ class CheckpointManager:
     # -- save ----------------------------------------------------------------------------------------------------
     def save(self, reason: str = "interval") -> Optional[str]:
         """Write a checkpoint of the current step; returns its path (None if it already exists)."""
+        self.wait()  # one save at a time: the previous background save must be renamed first
         step = self.trainer.step
         final = os.path.join(self.root, checkpoint_name(step))
         if is_complete(final):
             return None
-        self.wait()  # one save at a time: the previous background save must be renamed first
         start = time.perf_counter()
         tmp = os.path.join(self.root, f".{checkpoint_name(step)}.tmp")
         if self.rank == 0:
@@ -372,8 +372,8 @@ class CheckpointManager:
 
         _fork_write_results_queue()
         state = _sharded_state_dict(self.trainer, is_loading=False, optimizer=True, rng=True)
-        use_async = self.config.async_save and torch.cuda.is_available()
-        request = dist_checkpointing.save(state, tmp, async_sharded_save=use_async)
+        # the background writer is forked after the state is staged in host memory, so later steps cannot change it
+        request = dist_checkpointing.save(state, tmp, async_sharded_save=self.config.async_save)
         meta = trainer_state(self.trainer)
 
         def finalize() -> None:

@@ -132,7 +132,7 @@ def test_incompatible_model_config_names_the_keys(diff_tp2, tmp_path):
 
 def test_vanilla_dp2_distributed_optimizer_resume_is_bit_exact(tmp_path):
     overrides = SHORT_RUN + ["model.attention=vanilla", "parallel.distributed_optimizer=true"]
-    train(tmp_path / "full", overrides, nproc=2)
+    train(tmp_path / "full", overrides + ["checkpoint.async_save=true"], nproc=2)  # written in the background
     train(tmp_path / "resumed", overrides + [f"checkpoint.resume={ckpt(tmp_path / 'full', 2)}"], nproc=2)
     full, resumed = by_step(read_metrics(tmp_path / "full")), by_step(read_metrics(tmp_path / "resumed"))
     assert sorted(resumed) == [3, 4]
