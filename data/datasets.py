@@ -7,17 +7,17 @@
                                                  valid_samples=..., split=cfg.data.split)
     loader = build_dataloader(train_ds, consumed_samples=..., micro_batch_size=..., data_parallel_rank=...,
                               data_parallel_size=...)
+
+torch and megatron-core are imported by the functions that need them, so that `prepare` stays cheap in data-only
+processes (CLIs, preprocessing workers).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Sequence
-
-import torch
 
 from data import indexed
 from data.config import BUNDLED_CORPUS, DataConfig, parse_split, resolve_path, validate
@@ -128,6 +128,7 @@ def build_datasets(
     Works with or without a torch.distributed process group. With `index_cache_dir`, megatron builds the index cache
     on rank 0 first; a file lock makes concurrent independent runs sharing the cache safe too.
     """
+    import torch
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
@@ -231,9 +232,11 @@ class MegatronPretrainingSampler:
 
 
 def build_dataloader(dataset, *, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
-                     data_parallel_size: int, num_workers: int = 0) -> torch.utils.data.DataLoader:
+                     data_parallel_size: int, num_workers: int = 0) -> "torch.utils.data.DataLoader":
     """Micro-batches of `dataset` for this data-parallel rank, starting after `consumed_samples` samples (summed over
     all ranks, as the trainer counts them). Each batch is a dict of stacked tensors, [micro_batch_size, seq_length]."""
+    import torch
+
     sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
                                          data_parallel_size)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,

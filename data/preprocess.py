@@ -232,7 +232,7 @@ def tokenize_unit(unit: WorkUnit, parts_dir: str, part_name: str, options: Optio
                     flush(texts, out)
                     texts, pending_bytes = [], 0
         except (OSError, EOFError, ValueError) as err:  # truncated gzip/zstd, unreadable parquet: keep what was read
-            skipped["unreadable_rest_of_file"] += 1
+            skipped[readers.UNREADABLE_REST] += 1
             error = f"{type(err).__name__}: {err}"
         if texts:
             flush(texts, out)

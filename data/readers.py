@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import IO, Iterable, Iterator, Sequence, Union
 
 SKIP_REASONS = ("malformed_json", "missing_text_field", "non_utf8", "empty")
+# Counted once per file by preprocessing when a file cannot be read to its end (truncated gzip/zstd, bad parquet).
+UNREADABLE_REST = "unreadable_rest_of_file"
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 TEXT_SUFFIXES = (".txt",)
 COMPRESSION_SUFFIXES = (".gz", ".zst")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from data import preprocess
-from data.config import DataConfig, parse_split
+from data.config import REPO_ROOT, DataConfig, parse_split
 from data.datasets import (MegatronPretrainingSampler, PreparedData, ShardError, build_dataloader, build_datasets,
                            check_vocab, load_tokenizer, prepare, verify_shards)
 from data.tokenizer import train_tokenizer
@@ -200,28 +201,40 @@ def test_dataloader_resumes_where_it_stopped(shards):
     assert torch.equal(full[0][0], train[2]["tokens"])
 
 
-def _prepare_in_process(cache_dir, queue):
-    prepared = prepare(DataConfig(cache_dir=cache_dir, bundled_vocab_size=1024))
-    queue.put((prepared.tokenizer_dir, prepared.prefixes))
+PREPARE_IN_PROCESS = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import data.datasets
+from data.config import DataConfig
+data.datasets.BUNDLED_CORPUS = Path(sys.argv[3])  # a small stand-in keeps the test fast; the code path is the same
+prepared = data.datasets.prepare(DataConfig(cache_dir=sys.argv[2], bundled_vocab_size=1024))
+print(json.dumps([prepared.tokenizer_dir, prepared.prefixes]))
+"""
 
 
-def test_prepare_bundled_concurrently(tmp_path):
+def test_prepare_bundled_concurrently(tmp_path, monkeypatch):
     """Two processes preparing the bundled corpus at once both get the same complete shard, made once."""
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    workers = [context.Process(target=_prepare_in_process, args=(str(tmp_path), queue)) for _ in range(2)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=240)
-        assert worker.exitcode == 0
-    results = [queue.get(timeout=5) for _ in workers]
+    import gzip
+
+    import data.datasets
+
+    corpus = tmp_path / "corpus.jsonl.gz"
+    with gzip.open(data.datasets.BUNDLED_CORPUS, "rt") as source, gzip.open(corpus, "wt") as target:
+        for _, line in zip(range(12), source):
+            target.write(json.dumps({"text": json.loads(line)["text"][:20000]}) + "\n")
+    command = [sys.executable, "-c", PREPARE_IN_PROCESS, str(REPO_ROOT), str(tmp_path / "cache"), str(corpus)]
+    workers = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [worker.communicate(timeout=240) for worker in workers]
+    assert [worker.returncode for worker in workers] == [0, 0], outputs
+    results = [json.loads(out) for out, _ in outputs]
     assert results[0] == results[1]
     tokenizer_dir, prefixes = results[0]
     manifest = json.loads(Path(prefixes[0] + ".manifest.json").read_text())
-    assert manifest["run"]["reused_parts"] == 0 and manifest["totals"]["documents"] == 108
+    assert manifest["run"]["reused_parts"] == 0 and manifest["totals"]["documents"] == 12
     verify_shards(prefixes, load_tokenizer(tokenizer_dir).vocab_size, check_tokens=True)
-    again = prepare(DataConfig(cache_dir=str(tmp_path), bundled_vocab_size=1024))
+    monkeypatch.setattr(data.datasets, "BUNDLED_CORPUS", corpus)
+    again = prepare(DataConfig(cache_dir=str(tmp_path / "cache"), bundled_vocab_size=1024))
     assert again.prefixes == prefixes and json.loads(Path(prefixes[0] + ".manifest.json").read_text()) == manifest
 
 

@@ -13,7 +13,6 @@ import argparse
 import ast
 import configparser
 import gzip
-import io
 import json
 import random
 import re
