@@ -5,9 +5,9 @@
 
 Each document becomes one sequence followed by the end-of-document token. The inputs are cut into work units (a
 file; a byte range of a large uncompressed JSON Lines file; a run of row groups of a parquet file) that N worker
-processes tokenize in parallel, streaming, each into a part shard under `PREFIX.parts/` that appears atomically when
-done. The parts are then concatenated in input order. An interrupted run, rerun, reuses the finished parts, so the
-result is byte-identical to an uninterrupted run; `PREFIX.manifest.json` records inputs (sizes, sha256), the tokenizer
+processes tokenize in parallel, streaming, each into checkpointed segment shards under `PREFIX.parts/` that appear
+atomically when done. The segments are then concatenated in input order. An interrupted run, rerun, reuses the
+finished units and segments, so the result is byte-identical to an uninterrupted run; `PREFIX.manifest.json` records inputs (sizes, sha256), the tokenizer
 hash, the options, document and token counts and the records skipped per reason. Rerunning on unchanged inputs (same
 sizes and modification times, same tokenizer and options) is a no-op.
 """
@@ -189,61 +189,125 @@ class _ProgressBar:
         self.bar.close()
 
 
+def segment_prefix(parts_dir: str, part_name: str, segment: int) -> str:
+    return os.path.join(parts_dir, f"{part_name}.s{segment:05d}")
+
+
+def _finished_segments(parts_dir: str, part_name: str) -> list[dict]:
+    """The unit's checkpointed segments, in order, up to the first missing or damaged one."""
+    segments = []
+    while True:
+        prefix = segment_prefix(parts_dir, part_name, len(segments))
+        try:
+            with open(prefix + ".json") as stream:
+                stats = json.load(stream)
+            index = indexed.verify_shard(prefix, allow_empty=True)
+        except (OSError, json.JSONDecodeError, indexed.ShardError):
+            return segments
+        if index.num_tokens != stats["tokens"] or index.num_documents != stats["documents"]:
+            return segments
+        segments.append(stats)
+
+
 def tokenize_unit(unit: WorkUnit, parts_dir: str, part_name: str, options: Options, chunk_docs: int,
-                  chunk_bytes: int, tokenizer: Optional[Tokenizer] = None,
+                  chunk_bytes: int, segment_tokens: int, tokenizer: Optional[Tokenizer] = None,
                   report: Optional[Callable[[int, int], None]] = None) -> dict:
-    """Tokenize one unit into `parts_dir/part_name.{bin,idx}` and return its statistics (also written as `.json`,
-    last, which marks the part complete)."""
+    """Tokenize one unit into segments `parts_dir/part_name.sNNNNN.{bin,idx,json}` and return its statistics (also
+    written as `part_name.json`, last, which marks the unit complete).
+
+    A segment is committed (renamed into place, then its `.json` written) every `segment_tokens` tokens, so a unit
+    interrupted midway resumes after its last segment: the records before it are read again (a compressed stream
+    cannot seek) but not tokenized again.
+    """
     tokenizer = tokenizer or _worker_tokenizer
     report = report or _worker_report
     dtype = np.dtype(options.dtype).type
     started = time.perf_counter()
-    prefix = os.path.join(parts_dir, part_name)
-    staging = f"{prefix}.tmp{os.getpid()}"
+    done = _finished_segments(parts_dir, part_name)
+    resume_after = done[-1]["records_end"] if done else 0
+    segments = [stats["segment"] for stats in done]
     skipped: Counter = Counter()
-    lengths: list[np.ndarray] = []
-    documents = tokens = records = 0
+    for stats in done:
+        skipped.update(stats["skipped"])
+    documents = sum(stats["documents"] for stats in done)
+    tokens = sum(stats["tokens"] for stats in done)
+    records = resume_after
     error = None
 
-    def flush(texts: list[str], out) -> None:
-        nonlocal documents, tokens
+    class Segment:
+        """The segment being written: tokens streamed to a staging file, lengths kept for its index."""
+
+        def __init__(self) -> None:
+            self.number = len(segments)
+            self.prefix = segment_prefix(parts_dir, part_name, self.number)
+            self.staging = f"{self.prefix}.tmp{os.getpid()}"
+            self.out = open(self.staging + ".bin", "wb")
+            self.lengths: list[np.ndarray] = []
+            self.records_start = records
+            self.documents = self.tokens = 0
+            self.skipped: Counter = Counter()
+
+        def commit(self) -> None:
+            self.out.close()
+            lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, dtype=np.int32)
+            indexed.write_index(self.staging + ".idx", dtype, lengths, np.arange(len(lengths) + 1))
+            os.replace(self.staging + ".bin", self.prefix + ".bin")
+            os.replace(self.staging + ".idx", self.prefix + ".idx")
+            _write_json_atomic(self.prefix + ".json", {
+                "segment": self.number, "records_start": self.records_start, "records_end": records,
+                "documents": self.documents, "tokens": self.tokens, "skipped": dict(sorted(self.skipped.items()))})
+            segments.append(self.number)
+
+    segment = Segment()
+
+    def flush(texts: list[str]) -> None:
+        nonlocal documents, tokens, segment
         encoded = tokenizer.encode_batch(texts, append_eod=True)
         sizes = np.fromiter(map(len, encoded), dtype=np.int32, count=len(encoded))
         flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype=dtype, count=int(sizes.sum(dtype=np.int64)))
-        out.write(flat.tobytes())
-        lengths.append(sizes)
+        segment.out.write(flat.tobytes())
+        segment.lengths.append(sizes)
+        segment.documents += len(texts)
+        segment.tokens += len(flat)
         documents += len(texts)
         tokens += len(flat)
         if report is not None:
             report(len(texts), len(flat))
+        if segment.tokens >= segment_tokens:
+            segment.commit()
+            segment = Segment()
 
-    with open(staging + ".bin", "wb") as out:
-        texts: list[str] = []
-        pending_bytes = 0
-        try:
-            for record in _iter_unit_records(unit, options.text_field, options.txt_mode):
-                records += 1
-                if isinstance(record, readers.Skipped):
-                    skipped[record.reason] += 1
-                    continue
-                texts.append(record)
-                pending_bytes += len(record)
-                if len(texts) >= chunk_docs or pending_bytes >= chunk_bytes:
-                    flush(texts, out)
-                    texts, pending_bytes = [], 0
-        except (OSError, EOFError, ValueError) as err:  # truncated gzip/zstd, unreadable parquet: keep what was read
-            skipped[readers.UNREADABLE_REST] += 1
-            error = f"{type(err).__name__}: {err}"
-        if texts:
-            flush(texts, out)
-    sequence_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int32)
-    indexed.write_index(staging + ".idx", dtype, sequence_lengths, np.arange(len(sequence_lengths) + 1))
-    os.replace(staging + ".bin", prefix + ".bin")
-    os.replace(staging + ".idx", prefix + ".idx")
-    stats = {"unit": asdict(unit), "documents": documents, "tokens": tokens, "records": records,
-             "skipped": dict(sorted(skipped.items())), "error": error,
-             "seconds": round(time.perf_counter() - started, 3)}
-    _write_json_atomic(prefix + ".json", stats)
+    texts: list[str] = []
+    pending_bytes = 0
+    try:
+        for position, record in enumerate(_iter_unit_records(unit, options.text_field, options.txt_mode)):
+            if position < resume_after:
+                continue  # tokenized into an earlier segment before an interruption
+            records += 1
+            if isinstance(record, readers.Skipped):
+                skipped[record.reason] += 1
+                segment.skipped[record.reason] += 1
+                continue
+            texts.append(record)
+            pending_bytes += len(record)
+            if len(texts) >= chunk_docs or pending_bytes >= chunk_bytes:
+                flush(texts)
+                texts, pending_bytes = [], 0
+    except (OSError, EOFError, ValueError) as err:  # truncated gzip/zstd, unreadable parquet: keep what was read
+        skipped[readers.UNREADABLE_REST] += 1
+        segment.skipped[readers.UNREADABLE_REST] += 1
+        error = f"{type(err).__name__}: {err}"
+    if texts:
+        flush(texts)
+    if segment.tokens or segment.skipped or not segments:
+        segment.commit()
+    else:
+        segment.out.close()
+        os.remove(segment.staging + ".bin")
+    stats = {"unit": asdict(unit), "segments": segments, "documents": documents, "tokens": tokens,
+             "records": records, "skipped": dict(sorted(skipped.items())), "error": error,
+             "resumed_segments": len(done), "seconds": round(time.perf_counter() - started, 3)}
+    _write_json_atomic(os.path.join(parts_dir, part_name + ".json"), stats)
     return stats
 
 
@@ -300,6 +364,7 @@ def preprocess(
     unit_bytes: int = 256 * MIB,
     chunk_docs: int = 1024,
     chunk_bytes: int = 8 * MIB,
+    segment_tokens: int = 64_000_000,
     keep_parts: bool = False,
     progress: bool = False,
 ) -> dict:
@@ -313,11 +378,11 @@ def preprocess(
     # Two runs writing one prefix would race on its parts and final renames: the second waits, then finds it done.
     with file_lock(out_prefix + ".lock"):
         return _preprocess_locked(files, tokenizer_path, out_prefix, workers, text_field, txt_mode, unit_bytes,
-                                  chunk_docs, chunk_bytes, keep_parts, progress)
+                                  chunk_docs, chunk_bytes, segment_tokens, keep_parts, progress)
 
 
 def _preprocess_locked(files, tokenizer_path, out_prefix, workers, text_field, txt_mode, unit_bytes, chunk_docs,
-                       chunk_bytes, keep_parts, progress) -> dict:
+                       chunk_bytes, segment_tokens, keep_parts, progress) -> dict:
     tokenizer = load_tokenizer(tokenizer_path)
     options = Options(tokenizer.model_sha256, text_field, txt_mode, np.dtype(indexed.token_dtype(tokenizer.vocab_size)).name)
     manifest = _is_up_to_date(out_prefix, files, options)
@@ -348,7 +413,7 @@ def _preprocess_locked(files, tokenizer_path, out_prefix, workers, text_field, t
     if processes == 1:
         for unit in todo:
             stats[unit.index] = tokenize_unit(unit, parts_dir, names[unit.index], options, chunk_docs, chunk_bytes,
-                                              tokenizer, report=bar.chunk if bar else None)
+                                              segment_tokens, tokenizer, report=bar.chunk if bar else None)
             if bar:
                 bar.part_done()
         hashes = dict(_hash_input(path) for path in files)
@@ -358,7 +423,7 @@ def _preprocess_locked(files, tokenizer_path, out_prefix, workers, text_field, t
         reports = context.Queue() if bar else None
         with context.Pool(processes, initializer=_init_worker, initargs=(tokenizer_path, reports)) as pool:
             pending = {u.index: pool.apply_async(tokenize_unit, (u, parts_dir, names[u.index], options, chunk_docs,
-                                                                 chunk_bytes))
+                                                                 chunk_bytes, segment_tokens))
                        for u in sorted(todo, key=lambda u: -u.work_bytes)}  # largest first: less idle time at the end
             hash_results = pool.map_async(_hash_input, files)
             while pending:
@@ -378,9 +443,11 @@ def _preprocess_locked(files, tokenizer_path, out_prefix, workers, text_field, t
 
     ordered = [stats[unit.index] for unit in units]
     dtype = np.dtype(options.dtype).type
-    _merge_parts([os.path.join(parts_dir, name) for name in names], out_prefix, dtype)
+    _merge_parts([segment_prefix(parts_dir, name, segment) for name, stats in zip(names, ordered)
+                  for segment in stats["segments"]], out_prefix, dtype)
     manifest = _build_manifest(files, units, ordered, hashes, tokenizer, options, out_prefix,
-                               seconds=time.perf_counter() - started, reused_parts=reused)
+                               seconds=time.perf_counter() - started, reused_parts=reused,
+                               resumed_segments=sum(stats[u.index].get("resumed_segments", 0) for u in todo))
     _write_json_atomic(manifest_path(out_prefix), manifest)
     if not keep_parts:
         shutil.rmtree(parts_dir, ignore_errors=True)
@@ -390,27 +457,28 @@ def _preprocess_locked(files, tokenizer_path, out_prefix, workers, text_field, t
 
 
 def _read_finished_part(parts_dir: str, name: str) -> Optional[dict]:
-    prefix = os.path.join(parts_dir, name)
+    """The statistics of a completed unit whose segments are all intact, else None (the unit is (re)done)."""
     try:
-        with open(prefix + ".json") as stream:
+        with open(os.path.join(parts_dir, name + ".json")) as stream:
             stats = json.load(stream)
-        index = indexed.verify_shard(prefix, allow_empty=True)
-    except (OSError, json.JSONDecodeError, indexed.ShardError):
+    except (OSError, json.JSONDecodeError):
         return None
-    if index.num_tokens != stats["tokens"] or index.num_documents != stats["documents"]:
+    segments = _finished_segments(parts_dir, name)
+    if len(segments) != len(stats["segments"]) or sum(s["tokens"] for s in segments) != stats["tokens"]:
+        os.remove(os.path.join(parts_dir, name + ".json"))  # a damaged segment: redo the unit from there
         return None
     return stats
 
 
-def _merge_parts(part_prefixes: Sequence[str], out_prefix: str, dtype: type) -> None:
-    """Concatenate the parts into `out_prefix.{bin,idx}`, each file renamed into place only when complete."""
+def _merge_parts(segment_prefixes: Sequence[str], out_prefix: str, dtype: type) -> None:
+    """Concatenate the segments into `out_prefix.{bin,idx}`, each file renamed into place only when complete."""
     staging = f"{out_prefix}.tmp{os.getpid()}"
     lengths = []
     with open(staging + ".bin", "wb") as out:
-        for part in part_prefixes:
+        for part in segment_prefixes:
             index = indexed.read_index(indexed.idx_path(part))
             if index.dtype is not dtype:
-                raise indexed.ShardError(f"part {part}.idx holds {np.dtype(index.dtype).name} tokens, expected "
+                raise indexed.ShardError(f"segment {part}.idx holds {np.dtype(index.dtype).name} tokens, expected "
                                          f"{np.dtype(dtype).name}")
             lengths.append(np.array(index.sequence_lengths))
             with open(indexed.bin_path(part), "rb") as source:
@@ -424,7 +492,8 @@ def _merge_parts(part_prefixes: Sequence[str], out_prefix: str, dtype: type) -> 
     os.replace(staging + ".idx", indexed.idx_path(out_prefix))
 
 
-def _build_manifest(files, units, ordered_stats, hashes, tokenizer, options, out_prefix, *, seconds, reused_parts):
+def _build_manifest(files, units, ordered_stats, hashes, tokenizer, options, out_prefix, *, seconds, reused_parts,
+                    resumed_segments):
     per_input = {path: {"documents": 0, "tokens": 0, "records": 0, "skipped": Counter(), "errors": []} for path in files}
     for unit, part in zip(units, ordered_stats):
         entry = per_input[unit.path]
@@ -461,7 +530,8 @@ def _build_manifest(files, units, ordered_stats, hashes, tokenizer, options, out
                   for unit, part in zip(units, ordered_stats)],
         "totals": {"documents": documents, "tokens": tokens, "records": sum(e["records"] for e in inputs),
                    "skipped": dict(sorted(skipped_total.items()))},
-        "run": {"seconds": round(seconds, 3), "reused_parts": reused_parts, "parts": len(units)},
+        "run": {"seconds": round(seconds, 3), "reused_parts": reused_parts, "parts": len(units),
+                "resumed_segments": resumed_segments},
     }
 
 
@@ -487,13 +557,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         help=".txt inputs: one document per file or per blank-line block")
     parser.add_argument("--unit-mb", type=int, default=256, help="cut uncompressed jsonl and parquet into units this big")
     parser.add_argument("--chunk-docs", type=int, default=1024, help="documents a worker encodes at a time")
+    parser.add_argument("--segment-mtok", type=float, default=64,
+                        help="checkpoint a unit every this many million tokens (resume granularity)")
     parser.add_argument("--keep-parts", action="store_true", help="keep PREFIX.parts/ after merging")
     args = parser.parse_args(argv)
     preset = readers.PRESETS[args.preset] if args.preset else None
     text_field = args.text_field or (preset.text_field if preset else "text")
     files = readers.expand_inputs(args.input, preset.globs if preset else ())
     preprocess(files, args.tokenizer, args.out, workers=args.workers, text_field=text_field, txt_mode=args.txt_mode,
-               unit_bytes=args.unit_mb * MIB, chunk_docs=args.chunk_docs, keep_parts=args.keep_parts, progress=True)
+               unit_bytes=args.unit_mb * MIB, chunk_docs=args.chunk_docs, segment_tokens=int(args.segment_mtok * 1e6),
+               keep_parts=args.keep_parts, progress=True)
 
 
 if __name__ == "__main__":

@@ -235,19 +235,22 @@ def test_large_jsonl_is_split_into_units_at_line_starts(tmp_path, tokenizer_dir,
     assert _shard_documents(str(tmp_path / "a" / "s"), tokenizer) == documents * 3
 
 
-KILL_AFTER_PARTS = textwrap.dedent("""
-    import os, signal, sys
+KILL_AFTER_COMMITS = textwrap.dedent("""
+    import os, re, signal, sys
     sys.path.insert(0, {root!r})
     from data import preprocess
     original, finished = preprocess._write_json_atomic, []
     def write_then_die(path, payload):
         original(path, payload)
-        finished.append(path)
-        if len(finished) == {parts}:
-            os.kill(os.getpid(), signal.SIGKILL)  # an abrupt death right after a part is committed
+        if re.search({pattern!r}, os.path.basename(path)):
+            finished.append(path)
+        if len(finished) == {commits}:
+            os.kill(os.getpid(), signal.SIGKILL)  # an abrupt death right after a commit
     preprocess._write_json_atomic = write_then_die
     preprocess.main(sys.argv[1:])
 """)
+UNIT_DONE = r"^[0-9]{6}-[0-9a-f]{16}\.json$"  # a whole work unit committed
+SEGMENT_DONE = r"\.s[0-9]{5}\.json$"  # one checkpointed segment of a unit committed
 
 
 def test_resume_after_kill_is_byte_identical(tmp_path, tokenizer_dir, documents):
@@ -259,12 +262,12 @@ def test_resume_after_kill_is_byte_identical(tmp_path, tokenizer_dir, documents)
     preprocess.preprocess(inputs, tokenizer_dir, str(tmp_path / "clean" / "s"))
 
     script = tmp_path / "killed.py"
-    script.write_text(KILL_AFTER_PARTS.format(root=str(REPO_ROOT), parts=2))
+    script.write_text(KILL_AFTER_COMMITS.format(root=str(REPO_ROOT), pattern=UNIT_DONE, commits=2))
     killed = subprocess.run([sys.executable, str(script), *args, "--out", str(tmp_path / "resumed" / "s")],
                             capture_output=True, text=True)
     assert killed.returncode == -9, killed.stderr
     assert not (tmp_path / "resumed" / "s.bin").exists()
-    assert len(list((tmp_path / "resumed" / "s.parts").glob("*.json"))) == 2
+    assert len([p for p in (tmp_path / "resumed" / "s.parts").glob("*.json") if ".s0" not in p.name]) == 2
 
     manifest = preprocess.preprocess(inputs, tokenizer_dir, str(tmp_path / "resumed" / "s"))
     assert manifest["run"]["reused_parts"] == 2 and manifest["run"]["parts"] == 4
@@ -280,6 +283,27 @@ def test_resume_after_kill_is_byte_identical(tmp_path, tokenizer_dir, documents)
         stream.write(json.dumps({"text": "one more"}) + "\n")
     redone = preprocess.preprocess(inputs, tokenizer_dir, str(tmp_path / "resumed" / "s"))
     assert redone["totals"]["documents"] == manifest["totals"]["documents"] + 1
+
+
+def test_resume_inside_a_compressed_file(tmp_path, tokenizer_dir, documents):
+    """A compressed file is one unit; killed midway, its checkpointed segments are kept and not tokenized again."""
+    _write_jsonl(tmp_path / "big.jsonl.gz", documents * 6)
+    clean = preprocess.preprocess([str(tmp_path / "big.jsonl.gz")], tokenizer_dir, str(tmp_path / "clean" / "s"),
+                                  chunk_docs=8, segment_tokens=2000)
+    assert clean["run"]["parts"] == 1
+    script = tmp_path / "killed.py"
+    script.write_text(KILL_AFTER_COMMITS.format(root=str(REPO_ROOT),
+                                                pattern=SEGMENT_DONE, commits=3))
+    killed = subprocess.run([sys.executable, str(script), "--input", str(tmp_path / "big.jsonl.gz"), "--tokenizer",
+                             tokenizer_dir, "--out", str(tmp_path / "resumed" / "s"), "--chunk-docs", "8",
+                             "--segment-mtok", "0.002"], capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr
+    resumed = preprocess.preprocess([str(tmp_path / "big.jsonl.gz")], tokenizer_dir, str(tmp_path / "resumed" / "s"),
+                                    chunk_docs=8, segment_tokens=2000)
+    assert resumed["run"]["resumed_segments"] == 3
+    assert resumed["totals"] == clean["totals"]
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / "resumed" / f"s{suffix}").read_bytes() == (tmp_path / "clean" / f"s{suffix}").read_bytes()
 
 
 def test_parallel_workers_write_the_same_shard(tmp_path, tokenizer_dir, documents):
