@@ -121,3 +121,21 @@ def test_bad_step_guard():
     assert guard.check(4.0) is None and guard.consecutive == 0
     assert "exceeds 2.0 x the mean" in guard.check(2 * 36.0 + 1)  # mean of (4, 100, 4) is 36
     assert guard.check(math.inf) == "loss is inf" and guard.exhausted
+
+
+def test_preemption_signal_only_sets_a_flag_until_the_ranks_agree():
+    import signal
+
+    import torch
+
+    from diff_transformer.failures import PreemptionSignals
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    signals = PreemptionSignals(["SIGUSR1"], grace_period_s=60).install()
+    try:
+        assert not signals.agreed(torch.device("cpu"))
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert signals.received == "SIGUSR1" and signals.agreed(torch.device("cpu"))
+    finally:
+        signals.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) == previous

@@ -83,6 +83,8 @@ def diff_tp2(tmp_path_factory):
     train(root / "full", overrides + ["parallel.tp=2"], nproc=2)
     train(root / "resumed_tp2", overrides + ["parallel.tp=2", f"checkpoint.resume={ckpt(root / 'full', 2)}"], nproc=2)
     train(root / "resumed_tp1", overrides + [f"checkpoint.resume={ckpt(root / 'full', 2)}"])
+    weights_only = ["checkpoint.interval=0", "checkpoint.save_at_end=false", f"checkpoint.load_weights_only={ckpt(root / 'full', 4)}"]
+    train(root / "from_weights", overrides + weights_only)
     return root
 
 
@@ -107,6 +109,15 @@ def test_diff_resume_tp2_to_tp1_within_1e5(diff_tp2):
             assert abs(lam_resumed - lam_full) < 1e-5
     saved = read_trainer_state(ckpt(diff_tp2 / "resumed_tp1", 4))
     assert saved["layout"]["tp"] == 1 and saved["step"] == 4 and saved["consumed_samples"] == 4 * 4
+
+
+def test_load_weights_only_starts_a_new_run_from_trained_weights(diff_tp2):
+    full, fresh = by_step(read_metrics(diff_tp2 / "full")), by_step(read_metrics(diff_tp2 / "from_weights"))
+    assert sorted(fresh) == [1, 2, 3, 4], "step, schedule and data start from zero"
+    assert fresh[1]["lr"] == full[1]["lr"] == 0.0 and fresh[1]["tokens"] == full[1]["tokens"]
+    # the first batch again, through the weights trained for 4 steps (a TP=2 checkpoint, loaded at TP=1)
+    assert fresh[1]["loss"] < full[1]["loss"] - 0.1
+    assert "started from the weights of" in (diff_tp2 / "from_weights" / "train.log").read_text()
 
 
 def test_incompatible_model_config_names_the_keys(diff_tp2, tmp_path):
@@ -143,7 +154,7 @@ def test_vanilla_dp2_distributed_optimizer_resume_is_bit_exact(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# SIGKILL during a save, SIGTERM during training
+# SIGKILL during a save, SIGTERM during training (under SLURM: requeue)
 # ------------------------------------------------------------------------------------------------------------------
 def _wait_for(predicate, timeout: float, proc, what: str, poll: float = 0.002):
     deadline = time.time() + timeout
@@ -160,17 +171,18 @@ def _tail(path) -> str:
     return Path(path).read_text()[-4000:]
 
 
-def _start(run, overrides, log, **kwargs):
+def _start(run, overrides, log, env=None, **kwargs):
     """train.py in the background, its output in ``log`` (a pipe nobody reads could fill and block it)."""
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            train_command(run, overrides), cwd=REPO, env=train_env(), stdout=out, stderr=subprocess.STDOUT, **kwargs
+            train_command(run, overrides), cwd=REPO, env=env or train_env(), stdout=out, stderr=subprocess.STDOUT,
+            **kwargs,
         )
     proc.log = log
     return proc
 
 
-def test_sigkill_during_save_then_sigterm_then_resume(tmp_path):
+def test_sigkill_during_save_then_sigterm_requeue_then_resume(tmp_path):
     run = tmp_path / "run"
     root = run / "checkpoints"
     long_run = [o for o in SHORT_RUN if not o.startswith("trainer.max_steps")] + ["trainer.max_steps=60"]
@@ -189,8 +201,14 @@ def test_sigkill_during_save_then_sigterm_then_resume(tmp_path):
     killed = by_step(read_metrics(run))
     assert max(killed) >= 3
 
-    # 2. resumed automatically from step 2; SIGTERM mid-training saves the current step and exits cleanly
-    proc = _start(run, long_run + ["checkpoint.interval=0"], tmp_path / "terminated.log")
+    # 2. resumed automatically from step 2, as a SLURM job; SIGTERM mid-training (SLURM's SIGUSR1 takes the same
+    # path) saves the current step, requeues the job (a stand-in scontrol records the call) and exits cleanly
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.calls"}\n')
+    (fake_bin / "scontrol").chmod(0o755)
+    slurm_env = dict(train_env(), SLURM_JOB_ID="4242", PATH=f"{fake_bin}:{os.environ['PATH']}")
+    proc = _start(run, long_run + ["checkpoint.interval=0"], tmp_path / "preempted.log", env=slurm_env)
     metrics = run / "metrics.jsonl"
 
     def resumed_past_step_4():
@@ -208,14 +226,15 @@ def test_sigkill_during_save_then_sigterm_then_resume(tmp_path):
     stopped = read_metrics(run)
     last = stopped[-1]["step"]
     assert 5 <= last < 60
-    assert (root / LATEST_FILE).read_text().strip() == checkpoint_name(last), "SIGTERM saves the current step"
+    assert (root / LATEST_FILE).read_text().strip() == checkpoint_name(last), "the signal saves the current step"
+    assert (tmp_path / "scontrol.calls").read_text() == "requeue 4242\n"
     assert read_trainer_state(ckpt(run, last))["consumed_samples"] == last * 4
     assert not (root / f".{checkpoint_name(4)}.tmp").exists(), "the next save removes the partial one"
     assert [r["step"] for r in stopped] == list(range(1, last + 1)), "no duplicate steps after the resume"
     # the resumed step 3 retraces the killed run's step 3 exactly: resume from the previous checkpoint is exact
     assert by_step(stopped)[3]["loss"] == killed[3]["loss"]
 
-    # 3. the next start continues from the SIGTERM checkpoint to the end
+    # 3. the next start (the requeued job) continues from that checkpoint to the end
     train(run, long_run + ["checkpoint.interval=0", "checkpoint.save_at_end=false"])
     final = read_metrics(run)
     assert [r["step"] for r in final] == list(range(1, 61))
