@@ -88,6 +88,7 @@ def diff_tp2(tmp_path_factory):
     return root
 
 
+@pytest.mark.multiproc
 def test_diff_resume_same_layout_is_bit_exact(diff_tp2):
     full, resumed = by_step(read_metrics(diff_tp2 / "full")), by_step(read_metrics(diff_tp2 / "resumed_tp2"))
     assert sorted(resumed) == [3, 4], "the resumed run starts after the checkpoint's step"
@@ -96,6 +97,7 @@ def test_diff_resume_same_layout_is_bit_exact(diff_tp2):
             assert resumed[step][key] == full[step][key], (step, key, resumed[step][key], full[step][key])
 
 
+@pytest.mark.multiproc
 def test_diff_resume_tp2_to_tp1_within_1e5(diff_tp2):
     full, resumed = by_step(read_metrics(diff_tp2 / "full")), by_step(read_metrics(diff_tp2 / "resumed_tp1"))
     assert sorted(resumed) == [3, 4]
@@ -111,6 +113,7 @@ def test_diff_resume_tp2_to_tp1_within_1e5(diff_tp2):
     assert saved["layout"]["tp"] == 1 and saved["step"] == 4 and saved["consumed_samples"] == 4 * 4
 
 
+@pytest.mark.multiproc
 def test_load_weights_only_starts_a_new_run_from_trained_weights(diff_tp2):
     full, fresh = by_step(read_metrics(diff_tp2 / "full")), by_step(read_metrics(diff_tp2 / "from_weights"))
     assert sorted(fresh) == [1, 2, 3, 4], "step, schedule and data start from zero"
@@ -120,6 +123,7 @@ def test_load_weights_only_starts_a_new_run_from_trained_weights(diff_tp2):
     assert "started from the weights of" in (diff_tp2 / "from_weights" / "train.log").read_text()
 
 
+@pytest.mark.multiproc
 def test_incompatible_model_config_names_the_keys(diff_tp2, tmp_path):
     from omegaconf import OmegaConf
 
@@ -141,6 +145,7 @@ def test_incompatible_model_config_names_the_keys(diff_tp2, tmp_path):
     assert "attention_backend" not in message and "num_layers" not in message
 
 
+@pytest.mark.multiproc
 def test_vanilla_dp2_distributed_optimizer_resume_is_bit_exact(tmp_path):
     overrides = SHORT_RUN + ["model.attention=vanilla", "parallel.distributed_optimizer=true"]
     train(tmp_path / "full", overrides + ["checkpoint.async_save=true"], nproc=2)  # written in the background
@@ -245,6 +250,13 @@ def test_sigkill_during_save_then_sigterm_requeue_then_resume(tmp_path):
 # ------------------------------------------------------------------------------------------------------------------
 # Tooling: inspect and convert
 # ------------------------------------------------------------------------------------------------------------------
+def _checkpoint_cli_in_process(capsys, *args):
+    from diff_transformer.checkpoint import main
+
+    assert main([str(a) for a in args]) == 0
+    return capsys.readouterr().out
+
+
 def _checkpoint_cli(*args):
     proc = subprocess.run(
         [sys.executable, "-m", "diff_transformer.checkpoint", *map(str, args)], cwd=REPO, env=train_env(),
@@ -254,16 +266,18 @@ def _checkpoint_cli(*args):
     return proc.stdout
 
 
-def test_inspect_prints_step_layout_and_sizes(diff_tp2):
-    out = _checkpoint_cli("inspect", diff_tp2 / "full" / "checkpoints")  # a checkpoints dir means its latest
+@pytest.mark.multiproc
+def test_inspect_prints_step_layout_and_sizes(diff_tp2, capsys):
+    out = _checkpoint_cli_in_process(capsys, "inspect", diff_tp2 / "full" / "checkpoints")  # its latest
     assert f"checkpoint   {ckpt(diff_tp2 / 'full', 4)}" in out
     assert "step         4 (16 samples, 0 skipped)" in out
     assert "layout       tp=2 pp=1 dp=1 world=2 distributed_optimizer=True" in out
     assert "hidden_size=64" in out and "attention=diff" in out
-    info = json.loads(_checkpoint_cli("inspect", "--json", ckpt(diff_tp2 / "full", 2)))
+    info = json.loads(_checkpoint_cli_in_process(capsys, "inspect", "--json", ckpt(diff_tp2 / "full", 2)))
     assert info["step"] == 2 and info["size_bytes"] > 4 * info["num_parameters"]
 
 
+@pytest.mark.multiproc
 def test_convert_reshards_to_one_file_that_loads_into_a_tp1_model(diff_tp2, tmp_path, megatron_single_process):
     import torch
     from omegaconf import OmegaConf
