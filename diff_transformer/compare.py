@@ -441,7 +441,12 @@ def compare_runs(
         if len(sizes) < 3:
             notes.append(f"{kind}: {len(sizes)} model size(s); a scaling-law fit needs 3 (4+ for an uncertainty)")
             continue
-        size_fits[kind] = fit_power_law([r.parameters(parameter_count) for r in of_kind], [r.final_val_loss for r in of_kind])
+        try:
+            size_fits[kind] = fit_power_law(
+                [r.parameters(parameter_count) for r in of_kind], [r.final_val_loss for r in of_kind]
+            )
+        except ValueError as error:  # the curves are still worth drawing
+            notes.append(f"{kind}: no scaling-law fit: {error}")
     parameter_ratios = []
     if len(size_fits) == 2:
         # At each DIFF size trained, then at any size asked for (an extrapolation of both fits).
@@ -463,7 +468,11 @@ def compare_runs(
                     "the token fit needs 3 (lower trainer.eval_interval)"
                 )
                 break
-            token_fits[run.attention] = fit_power_law(run.val_tokens[keep], run.val_loss[keep])
+            try:
+                token_fits[run.attention] = fit_power_law(run.val_tokens[keep], run.val_loss[keep])
+            except ValueError as error:
+                notes.append(f"{run.name}: no token fit: {error}")
+                break
         if len(token_fits) == 2:
             diff_run = token_pair[0]
             token_ratio = matching_ratio(token_fits[DIFF], token_fits[BASELINE], float(diff_run.val_tokens[-1]))

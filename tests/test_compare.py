@@ -159,6 +159,18 @@ def test_token_ratio_along_one_run(tmp_path, noise):
         assert comparison.token_fits["vanilla"].E == pytest.approx(E_D, rel=1e-4)
 
 
+def test_a_size_that_breaks_the_power_law_leaves_a_note_not_a_crash(tmp_path):
+    root = tmp_path / "sweep"
+    for n in SIZES:
+        write_run(root, "vanilla", n, float(baseline_loss(n)))
+        write_run(root, "diff", n, 3.0 + n / 1e8)  # larger models worse: no falling power law fits
+    comparison = compare.compare_runs(compare.load_runs([root]))
+    assert "diff" not in comparison.size_fits and "vanilla" in comparison.size_fits
+    assert any(note.startswith("diff: no scaling-law fit") for note in comparison.notes)
+    assert comparison.parameter_ratios == []
+    compare.plot_comparison(comparison, tmp_path / "figure.png")
+
+
 def test_refuses_mismatched_data_naming_the_run(tmp_path):
     root = sweep(tmp_path / "sweep")
     write_run(root / "odd", "diff", 5e7, float(diff_loss(5e7)), data="other-corpus")
