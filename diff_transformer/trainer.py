@@ -21,6 +21,7 @@ from diff_transformer import compat
 from diff_transformer.checkpoint import (
     CheckpointManager,
     check_model_compatible,
+    check_resumable,
     checkpoints_dir,
     directory_bytes,
     ensure_free_space,
@@ -167,13 +168,6 @@ class _PipelineStageBatches:
         return next(self.loader_iter)
 
 
-def _without_test_split(split: str) -> str:
-    """The train/valid split with no test documents: training never reads them, and megatron-core's epoch count
-    loops forever on a split that holds no tokens (small corpora round the test share to zero documents)."""
-    parts = [p.strip() for p in split.split(",")]
-    return ",".join(parts[:2] + ["0"] * (3 - len(parts[:2])))
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # Trainer
 # ------------------------------------------------------------------------------------------------------------------
@@ -232,7 +226,7 @@ class Trainer:
             seed=cfg.seed,
             train_samples=t.max_steps * gbs,
             valid_samples=max(eval_runs * t.eval_iters * gbs, 1),
-            split=_without_test_split(cfg.data.split),
+            split=cfg.data.split,
             index_cache_dir=cfg.data.index_cache_dir,
             eod_mask_loss=cfg.data.eod_mask_loss,
         )
@@ -385,7 +379,9 @@ class Trainer:
         elif c.resume != "none":
             resume = resolve_checkpoint_path(c.resume)
         if resume:
-            check_model_compatible(resume, read_trainer_state(resume)["config"]["model"], current_model)
+            saved = read_trainer_state(resume)
+            check_model_compatible(resume, saved["config"]["model"], current_model)
+            check_resumable(resume, saved, self.cfg)
             return resume, None
         if c.load_weights_only:
             weights = resolve_checkpoint_path(c.load_weights_only)
