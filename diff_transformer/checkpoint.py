@@ -221,6 +221,25 @@ def check_model_compatible(path: str, saved_model: Dict[str, Any], current_model
         )
 
 
+def check_resumable(path: str, saved: Dict[str, Any], cfg: Any) -> None:
+    """Refuse optimizer-state resharding that megatron-core cannot do; the weights alone always reshard."""
+    layout, p = saved["layout"], cfg.parallel
+    if layout["distributed_optimizer"] != p.distributed_optimizer:
+        raise ValueError(
+            f"checkpoint {path} was saved with parallel.distributed_optimizer={layout['distributed_optimizer']}, "
+            f"the run uses {p.distributed_optimizer}; use the same setting, or start from its weights with "
+            "checkpoint.load_weights_only"
+        )
+    if p.distributed_optimizer and cfg.model.share_embeddings and layout["pp"] != p.pp:
+        # measured: PP=2 -> PP=1 restores every tensor but the tied embedding, whose fp32 copy comes back wrong
+        raise ValueError(
+            f"checkpoint {path} was saved at parallel.pp={layout['pp']} with the distributed optimizer and tied "
+            f"embeddings; megatron-core 0.16.1 restores the tied embedding's optimizer state wrongly when PP changes "
+            f"(here to parallel.pp={p.pp}): resume at parallel.pp={layout['pp']}, or start from its weights with "
+            "checkpoint.load_weights_only"
+        )
+
+
 def read_trainer_state(path: str) -> Dict[str, Any]:
     with open(os.path.join(path, STATE_FILE)) as f:
         return json.load(f)
@@ -429,12 +448,8 @@ class CheckpointManager:
 
         saved = read_trainer_state(path)
         current_layout = _layout(self.trainer)
-        if not weights_only and saved["layout"]["distributed_optimizer"] != current_layout["distributed_optimizer"]:
-            raise ValueError(
-                f"checkpoint {path} was saved with parallel.distributed_optimizer="
-                f"{saved['layout']['distributed_optimizer']}, the run uses {current_layout['distributed_optimizer']}; "
-                "use the same setting, or start from its weights with checkpoint.load_weights_only"
-            )
+        if not weights_only:
+            check_resumable(path, saved, self.trainer.cfg)
         same_layout = all(saved["layout"][k] == current_layout[k] for k in ("tp", "pp", "dp"))
         with_rng = not weights_only and same_layout
         state = _sharded_state_dict(self.trainer, is_loading=True, optimizer=not weights_only, rng=with_rng)

@@ -144,6 +144,11 @@ def test_incompatible_model_config_names_the_keys(diff_tp2, tmp_path):
     assert "model.ffn_hidden_size: checkpoint 176, config 256" in message
     assert "attention_backend" not in message and "num_layers" not in message
 
+    # the same model at PP=2: refused before loading, since megatron-core mis-restores the tied embedding there
+    cfg.model.hidden_size, cfg.model.ffn_hidden_size, cfg.parallel.pp = 64, 176, 2
+    with pytest.raises(ValueError, match="saved at parallel.pp=1 with the distributed optimizer and tied embeddings"):
+        trainer._checkpoint_to_load()
+
 
 @pytest.mark.multiproc
 def test_vanilla_dp2_distributed_optimizer_resume_is_bit_exact(tmp_path):
