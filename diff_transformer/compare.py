@@ -513,6 +513,14 @@ def format_report(comparison: Comparison) -> str:
     return "\n".join(lines)
 
 
+def _spread_label(estimate: RatioEstimate) -> str:
+    if not math.isfinite(estimate.std):
+        return " (no uncertainty)"
+    if estimate.std > estimate.ratio:  # a degenerate fit: a ± of thousands of percent says nothing
+        return " (unconstrained)"
+    return f" ±{100 * estimate.std:.0f}%"
+
+
 def plot_comparison(comparison: Comparison, out_path: str | Path, title: str | None = None) -> Path:
     """Train/validation curves, the size fit with its parameter ratio, and the token fit along one run."""
     import matplotlib
@@ -564,9 +572,13 @@ def plot_comparison(comparison: Comparison, out_path: str | Path, title: str | N
             matched = largest.at / largest.ratio
             ax.annotate("", xy=(matched, largest.loss), xytext=(largest.at, largest.loss),
                         arrowprops=dict(arrowstyle="<->", color="k", lw=0.8))
-            spread = f" ±{100 * largest.std:.0f}%" if math.isfinite(largest.std) else ""
+            spread = _spread_label(largest)
             ax.text(math.sqrt(matched * largest.at), largest.loss, f"{100 * largest.ratio:.1f}%{spread} params\n",
                     va="bottom", ha="center", fontsize=9)
+    # Frame the measured losses: a steep fit extrapolated past the smallest size would flatten them.
+    finals = np.array([r.final_val_loss for r in runs])
+    span = max(finals.max() - finals.min(), 0.05)
+    ax.set_ylim(finals.min() - 0.4 * span, finals.max() + 0.6 * span)
     ax.set_xscale("log")
     ax.set_xlabel(f"parameters ({count.replace('_', '-')})")
     ax.set_ylabel("final validation loss")
@@ -589,7 +601,7 @@ def plot_comparison(comparison: Comparison, out_path: str | Path, title: str | N
             matched = estimate.at / estimate.ratio
             ax.annotate("", xy=(matched, estimate.loss), xytext=(estimate.at, estimate.loss),
                         arrowprops=dict(arrowstyle="<->", color="k", lw=0.8))
-            spread = f" ±{100 * estimate.std:.0f}%" if math.isfinite(estimate.std) else ""
+            spread = _spread_label(estimate)
             ax.text(math.sqrt(matched * estimate.at), estimate.loss, f"{100 * estimate.ratio:.1f}%{spread} tokens\n",
                     va="bottom", ha="center", fontsize=9)
         ax.set_xscale("log")
