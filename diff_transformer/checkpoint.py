@@ -351,6 +351,9 @@ def trainer_state(trainer, save_seconds: Optional[float] = None) -> Dict[str, An
         "step": trainer.step,
         "consumed_samples": trainer.consumed_samples,
         "skipped_steps": getattr(trainer, "skipped_steps", 0),
+        # the bad-step guard's memory, so that a resumed run judges spikes and streaks as the original would
+        "bad_steps_in_a_row": trainer.bad_steps.consecutive if hasattr(trainer, "bad_steps") else 0,
+        "recent_losses": list(trainer.bad_steps.recent) if hasattr(trainer, "bad_steps") else [],
         "wandb_run_id": getattr(trainer, "wandb_run_id", None),
         "layout": _layout(trainer),
         "num_parameters": getattr(trainer, "num_parameters", None),

@@ -359,6 +359,8 @@ class Trainer:
             saved = self.checkpoints.load(resume)
             self.step, self.consumed_samples = saved["step"], saved["consumed_samples"]
             self.skipped_steps = saved.get("skipped_steps", 0)
+            self.bad_steps.consecutive = saved.get("bad_steps_in_a_row", 0)
+            self.bad_steps.recent.extend(saved.get("recent_losses", []))
             self.wandb_run_id = saved.get("wandb_run_id")
             self.resumed_from = resume
             if self.rank == 0:

@@ -103,6 +103,7 @@ def test_nan_steps_are_skipped_counted_and_stop_the_run_with_a_checkpoint(nan_gu
     assert steps[3]["lr"] == steps[2]["lr"]
     saved = read_trainer_state(str(run / "checkpoints" / checkpoint_name(6)))
     assert (saved["step"], saved["consumed_samples"], saved["skipped_steps"]) == (6, 24, 3)
+    assert saved["bad_steps_in_a_row"] == 2 and saved["recent_losses"] == [steps[s]["loss"] for s in (1, 3, 4)]
 
 
 def test_resume_after_the_stop_continues_without_duplicate_steps(nan_guarded_run):
