@@ -141,7 +141,9 @@ def test_torch_env_from_slurm_for_directly_started_tasks(tmp_path, monkeypatch):
     fake_slurm_commands(tmp_path / "bin")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
+        # set first, so that monkeypatch records the key and removes what the call below writes
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     for key, value in {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NNODES": "2",
                        "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_JOB_ID": "20123"}.items():
         monkeypatch.setenv(key, value)
