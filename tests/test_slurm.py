@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -74,6 +75,11 @@ class LocalSlurmCluster:
         """Environment for SLURM client commands (sbatch, squeue, scontrol) to reach this cluster."""
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
+    @property
+    def freezer_cgroup(self) -> bool:
+        """cgroup v1 with a writable freezer hierarchy, as on hosts and containers without systemd."""
+        return os.access("/sys/fs/cgroup/freezer", os.W_OK)
+
     def write_config(self) -> None:
         host = socket.gethostname().split(".")[0]
         for sub in ("state", "spool", "munge", "log"):
@@ -82,9 +88,14 @@ class LocalSlurmCluster:
         key = self.root / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o600)
+        (self.root / "cgroup.conf").write_text(
+            "CgroupPlugin=cgroup/v1\nCgroupAutomount=no\nConstrainCores=no\nConstrainRAMSpace=no\nConstrainDevices=no\n"
+        )
         self.conf.write_text(
             "\n".join([
                 "ClusterName=localtest",
+                # Job ids apart from any other test cluster on this host: they name the jobs' cgroups.
+                f"FirstJobId={random.randrange(1000, 1_000_000)}",
                 f"SlurmctldHost={host}(127.0.0.1)",
                 f"SlurmctldPort={free_port()}",
                 f"SlurmdPort={free_port()}",
@@ -101,8 +112,8 @@ class LocalSlurmCluster:
                 f"SlurmdLogFile={self.root}/log/slurmd.log",
                 "SlurmctldDebug=info",
                 "SlurmdDebug=info",
-                # No cgroups in a container: track processes by parentage, no task binding, no accounting.
-                "ProctrackType=proctrack/linuxproc",
+                # The freezer cgroup holds every process of a job, also those whose parent died: all are killed.
+                f"ProctrackType=proctrack/{'cgroup' if self.freezer_cgroup else 'linuxproc'}",
                 "TaskPlugin=task/none",
                 "JobAcctGatherType=jobacct_gather/none",
                 "AccountingStorageType=accounting_storage/none",
@@ -180,6 +191,19 @@ class LocalSlurmCluster:
                     process.kill()
                     process.wait(timeout=5)
         self.processes.clear()
+        # slurmd leaves its empty per-node cgroups behind; rmdir removes only empty ones, so a live job is safe.
+        host = socket.gethostname().split(".")[0]
+        node_cgroup = Path("/sys/fs/cgroup/freezer") / f"slurm_{host}"
+        if self.freezer_cgroup and node_cgroup.is_dir():
+            for directory in sorted((p for p in node_cgroup.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+                try:
+                    directory.rmdir()
+                except OSError:
+                    pass
+            try:
+                node_cgroup.rmdir()
+            except OSError:
+                pass
 
 
 # ------------------------------------------------------------------------------------------------------------ tests
