@@ -120,3 +120,10 @@ def test_train_py_refuses_before_starting_anything(tmp_path):
     assert proc.returncode == 2
     assert "error: parallel.tp=3 does not divide model.num_heads=2" in proc.stderr
     assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_data_group_selects_the_source():
+    assert compose_cfg().data.source == "bundled"
+    shards = compose_cfg("data=shards")
+    with pytest.raises(ValueError, match="data.source='shards' needs data.blend"):
+        shards.data.validate()
