@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from diff_transformer.config import register_configs, to_object, validate
 from diff_transformer.trainer import Trainer, destroy_distributed, world_size_from_env
+from launch.slurm import set_torch_env_from_slurm
 
 register_configs()
 
@@ -22,6 +23,7 @@ register_configs()
 def main(dict_cfg: DictConfig) -> None:
     trainer = None
     try:
+        set_torch_env_from_slurm()  # processes srun starts directly (one per GPU, e.g. Hydra's submitit launcher)
         cfg = to_object(dict_cfg)
         validate(cfg, world_size_from_env())  # before any process group starts or data is touched
         trainer = Trainer(cfg, HydraConfig.get().runtime.output_dir)

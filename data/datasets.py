@@ -61,8 +61,7 @@ def _prepare_bundled(cfg: DataConfig) -> PreparedData:
         tokenizer_dir = os.path.join(work_dir, "tokenizer")
     else:
         tokenizer_dir = resolve_path(cfg.tokenizer_dir)
-        tokenizer_hash = _tokenizer_hash(tokenizer_dir)
-        work_dir = os.path.join(cache_dir, f"bundled-{corpus_hash}-tok{tokenizer_hash[:12]}")
+        work_dir = os.path.join(cache_dir, f"bundled-{corpus_hash}-tok{tokenizer_hash(tokenizer_dir)[:12]}")
     prefix = os.path.join(work_dir, "corpus")
     with file_lock(work_dir + ".lock"):
         if cfg.tokenizer_dir is None and not os.path.isfile(os.path.join(tokenizer_dir, CONFIG_FILE)):
@@ -72,7 +71,8 @@ def _prepare_bundled(cfg: DataConfig) -> PreparedData:
     return PreparedData(tokenizer_dir, [prefix], None)
 
 
-def _tokenizer_hash(path: str) -> str:
+def tokenizer_hash(path: str) -> str:
+    """sha256 of a tokenizer's model file (a directory's tokenizer.model or tokenizer.json, or the file itself)."""
     model = os.path.join(path, MODEL_FILE) if os.path.isdir(path) else path
     if not os.path.isfile(model):
         model = os.path.join(path, "tokenizer.json")

@@ -501,11 +501,26 @@ class Trainer:
             "seq_length": self.cfg.model.seq_length,
             "global_batch_size": self.cfg.trainer.global_batch_size,
             "max_steps": self.cfg.trainer.max_steps,
-            "data": self.prepared.describe() if hasattr(self.prepared, "describe") else str(self.prepared),
+            "data": self._data_description(),
             "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "dp": self.dp_size},
         }
         with open(os.path.join(self.run_dir, "run.json"), "w") as f:
             json.dump(info, f, indent=2)
+
+    def _data_description(self) -> Dict[str, Any]:
+        """What was trained on, by content (tokenizer hash, shard names and sizes, weights, split), not by path, so
+        that the same data prepared in two places compares equal."""
+        from data.datasets import tokenizer_hash
+
+        shards = [
+            {"name": os.path.basename(p), "bytes": os.path.getsize(p + ".bin")} for p in self.prepared.prefixes
+        ]
+        return {
+            "tokenizer_sha256": tokenizer_hash(self.prepared.tokenizer_dir),
+            "shards": shards,
+            "weights": self.prepared.weights,
+            "split": self.cfg.data.split,
+        }
 
     def fit(self) -> List[Dict[str, Any]]:
         """Train to ``trainer.max_steps``; returns early (after a checkpoint) when a preemption signal arrives, and
@@ -519,6 +534,9 @@ class Trainer:
                 cfg, self.run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)), run_id=self.wandb_run_id
             )
             self.wandb_run_id = getattr(wandb_run, "id", None)
+            if wandb_run is not None:  # compare --wandb reads the run description from here
+                with open(os.path.join(self.run_dir, "run.json")) as f:
+                    wandb_run.config.update({"run": json.load(f)}, allow_val_change=True)
         writer = MetricsWriter(
             self.run_dir, t.max_steps, enabled=self.rank == 0, wandb_run=wandb_run,
             resume_step=self.step if self.resumed_from else None,
