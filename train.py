@@ -5,7 +5,6 @@
     torchrun --nproc_per_node=8 train.py model=3b parallel.tp=2 parallel.pp=2
 """
 
-import os
 import sys
 
 import hydra

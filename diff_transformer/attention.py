@@ -93,6 +93,11 @@ class _CoreAttentionBase(MegatronModule):
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
+    def _check_call(self, attn_mask_type, attention_bias, packed_seq_params) -> None:
+        _require_causal(attn_mask_type)
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError(f"{type(self).__name__} does not support packed sequences or attention bias")
+
 
 class DifferentialCoreAttention(_CoreAttentionBase):
     """Differential attention V1: (softmax(Q1K1ᵀ·s) − λ·softmax(Q2K2ᵀ·s))·V per head, then per-head RMSNorm·(1−λ_init).
@@ -156,9 +161,7 @@ class DifferentialCoreAttention(_CoreAttentionBase):
         attention_bias=None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        _require_causal(attn_mask_type)
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("differential attention does not support packed sequences or attention bias")
+        self._check_call(attn_mask_type, attention_bias, packed_seq_params)
         s, b, two_h, d = query.shape
         two_g = key.shape[2]
         if two_h % 2 or two_g % 2:
@@ -231,9 +234,7 @@ class VanillaCoreAttention(_CoreAttentionBase):
         attention_bias=None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        _require_causal(attn_mask_type)
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("this attention module does not support packed sequences or attention bias")
+        self._check_call(attn_mask_type, attention_bias, packed_seq_params)
         s, b, heads, d = query.shape
         if self.backend == "flash_attn":
             out = _flash_attn_func()(

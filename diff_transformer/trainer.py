@@ -44,7 +44,6 @@ from diff_transformer.model import (
     count_parameters,
     head_dim,
     lambda_values,
-    num_kv_heads,
     resolve_precision,
 )
 

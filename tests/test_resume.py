@@ -8,7 +8,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from diff_transformer.checkpoint import LATEST_FILE, checkpoint_name, is_complete, read_trainer_state
+from tests.train_runs import REPO, read_metrics, run_train, train_command, train_env
 
-REPO = Path(__file__).resolve().parent.parent
 STEPS = 4  # 2N: the resumed runs start from the checkpoint at step N = 2
 SHORT_RUN = [
     "experiment=smoke", f"trainer.max_steps={STEPS}", "optim.warmup_steps=1", "trainer.eval_interval=0",
@@ -26,42 +25,6 @@ SHORT_RUN = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def train_command(run_dir, overrides, nproc: int = 1):
-    if nproc == 1:
-        launcher = [sys.executable, str(REPO / "train.py")]
-    else:
-        launcher = [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(REPO / "train.py"),
-        ]
-    return launcher + list(overrides) + [f"hydra.run.dir={run_dir}"]
-
-
-def train_env():
-    return dict(os.environ, WANDB_MODE="offline", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-
-
-def train(run_dir, overrides, nproc: int = 1, expect_rc: int = 0):
-    proc = subprocess.run(
-        train_command(run_dir, overrides, nproc), cwd=REPO, env=train_env(), capture_output=True, text=True,
-        timeout=300,
-    )
-    if proc.returncode != expect_rc:
-        raise AssertionError(
-            f"train.py exited {proc.returncode}, expected {expect_rc}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-        )
-    return proc
-
-
-def read_metrics(run_dir):
-    with open(Path(run_dir) / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def by_step(records):
@@ -80,11 +43,11 @@ def diff_tp2(tmp_path_factory):
     """DIFF at TP=2 with the distributed optimizer: uninterrupted, resumed at TP=2, resumed at TP=1."""
     root = tmp_path_factory.mktemp("diff_tp2")
     overrides = SHORT_RUN + ["model.attention=diff", "parallel.distributed_optimizer=true"]
-    train(root / "full", overrides + ["parallel.tp=2"], nproc=2)
-    train(root / "resumed_tp2", overrides + ["parallel.tp=2", f"checkpoint.resume={ckpt(root / 'full', 2)}"], nproc=2)
-    train(root / "resumed_tp1", overrides + [f"checkpoint.resume={ckpt(root / 'full', 2)}"])
+    run_train(root / "full", overrides + ["parallel.tp=2"], nproc=2)
+    run_train(root / "resumed_tp2", overrides + ["parallel.tp=2", f"checkpoint.resume={ckpt(root / 'full', 2)}"], nproc=2)
+    run_train(root / "resumed_tp1", overrides + [f"checkpoint.resume={ckpt(root / 'full', 2)}"])
     weights_only = ["checkpoint.interval=0", "checkpoint.save_at_end=false", f"checkpoint.load_weights_only={ckpt(root / 'full', 4)}"]
-    train(root / "from_weights", overrides + weights_only)
+    run_train(root / "from_weights", overrides + weights_only)
     return root
 
 
@@ -153,8 +116,8 @@ def test_incompatible_model_config_names_the_keys(diff_tp2, tmp_path):
 @pytest.mark.multiproc
 def test_vanilla_dp2_distributed_optimizer_resume_is_bit_exact(tmp_path):
     overrides = SHORT_RUN + ["model.attention=vanilla", "parallel.distributed_optimizer=true"]
-    train(tmp_path / "full", overrides + ["checkpoint.async_save=true"], nproc=2)  # written in the background
-    train(tmp_path / "resumed", overrides + [f"checkpoint.resume={ckpt(tmp_path / 'full', 2)}"], nproc=2)
+    run_train(tmp_path / "full", overrides + ["checkpoint.async_save=true"], nproc=2)  # written in the background
+    run_train(tmp_path / "resumed", overrides + [f"checkpoint.resume={ckpt(tmp_path / 'full', 2)}"], nproc=2)
     full, resumed = by_step(read_metrics(tmp_path / "full")), by_step(read_metrics(tmp_path / "resumed"))
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
@@ -245,7 +208,7 @@ def test_sigkill_during_save_then_sigterm_requeue_then_resume(tmp_path):
     assert by_step(stopped)[3]["loss"] == killed[3]["loss"]
 
     # 3. the next start (the requeued job) continues from that checkpoint to the end
-    train(run, long_run + ["checkpoint.interval=0", "checkpoint.save_at_end=false"])
+    run_train(run, long_run + ["checkpoint.interval=0", "checkpoint.save_at_end=false"])
     final = read_metrics(run)
     assert [r["step"] for r in final] == list(range(1, 61))
     assert by_step(final)[last]["loss"] == by_step(stopped)[last]["loss"]

@@ -14,7 +14,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from diff_transformer.checkpoint import LATEST_FILE, checkpoint_name, read_trainer_state
-from tests.test_resume import SHORT_RUN, by_step, read_metrics, train
+from tests.test_resume import SHORT_RUN, by_step, read_metrics
+from tests.train_runs import run_train
 
 BLOCK = 32 * 1024
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
@@ -83,9 +84,9 @@ def nan_guarded_run(tmp_path_factory):
         "trainer.max_steps=8", "checkpoint.interval=0", "trainer.eval_interval=4", "logging.wandb.mode=offline",
         "failures.max_consecutive_bad_steps=2",
     ]
-    stopped = train(run, common + ["failures.inject_nan_at_steps=[2,5,6]"], expect_rc=1)
+    stopped = run_train(run, common + ["failures.inject_nan_at_steps=[2,5,6]"], expect_rc=1)
     stopped_metrics = read_metrics(run)
-    train(run, common)
+    run_train(run, common)
     return run, stopped, stopped_metrics
 
 

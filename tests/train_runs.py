@@ -16,8 +16,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_train(run_dir, overrides, nproc: int = 1, timeout: int = 300, check: bool = True):
-    """Train with Hydra overrides into ``run_dir``; returns the CompletedProcess."""
+def train_command(run_dir, overrides, nproc: int = 1):
     if nproc == 1:
         launcher = [sys.executable, str(REPO / "train.py")]
     else:
@@ -25,13 +24,23 @@ def run_train(run_dir, overrides, nproc: int = 1, timeout: int = 300, check: boo
             sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
             "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO / "train.py"),
         ]
-    env = dict(os.environ, WANDB_MODE="offline", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    return launcher + list(overrides) + [f"hydra.run.dir={run_dir}"]
+
+
+def train_env():
+    return dict(os.environ, WANDB_MODE="offline", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+
+
+def run_train(run_dir, overrides, nproc: int = 1, expect_rc: int = 0, timeout: int = 300):
+    """Train with Hydra overrides into ``run_dir``; fails the test unless train.py exits with ``expect_rc``."""
     proc = subprocess.run(
-        launcher + list(overrides) + [f"hydra.run.dir={run_dir}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+        train_command(run_dir, overrides, nproc), cwd=REPO, env=train_env(), capture_output=True, text=True,
+        timeout=timeout,
     )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    if proc.returncode != expect_rc:
+        raise AssertionError(
+            f"train.py exited {proc.returncode}, expected {expect_rc}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     return proc
 
 
