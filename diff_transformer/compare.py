@@ -521,6 +521,17 @@ def _spread_label(estimate: RatioEstimate) -> str:
     return f" ±{100 * estimate.std:.0f}%"
 
 
+def _annotate_ratio(ax, estimate: RatioEstimate, unit: str) -> None:
+    """An arrow from the DIFF point to where the baseline reaches the same loss, labelled with the ratio."""
+    if not math.isfinite(estimate.ratio):
+        return
+    matched = estimate.at / estimate.ratio
+    ax.annotate("", xy=(matched, estimate.loss), xytext=(estimate.at, estimate.loss),
+                arrowprops=dict(arrowstyle="<->", color="k", lw=0.8))
+    ax.text(math.sqrt(matched * estimate.at), estimate.loss,
+            f"{100 * estimate.ratio:.1f}%{_spread_label(estimate)} {unit}\n", va="bottom", ha="center", fontsize=9)
+
+
 def plot_comparison(comparison: Comparison, out_path: str | Path, title: str | None = None) -> Path:
     """Train/validation curves, the size fit with its parameter ratio, and the token fit along one run."""
     import matplotlib
@@ -568,13 +579,7 @@ def plot_comparison(comparison: Comparison, out_path: str | Path, title: str | N
     trained = [e for e in comparison.parameter_ratios if e.at <= all_n.max()]
     if trained:
         largest = trained[-1]
-        if math.isfinite(largest.ratio):
-            matched = largest.at / largest.ratio
-            ax.annotate("", xy=(matched, largest.loss), xytext=(largest.at, largest.loss),
-                        arrowprops=dict(arrowstyle="<->", color="k", lw=0.8))
-            spread = _spread_label(largest)
-            ax.text(math.sqrt(matched * largest.at), largest.loss, f"{100 * largest.ratio:.1f}%{spread} params\n",
-                    va="bottom", ha="center", fontsize=9)
+        _annotate_ratio(ax, largest, "params")
     # Frame the measured losses: a steep fit extrapolated past the smallest size would flatten them.
     finals = np.array([r.final_val_loss for r in runs])
     span = max(finals.max() - finals.min(), 0.05)
@@ -597,13 +602,8 @@ def plot_comparison(comparison: Comparison, out_path: str | Path, title: str | N
                 tokens = np.geomspace(max(run.val_tokens.min(), 1.0), run.val_tokens.max() * 1.5, 200)
                 ax.plot(tokens, fit(tokens), styles[run.attention], color=color, label=f"{labels[run.attention]} fit: α={fit.alpha:.2f}")
         estimate = comparison.token_ratio
-        if estimate is not None and math.isfinite(estimate.ratio):
-            matched = estimate.at / estimate.ratio
-            ax.annotate("", xy=(matched, estimate.loss), xytext=(estimate.at, estimate.loss),
-                        arrowprops=dict(arrowstyle="<->", color="k", lw=0.8))
-            spread = _spread_label(estimate)
-            ax.text(math.sqrt(matched * estimate.at), estimate.loss, f"{100 * estimate.ratio:.1f}%{spread} tokens\n",
-                    va="bottom", ha="center", fontsize=9)
+        if estimate is not None:
+            _annotate_ratio(ax, estimate, "tokens")
         ax.set_xscale("log")
         ax.legend(fontsize=8)
     ax.set_xlabel("tokens")

@@ -153,19 +153,6 @@ def forward_step(data_iterator: Iterator, model: torch.nn.Module):
     return output, partial(_loss_func, loss_mask)
 
 
-class _PipelineStageBatches:
-    """Feeds micro-batches to every stage; only the first and last stages use them (tokens, labels, mask)."""
-
-    def __init__(self, loader_iter: Iterator):
-        self.loader_iter = loader_iter
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return next(self.loader_iter)
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # Trainer
 # ------------------------------------------------------------------------------------------------------------------
