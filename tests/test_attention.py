@@ -107,26 +107,33 @@ def _run(module, q, k, v):
     return out.detach(), [t.grad for t in (q, k, v)], [p.grad.clone() for p in module.parameters()]
 
 
-@pytest.mark.parametrize("kind", ["diff", "vanilla"])
-@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2)], ids=["H2-Hkv2", "H4-Hkv2"])
-def test_sdpa_matches_eager_values_and_grads(kind, heads, kv_heads):
-    torch.manual_seed(1)
-    N, B, d = 40, 2, 16
-    cls = DifferentialCoreAttention if kind == "diff" else VanillaCoreAttention
+def assert_backend_matches_eager(cls, backend, heads, kv_heads, N, B, layer, tol):
+    """Same weights and inputs through ``backend`` and ``eager``: outputs and every gradient agree within ``tol``.
+    Returns the eager parameter gradients."""
+    d = 16
     config = make_config(heads, kv_heads, d)
-    eager = cls(config, 2, AttnMaskType.causal, backend="eager")
-    sdpa = cls(config, 2, AttnMaskType.causal, backend="sdpa")
-    sdpa.load_state_dict(eager.state_dict())
+    eager = cls(config, layer, AttnMaskType.causal, backend="eager")
+    other = cls(config, layer, AttnMaskType.causal, backend=backend)
+    other.load_state_dict(eager.state_dict())
     q = torch.randn(N, B, 2 * heads, d)
     k = torch.randn(N, B, 2 * kv_heads, d)
     v = torch.randn(N, B, 2 * kv_heads, d)
     out_e, grads_e, pgrads_e = _run(eager, q, k, v)
-    out_s, grads_s, pgrads_s = _run(sdpa, q, k, v)
-    assert rel_err(out_s, out_e) < 1e-5
-    for a, b in zip(grads_s + pgrads_s, grads_e + pgrads_e):
-        assert rel_err(a, b) < 1e-5
+    out_o, grads_o, pgrads_o = _run(other, q, k, v)
+    assert rel_err(out_o, out_e) < tol
+    for got, want in zip(grads_o + pgrads_o, grads_e + pgrads_e):
+        assert rel_err(got, want) < tol
+    return pgrads_e
+
+
+@pytest.mark.parametrize("kind", ["diff", "vanilla"])
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2)], ids=["H2-Hkv2", "H4-Hkv2"])
+def test_sdpa_matches_eager_values_and_grads(kind, heads, kv_heads):
+    torch.manual_seed(1)
+    cls = DifferentialCoreAttention if kind == "diff" else VanillaCoreAttention
+    pgrads = assert_backend_matches_eager(cls, "sdpa", heads, kv_heads, N=40, B=2, layer=2, tol=1e-5)
     if kind == "diff":
-        assert len(pgrads_e) == 5 and all(g.abs().sum() > 0 for g in pgrads_e)
+        assert len(pgrads) == 5 and all(g.abs().sum() > 0 for g in pgrads)
 
 
 def test_unknown_backend_and_missing_flash_attn():
@@ -146,16 +153,4 @@ def test_unknown_backend_and_missing_flash_attn():
 def test_triton_backend_matches_eager_values_and_grads(heads, kv_heads):
     """The fused kernel as the model's backend (Triton's interpreter on CPU)."""
     torch.manual_seed(4)
-    N, B, d = 20, 1, 16
-    config = make_config(heads, kv_heads, d)
-    eager = DifferentialCoreAttention(config, 3, AttnMaskType.causal, backend="eager")
-    fused = DifferentialCoreAttention(config, 3, AttnMaskType.causal, backend="triton")
-    fused.load_state_dict(eager.state_dict())
-    q = torch.randn(N, B, 2 * heads, d)
-    k = torch.randn(N, B, 2 * kv_heads, d)
-    v = torch.randn(N, B, 2 * kv_heads, d)
-    out_e, grads_e, pgrads_e = _run(eager, q, k, v)
-    out_t, grads_t, pgrads_t = _run(fused, q, k, v)
-    assert rel_err(out_t, out_e) < 1e-4
-    for a, b in zip(grads_t + pgrads_t, grads_e + pgrads_e):
-        assert rel_err(a, b) < 1e-4
+    assert_backend_matches_eager(DifferentialCoreAttention, "triton", heads, kv_heads, N=20, B=1, layer=3, tol=1e-4)
