@@ -5,15 +5,16 @@
     torchrun --nproc_per_node=8 train.py model=3b parallel.tp=2 parallel.pp=2
 """
 
+import os
 import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from diff_transformer.config import register_configs, to_object, validate
-from diff_transformer.trainer import Trainer, destroy_distributed, world_size_from_env
-from launch.slurm import set_torch_env_from_slurm
+from diff_transformer.config import register_configs, resolve_launch_paths, to_object, validate
+from diff_transformer.training.distributed import destroy_distributed, set_torch_env_from_slurm, world_size_from_env
+from diff_transformer.training.trainer import Trainer
 
 register_configs()
 
@@ -24,6 +25,7 @@ def main(dict_cfg: DictConfig) -> None:
     try:
         set_torch_env_from_slurm()  # processes srun starts directly (one per GPU, e.g. Hydra's submitit launcher)
         cfg = to_object(dict_cfg)
+        resolve_launch_paths(cfg, os.getcwd())  # relative data/checkpoint paths: from where the user launched
         validate(cfg, world_size_from_env())  # before any process group starts or data is touched
         trainer = Trainer(cfg, HydraConfig.get().runtime.output_dir)
         trainer.setup()

@@ -27,9 +27,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from diff_transformer.checkpoint import CheckpointManager, directory_bytes  # noqa: E402
+from diff_transformer.training.checkpoint import CheckpointManager, directory_bytes  # noqa: E402
 from diff_transformer.config import register_configs, to_object  # noqa: E402
-from diff_transformer.trainer import Trainer, destroy_distributed, init_distributed  # noqa: E402
+from diff_transformer.training.distributed import destroy_distributed, init_distributed  # noqa: E402
+from diff_transformer.training.trainer import Trainer  # noqa: E402
 
 # ~110M parameters: 12 layers of width 768 (6 differential heads of d=64), SwiGLU 2048, a 32k vocabulary
 MODEL_OVERRIDES = [
@@ -51,10 +52,10 @@ def compose(overrides):
 def build_trainer(cfg, run_dir):
     """The trainer's model, optimizer and scheduler without its data: what a checkpoint holds."""
     from diff_transformer.config import padded_vocab_size
-    from diff_transformer.model import count_parameters
+    from diff_transformer.models.gpt import count_parameters
 
     trainer = Trainer(cfg, run_dir)
-    init_distributed(cfg)
+    init_distributed(cfg.parallel.backend, cfg.parallel.tp, cfg.parallel.pp, cfg.seed)
     trainer.rank = 0
     trainer.dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     trainer.padded_vocab = padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, 1)

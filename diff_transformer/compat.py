@@ -1,11 +1,20 @@
-"""megatron-core 0.16.1 on machines without CUDA: the patches that let it run on CPU over gloo.
+"""Every workaround the framework applies to megatron-core 0.16.1, in one module, behind one version guard.
 
-megatron-core assumes a CUDA device in a few dozen places. On a CPU-only machine (laptops, CI) we patch exactly
-those places so that the same model, schedules, optimizer and checkpoint code run there, which is what lets tensor
-and pipeline parallelism, checkpoints and the optimizer be tested without a GPU. Each patch names the megatron-core
-lines (paths relative to ``megatron/core``) it answers. Nothing here is applied when CUDA is available.
+Two kinds:
 
-Call :func:`apply_cpu_patches` once, before building models; it is idempotent.
+- **CPU patches** (:func:`apply_cpu_patches`). megatron-core assumes a CUDA device in a few dozen places. On a
+  CPU-only machine (laptops, CI) we patch exactly those places so that the same model, schedules, optimizer and
+  checkpoint code run there, which is what lets tensor and pipeline parallelism, checkpoints and the optimizer be
+  tested without a GPU. Nothing of this kind is applied when CUDA is available. Call it once, before building
+  models; it is idempotent.
+- **Checkpoint workarounds** (:func:`fork_checkpoint_results_queue`, :func:`initialise_adam_state`,
+  :func:`adam_step_left_out_of_param_copies`, :func:`unshare_adam_step_tensors`): defects of megatron-core's
+  distributed-optimizer checkpointing on the torch-Adam path and of its writer start-up, needed on any device.
+
+Each names the megatron-core lines (paths relative to ``megatron/core``) it answers, and :data:`PATCH_SITES` lists
+what each one assumes about the installed megatron-core; ``tests/test_compat.py`` checks every site, so an upgrade
+that moves one fails loudly instead of silently running unpatched code. :func:`check_megatron_core_version` refuses
+any other megatron-core version before a patch is applied.
 """
 
 from __future__ import annotations
@@ -13,13 +22,115 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import logging
+import multiprocessing
+from dataclasses import dataclass
+from typing import List, Optional
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 _APPLIED = False
+# The release every workaround below was written against (and constraints.txt pins).
+MEGATRON_CORE_VERSION = "0.16.1"
+
+
+def installed_megatron_core_version() -> str:
+    from importlib.metadata import version
+
+    return version("megatron-core")
+
+
+def check_megatron_core_version() -> None:
+    """Raise RuntimeError unless the installed megatron-core is the release these workarounds were written for."""
+    installed = installed_megatron_core_version()
+    if installed != MEGATRON_CORE_VERSION:
+        raise RuntimeError(
+            f"megatron-core {installed} is installed, but diff_transformer.compat patches megatron-core "
+            f"{MEGATRON_CORE_VERSION} (the version constraints.txt pins); install megatron-core=={MEGATRON_CORE_VERSION}, "
+            "or check every site in diff_transformer.compat.PATCH_SITES against the new release and update it"
+        )
+
+
+@dataclass(frozen=True)
+class PatchSite:
+    """One thing a workaround assumes about megatron-core: ``module`` (and ``attribute``, dotted) exist, and when
+    ``needle`` is given, the source of that object contains it (the line the workaround answers)."""
+
+    workaround: str
+    module: str
+    attribute: Optional[str] = None
+    needle: Optional[str] = None
+
+    def problem(self) -> Optional[str]:
+        """None when the site is as assumed; otherwise what differs, in words."""
+        try:
+            obj = importlib.import_module(self.module)
+        except ImportError as err:
+            return f"{self.workaround}: cannot import {self.module}: {err}"
+        for part in (self.attribute or "").split(".") if self.attribute else []:
+            if not hasattr(obj, part):
+                return f"{self.workaround}: {self.module} has no {self.attribute}"
+            obj = getattr(obj, part)
+        if self.needle is not None:
+            try:
+                source = inspect.getsource(obj)
+            except (TypeError, OSError) as err:
+                return f"{self.workaround}: no source for {self.module}.{self.attribute}: {err}"
+            if self.needle not in source:
+                where = f"{self.module}.{self.attribute}" if self.attribute else self.module
+                return f"{self.workaround}: {where} no longer contains {self.needle!r}"
+        return None
+
+
+_MODULES_WITH_LITERAL_CUDA = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.utils",
+)
+
+PATCH_SITES = (
+    PatchSite("rng tracker", "megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.add",
+              "torch.cuda.get_rng_state()"),
+    PatchSite("rng tracker", "megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork"),
+    PatchSite("rng tracker", "megatron.core.tensor_parallel.random", "_get_cuda_rng_state"),
+    PatchSite("rng tracker", "megatron.core.tensor_parallel.random", "_set_cuda_rng_state"),
+    PatchSite("rng tracker", "megatron.core.tensor_parallel.random", "_MODEL_PARALLEL_RNG_TRACKER_NAME"),
+    PatchSite("rng tracker", "megatron.core.tensor_parallel.random", "_CUDA_RNG_STATE_TRACKER_INITIALIZED"),
+    PatchSite("rng tracker", "megatron.core.tensor_parallel.random", "initialize_rng_tracker",
+              "CudaRNGStatesTracker"),
+    PatchSite("rng tracker", "megatron.core.tensor_parallel.random", "model_parallel_cuda_manual_seed",
+              "torch.cuda.manual_seed"),
+    PatchSite("current_device", "megatron.core.models.common.embeddings.rotary_pos_embedding", None,
+              "torch.cuda.current_device()"),
+    PatchSite("current_device", "megatron.core.utils", "GlobalMemoryBuffer.get_tensor", "torch.cuda.current_device()"),
+    PatchSite("tied embedding .cuda()", "megatron.core.models.common.language_module.language_module", None,
+              "weight.data.cuda()"),
+    PatchSite("ShardedTensor.init_data", "megatron.core.dist_checkpointing.mapping", "ShardedTensor.init_data"),
+    PatchSite("cuda type checks", "megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
+              "'torch.cuda.FloatTensor'"),
+    PatchSite("cuda type checks", "megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"),
+    PatchSite("cuda type checks", "megatron.core.optimizer.distrib_optimizer",
+              "DistributedOptimizer._build_model_and_main_param_groups", "'torch.cuda.FloatTensor'"),
+    PatchSite("checkpoint writer queue", "megatron.core.dist_checkpointing.strategies.filesystem_async",
+              "_get_write_results_queue", 'get_context("spawn")'),
+    PatchSite("checkpoint writer queue", "megatron.core.dist_checkpointing.strategies.filesystem_async",
+              "_results_queue"),
+    PatchSite("adam step on load", "megatron.core.optimizer.distrib_optimizer",
+              "DistributedOptimizer._set_main_param_and_optimizer_states", "dst_tensors[key].copy_(tensors[key])"),
+    *(PatchSite("literal cuda devices", name, "torch") for name in _MODULES_WITH_LITERAL_CUDA),
+)
+
+
+def patch_site_problems() -> List[str]:
+    """What differs from every PatchSite in the installed megatron-core (empty when all are as assumed)."""
+    return [p for p in (site.problem() for site in PATCH_SITES) if p is not None]
 
 _CUDA_TYPE_NAMES = {
     "torch.FloatTensor": "torch.cuda.FloatTensor",
@@ -39,6 +150,7 @@ def apply_cpu_patches() -> bool:
         return True
     if not cpu_patches_needed():
         return False
+    check_megatron_core_version()
     _patch_rng_tracker()
     _patch_torch_cuda_device_calls()
     _patch_literal_cuda_devices()
@@ -134,17 +246,6 @@ def _on_cpu(factory, *args, **kwargs):
 # dist_checkpointing/exchange_utils.py:336,499 (resharding exchange); ShardedTensor.init_data("cuda"):
 # exchange_utils.py:98,106.
 # ---------------------------------------------------------------------------------------------------------------
-_MODULES_WITH_LITERAL_CUDA = (
-    "megatron.core.pipeline_parallel.schedules",
-    "megatron.core.optimizer.optimizer",
-    "megatron.core.optimizer.clip_grads",
-    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
-    "megatron.core.dist_checkpointing.exchange_utils",
-    "megatron.core.distributed.param_and_grad_buffer",
-    "megatron.core.utils",
-)
-
-
 def _patch_literal_cuda_devices() -> None:
     proxy = _CpuDeviceTorch()
     for name in _MODULES_WITH_LITERAL_CUDA:
@@ -204,3 +305,76 @@ def _patch_cuda_type_checks() -> None:
     cls = distrib_optimizer.DistributedOptimizer
     build = cls._build_model_and_main_param_groups
     cls._build_model_and_main_param_groups = staticmethod(_with_cuda_type_names(build))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoint workarounds (any device)
+# ---------------------------------------------------------------------------------------------------------------
+def fork_checkpoint_results_queue() -> None:
+    """megatron's torch_dist writer gathers its workers' results through a Manager queue that it starts with the
+    spawn method (dist_checkpointing/strategies/filesystem_async.py:51-56); a spawned child re-imports the training
+    script, seconds per process. A forked Manager serves the same queue at once (the writers themselves fork too)."""
+    check_megatron_core_version()
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", "absent") is None:
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+
+
+def _inner_optimizers(optimizer) -> "List[torch.optim.Optimizer]":
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [opt.optimizer for opt in chained if getattr(opt, "optimizer", None) is not None]
+
+
+def initialise_adam_state(optimizer) -> None:
+    """Give a fresh torch Adam its state tensors (zeros, step 0) so that a load has somewhere to write; megatron's
+    distributed optimizer reads the step of existing state when it builds the state dict to load into."""
+    for inner in _inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {
+                        "step": torch.zeros((), dtype=torch.float32),
+                        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+                    }
+
+
+@contextlib.contextmanager
+def adam_step_left_out_of_param_copies(optimizer):
+    """The distributed optimizer's fully_reshardable load copies every key of a parameter's torch-Adam state from
+    the checkpoint's per-parameter tensors, which carry no ``step`` (it travels in the param groups):
+    megatron/core/optimizer/distrib_optimizer.py:938-940 raises KeyError('step'). Copy the keys that exist only."""
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        original = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if original is None or getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
+            continue
+
+        def set_states(model_param, tensors, opt=opt, original=original):
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            state = opt.optimizer.state[opt.optimizer.param_groups[group_index]["params"][group_order]]
+            step = state.pop("step") if "step" in state and "step" not in tensors else None
+            try:
+                original(model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+
+
+def unshare_adam_step_tensors(optimizer) -> None:
+    """megatron's load gives every parameter the same ``step`` tensor; torch Adam increments it in place once per
+    parameter, so each parameter needs its own copy."""
+    for inner in _inner_optimizers(optimizer):
+        for param_state in inner.state.values():
+            step = param_state.get("step")
+            if torch.is_tensor(step):
+                param_state["step"] = step.clone()

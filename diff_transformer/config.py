@@ -2,24 +2,23 @@
 
 Groups are orthogonal (``model``, ``parallel``, ``data``, ``optim``, ``trainer``, ``logging``, ``experiment``), so a mirrored baseline is ``model.attention=vanilla`` and a sweep is one multirun line.
 :func:`validate` checks every cross-field constraint before any process group starts and names the bad value.
+Every group's schema lives here, so the training code, the launchers and the tools read one definition.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from data.config import DataConfig
-from diff_transformer.attention import BACKENDS
-from diff_transformer.checkpoint import CheckpointConfig, validate_checkpoint_config
-from diff_transformer.failures import FailureConfig, validate_failure_config
-from diff_transformer.layer_specs import ATTENTION_KINDS
-from diff_transformer.model import num_kv_heads
-from diff_transformer.metrics import LoggingConfig
+from diff_transformer.models.attention import BACKENDS
+from diff_transformer.models.gpt import num_kv_heads
+from diff_transformer.models.layer_specs import ATTENTION_KINDS
 
 
 @dataclass
@@ -74,6 +73,83 @@ class TrainerConfig:
     eval_iters: int = 10
     log_interval: int = 1
     precision: str = "auto"  # auto (fp32 on CPU, bf16 on GPU) | fp32 | bf16
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None  # None: <run dir>/checkpoints
+    interval: int = 1000  # save every N steps (0: only at the end and on a signal)
+    save_at_end: bool = True
+    keep_last: int = 3  # keep the newest K checkpoints ...
+    keep_every: int = 0  # ... and every checkpoint whose step is a multiple of M (0: none)
+    resume: str = "auto"  # auto: latest under dir, if any | none | a checkpoint path (step_* or a checkpoints dir)
+    load_weights_only: Optional[str] = None  # a checkpoint whose weights start a new run (step 0, fresh optimizer)
+    async_save: bool = False  # write from a forked process; the loop blocks only while the state is staged
+    check_free_space: bool = True  # refuse to start when the disk cannot hold one more checkpoint
+
+
+RESUME_MODES = ("auto", "none")
+
+
+def validate_checkpoint_config(c: CheckpointConfig) -> None:
+    """Raise ValueError naming the first invalid ``checkpoint.*`` value."""
+    if c.interval < 0:
+        raise ValueError(f"checkpoint.interval={c.interval} must be >= 0 (0 saves only at the end and on signals)")
+    if c.keep_last < 1:
+        raise ValueError(f"checkpoint.keep_last={c.keep_last} must be >= 1 (the newest checkpoint is always kept)")
+    if c.keep_every < 0:
+        raise ValueError(f"checkpoint.keep_every={c.keep_every} must be >= 0 (0 keeps no extra checkpoints)")
+    if c.resume not in RESUME_MODES and not os.path.exists(c.resume):
+        raise ValueError(f"checkpoint.resume={c.resume!r} is neither auto, none, nor an existing checkpoint path")
+    if c.load_weights_only is not None and not os.path.exists(c.load_weights_only):
+        raise ValueError(f"checkpoint.load_weights_only={c.load_weights_only!r} does not exist")
+
+
+SIGNAL_NAMES = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
+
+
+@dataclass
+class FailureConfig:
+    signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGUSR2"])  # save, then exit
+    # seconds from the signal to a forced exit, when the save has not finished (the scheduler kills soon after);
+    # None: SHUTDOWN_GRACE_S from the launcher, else 120
+    grace_period_s: Optional[float] = None
+    max_consecutive_bad_steps: int = 5  # stop with a checkpoint after this many skipped steps in a row
+    loss_spike_factor: float = 0.0  # skip a step whose loss exceeds this times the recent mean (0: off)
+    loss_spike_window: int = 20  # good steps in that mean; no spike test before the window is full
+    inject_nan_at_steps: List[int] = field(default_factory=list)  # testing: these steps' loss and grads become NaN
+
+
+def validate_failure_config(f: FailureConfig) -> None:
+    for name in f.signals:
+        if name not in SIGNAL_NAMES:
+            raise ValueError(f"failures.signals has {name!r}; use names from {', '.join(SIGNAL_NAMES)}")
+    if f.grace_period_s is not None and f.grace_period_s <= 0:
+        raise ValueError(f"failures.grace_period_s={f.grace_period_s} must be positive (or null for the default)")
+    if f.max_consecutive_bad_steps < 1:
+        raise ValueError(f"failures.max_consecutive_bad_steps={f.max_consecutive_bad_steps} must be >= 1")
+    if f.loss_spike_factor != 0 and f.loss_spike_factor <= 1:
+        raise ValueError(f"failures.loss_spike_factor={f.loss_spike_factor} must be > 1 (or 0 to turn it off)")
+    if f.loss_spike_window < 1:
+        raise ValueError(f"failures.loss_spike_window={f.loss_spike_window} must be >= 1")
+
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline (default, no account) | online | disabled
+    project: str = "diff-transformer"
+    entity: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    level: str = "INFO"
+    peak_tflops_per_device: Optional[float] = None  # for MFU; None: the datasheet bf16 peak of a known GPU, none on CPU
 
 
 @dataclass
@@ -165,8 +241,54 @@ def validate(cfg: Any, world_size: int) -> None:
         )
     if p.backend not in ("auto", "nccl", "gloo"):
         raise ValueError(f"parallel.backend={p.backend!r} is unknown; use auto, nccl or gloo")
+    if cfg.logging.wandb.mode not in WANDB_MODES:
+        raise ValueError(
+            f"logging.wandb.mode={cfg.logging.wandb.mode!r} is unknown; use one of {', '.join(WANDB_MODES)}"
+        )
     validate_checkpoint_config(cfg.checkpoint)
     validate_failure_config(cfg.failures)
+
+
+# Config keys that name files or directories; relative values are taken from the directory the user launched from.
+PATH_KEYS = (
+    "data.blend", "data.tokenizer_dir", "data.cache_dir", "data.index_cache_dir",
+    "checkpoint.dir", "checkpoint.resume", "checkpoint.load_weights_only",
+)
+
+
+def _absolute(value: str, base_dir: str) -> str:
+    expanded = os.path.expanduser(value)
+    return expanded if os.path.isabs(expanded) else os.path.normpath(os.path.join(base_dir, expanded))
+
+
+def _hydra_string(value: str) -> str:
+    """A quoted Hydra override value (any character allowed inside)."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def resolve_launch_paths(cfg: Any, base_dir: str) -> List[str]:
+    """Make every relative path in ``cfg`` (the PATH_KEYS) absolute against ``base_dir``, in place, so that the
+    resolved config records where the data and checkpoints are, whatever directory the job later runs in.
+    ``checkpoint.resume``'s keywords (auto, none) stay. Returns ``key=value`` overrides for the changed keys."""
+    changed = []
+    for dotted in PATH_KEYS:
+        group, key = dotted.split(".")
+        section = getattr(cfg, group) if not isinstance(cfg, dict) else cfg[group]
+        value = section[key] if isinstance(section, dict) else getattr(section, key)
+        if value is None or (dotted == "checkpoint.resume" and value in RESUME_MODES):
+            continue
+        if isinstance(value, str):
+            new = _absolute(value, base_dir)
+        else:  # data.blend: a list of prefixes
+            new = [_absolute(str(v), base_dir) for v in value]
+        if new != value:
+            if isinstance(section, dict):
+                section[key] = new
+            else:
+                setattr(section, key, new)
+            rendered = _hydra_string(new) if isinstance(new, str) else "[" + ",".join(map(_hydra_string, new)) + "]"
+            changed.append(f"{dotted}={rendered}")
+    return changed
 
 
 def to_object(cfg: DictConfig) -> Config:

@@ -19,9 +19,12 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
+from diff_transformer.analysis.plots import QUICKSTART_LABELS as LABELS
+from diff_transformer.analysis.plots import plot_loss_curves
+from diff_transformer.fileio import atomic_write_json
+
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("diff", "vanilla")
-LABELS = {"diff": "DIFF Transformer", "vanilla": "Transformer (2H heads)"}
 
 
 def train(kind: str, run_dir: Path, steps: int | None, extra: Sequence[str]) -> None:
@@ -37,39 +40,6 @@ def throughput(records: List[dict]) -> float:
     """Median tokens/s over the run, skipping the first steps (warm-up, allocation)."""
     rates = [r["tokens_per_s"] for r in records[len(records) // 10 + 1:]] or [r["tokens_per_s"] for r in records]
     return float(np.median(rates))
-
-
-def plot_loss_curves(runs: Dict[str, List[dict]], out_path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = {"diff": "tab:red", "vanilla": "tab:blue"}
-    for kind, records in runs.items():
-        steps = np.array([r["step"] for r in records])
-        loss = np.array([r["loss"] for r in records])
-        window = max(1, len(loss) // 30)
-        smooth = np.convolve(loss, np.ones(window) / window, mode="valid")
-        ax_train.plot(steps, loss, color=colors[kind], alpha=0.2, lw=0.8)
-        ax_train.plot(steps[window - 1:], smooth, color=colors[kind], label=LABELS[kind])
-        val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-        if val:
-            ax_val.plot(*zip(*val), marker="o", color=colors[kind], label=LABELS[kind])
-    tail = np.concatenate([[r["loss"] for r in recs[len(recs) // 5:]] for recs in runs.values()])
-    ax_train.set_ylim(tail.min() - 0.1, np.percentile(tail, 99) + 0.3)
-    for ax, title in ((ax_train, "train loss"), (ax_val, "validation loss")):
-        ax.set_xlabel("step")
-        ax.set_ylabel("cross-entropy (nats/token)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle("tiny DIFF vs its mirrored baseline on the bundled corpus (CPU)")
-    fig.tight_layout()
-    fig.savefig(out_path, dpi=120)
-    plt.close(fig)
-    return out_path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -101,8 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "run_dir": str(out / kind),
         }
     summary["diff_vs_vanilla_throughput"] = summary["diff"]["tokens_per_s_median"] / summary["vanilla"]["tokens_per_s_median"]
-    with open(out / "summary.json", "w") as f:
-        json.dump(summary, f, indent=2)
+    atomic_write_json(str(out / "summary.json"), summary)
 
     print("\n=== quickstart summary")
     for kind in KINDS:

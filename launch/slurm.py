@@ -1,4 +1,4 @@
-"""Submit training runs to SLURM, follow them, cancel them; requeue a job from inside it on preemption.
+"""Submit training runs to SLURM, follow them, cancel them.
 
     python -m launch.slurm submit experiment=smoke nodes=1 gpus_per_node=8 partition=gpu time=04:00:00
     python -m launch.slurm submit model=3b nodes=4 gpus_per_node=8 parallel.tp=2 account=proj qos=high
@@ -12,7 +12,8 @@ else), composes the config to fail on a bad key before anything is queued, then 
   submit.sbatch     the job script: srun starts launch/torchrun.sh once per node; `sbatch submit.sbatch` resubmits
   launch.json       the command, overrides, commit, and the ids of the jobs submitted
 The job asks for `--signal=USR1@<grace>`, `--requeue` and `--open-mode=append`: on the signal torchrun forwards
-USR1 to the workers, which save a checkpoint; global rank 0 calls requeue_current_job(), and the requeued job resumes
+USR1 to the workers, which save a checkpoint; global rank 0 requeues the job
+(diff_transformer.training.failures.requeue_current_job), and the requeued job resumes
 from that checkpoint (checkpoint.resume=auto) with its log appended to slurm-<jobid>.out.
 """
 
@@ -268,6 +269,8 @@ def submit(arguments: Sequence[str], dry_run: bool = False) -> dict:
     """Snapshot code and config into the run directory, write submit.sbatch and submit it; returns launch.json."""
     from omegaconf import OmegaConf
 
+    from diff_transformer.config import resolve_launch_paths
+
     settings, overrides = split_arguments(arguments)
     run_dir_override = _hydra_override_value(overrides, "hydra.run.dir")
     if run_dir_override and settings.run_dir:
@@ -277,6 +280,10 @@ def submit(arguments: Sequence[str], dry_run: bool = False) -> dict:
     if given_run_dir:
         _refuse_existing_submission(Path(given_run_dir).expanduser().absolute())
     cfg = compose_config(overrides, world_size=settings.nodes * procs_per_node(settings))
+    # the job runs inside the code snapshot: relative paths are taken from here, the directory submit runs in
+    absolute = resolve_launch_paths(cfg, os.getcwd())
+    changed_keys = {o.split("=", 1)[0] for o in absolute}
+    overrides = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in changed_keys] + absolute
     run_dir = Path(given_run_dir or default_run_dir(cfg)).expanduser().absolute()
     _refuse_existing_submission(run_dir)
     python = settings.python or str(REPO_ROOT / ".venv" / "bin" / "python")
@@ -379,56 +386,6 @@ def cancel(target: str) -> str:
     job_id, _ = resolve_job(target)
     _run(["scancel", job_id], "cancel")
     return job_id
-
-
-def current_job_id() -> str | None:
-    """This process's job id, in the form scontrol takes (array tasks as <array job>_<task>)."""
-    array_job, array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    if array_job and array_task:
-        return f"{array_job}_{array_task}"
-    return os.environ.get("SLURM_JOB_ID")
-
-
-def requeue_current_job() -> bool:
-    """Put this SLURM job back in the queue (it restarts with the same id and resumes); False outside SLURM or on error.
-
-    Call once, from global rank 0, after the checkpoint is on disk: SLURM stops every task of the job right after.
-    """
-    job_id = current_job_id()
-    if not job_id:
-        return False
-    try:
-        subprocess.run(["scontrol", "requeue", job_id], check=True, capture_output=True, text=True, timeout=60)
-    except FileNotFoundError:
-        logger.warning("cannot requeue job %s: scontrol is not on PATH", job_id)
-        return False
-    except subprocess.CalledProcessError as error:
-        logger.warning("scontrol requeue %s failed: %s", job_id, (error.stderr or error.stdout).strip())
-        return False
-    except subprocess.TimeoutExpired:
-        logger.warning("scontrol requeue %s timed out", job_id)
-        return False
-    logger.info("requeued SLURM job %s", job_id)
-    return True
-
-
-def set_torch_env_from_slurm() -> bool:
-    """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT from SLURM for processes that srun starts directly
-    (one per GPU, as the submitit launcher does), when torchrun has not set them; True when it set them."""
-    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
-        return False
-    env = os.environ
-    env["RANK"] = env["SLURM_PROCID"]
-    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
-    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-    env["LOCAL_WORLD_SIZE"] = str(int(env["SLURM_NTASKS"]) // int(env.get("SLURM_NNODES", "1")))
-    if "MASTER_ADDR" not in env:
-        hosts = subprocess.run(
-            ["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]], check=True, capture_output=True, text=True
-        ).stdout.split()
-        env["MASTER_ADDR"] = hosts[0]
-    env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:

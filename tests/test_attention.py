@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from diff_transformer.attention import DifferentialCoreAttention, VanillaCoreAttention, lambda_init_for_layer
+from diff_transformer.models.attention import DifferentialCoreAttention, VanillaCoreAttention, lambda_init_for_layer
 from diff_transformer.compat import apply_cpu_patches
 
 apply_cpu_patches()

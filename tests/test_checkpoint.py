@@ -7,21 +7,20 @@ import os
 
 import pytest
 
-from diff_transformer import checkpoint
-from diff_transformer.checkpoint import (
+from diff_transformer.config import CheckpointConfig, FailureConfig, validate_checkpoint_config, validate_failure_config
+from diff_transformer.training import checkpoint
+from diff_transformer.training.checkpoint import (
     LATEST_FILE,
     STATE_FILE,
-    CheckpointConfig,
     checkpoint_name,
     checkpoints_to_delete,
     latest_checkpoint,
     list_checkpoints,
     model_config_differences,
     remove_partial_saves,
-    validate_checkpoint_config,
 )
-from diff_transformer.failures import BadStepGuard, FailureConfig, validate_failure_config
-from diff_transformer.metrics import truncate_metrics
+from diff_transformer.training.failures import BadStepGuard
+from diff_transformer.training.metrics import truncate_metrics
 
 
 def fake_checkpoint(root, step, complete=True):
@@ -126,16 +125,14 @@ def test_bad_step_guard():
 def test_preemption_signal_only_sets_a_flag_until_the_ranks_agree():
     import signal
 
-    import torch
-
-    from diff_transformer.failures import PreemptionSignals
+    from diff_transformer.training.failures import PreemptionSignals
 
     previous = signal.getsignal(signal.SIGUSR1)
     signals = PreemptionSignals(["SIGUSR1"], grace_period_s=60).install()
     try:
-        assert not signals.agreed(torch.device("cpu"))
+        assert not signals.agreed()
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert signals.received == "SIGUSR1" and signals.agreed(torch.device("cpu"))
+        assert signals.received == "SIGUSR1" and signals.agreed()
     finally:
         signals.uninstall()
     assert signal.getsignal(signal.SIGUSR1) == previous

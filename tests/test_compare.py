@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from diff_transformer import compare
+from diff_transformer.analysis import plots, scaling, wandb_runs
+from diff_transformer.analysis import runs as run_records
 
 # A baseline law, and DIFF defined to match the baseline at 1/RATIO times its size: L_diff(N) = L_base(N / RATIO).
 E, A, ALPHA = 1.8, 2.5, 0.35
@@ -72,7 +74,7 @@ def sweep(root, noise=0.0, seed=0, **kwargs):
 
 def test_fit_recovers_exact_power_law():
     n = np.geomspace(1e6, 1e9, 6)
-    fit = compare.fit_power_law(n, baseline_loss(n))
+    fit = scaling.fit_power_law(n, baseline_loss(n))
     assert fit.E == pytest.approx(E, rel=1e-5)
     assert fit.alpha == pytest.approx(ALPHA, rel=1e-5)
     assert fit.A_unscaled == pytest.approx(A * N_REF**ALPHA, rel=1e-4)
@@ -88,27 +90,27 @@ def test_fit_uncertainty_covers_truth_under_noise():
     trials = 40
     for seed in range(trials):
         rng = np.random.default_rng(seed)
-        fit = compare.fit_power_law(n, baseline_loss(n) + rng.normal(0, 0.01, len(n)))
+        fit = scaling.fit_power_law(n, baseline_loss(n) + rng.normal(0, 0.01, len(n)))
         assert fit.has_uncertainty
         covered += abs(fit.alpha - ALPHA) <= 2 * fit.stderr[2]
     assert covered >= 0.8 * trials
 
 
 def test_three_points_fit_has_no_uncertainty_and_two_are_refused():
-    fit = compare.fit_power_law(SIZES[:3], baseline_loss(SIZES[:3]))
+    fit = scaling.fit_power_law(SIZES[:3], baseline_loss(SIZES[:3]))
     assert not fit.has_uncertainty
     with pytest.raises(ValueError, match="needs 3 distinct x"):
-        compare.fit_power_law(SIZES[:2], baseline_loss(SIZES[:2]))
+        scaling.fit_power_law(SIZES[:2], baseline_loss(SIZES[:2]))
     with pytest.raises(ValueError, match="do not fall"):
-        compare.fit_power_law(SIZES, -baseline_loss(SIZES))
+        scaling.fit_power_law(SIZES, -baseline_loss(SIZES))
 
 
 def test_matching_ratio_closed_form():
     n = np.geomspace(1e6, 1e9, 6)
-    diff_fit = compare.fit_power_law(n, diff_loss(n))
-    base_fit = compare.fit_power_law(n, baseline_loss(n))
+    diff_fit = scaling.fit_power_law(n, diff_loss(n))
+    base_fit = scaling.fit_power_law(n, baseline_loss(n))
     for at in (3e6, 6.8e8):
-        estimate = compare.matching_ratio(diff_fit, base_fit, at)
+        estimate = scaling.matching_ratio(diff_fit, base_fit, at)
         assert estimate.ratio == pytest.approx(RATIO, rel=1e-4)
         assert estimate.loss == pytest.approx(float(diff_loss(at)), rel=1e-6)
 
@@ -134,8 +136,8 @@ def test_sweep_directory_end_to_end(tmp_path, capsys):
 
 
 def test_exact_sweep_recovers_both_ratios(tmp_path):
-    runs = compare.load_runs([sweep(tmp_path / "sweep")])
-    comparison = compare.compare_runs(runs)
+    runs = run_records.load_runs([sweep(tmp_path / "sweep")])
+    comparison = scaling.compare_runs(runs)
     assert comparison.size_fits["vanilla"].alpha == pytest.approx(ALPHA, rel=1e-4)
     assert comparison.size_fits["vanilla"].E == pytest.approx(E, rel=1e-4)
     assert [r.ratio for r in comparison.parameter_ratios] == pytest.approx([RATIO] * len(SIZES), rel=1e-3)
@@ -146,7 +148,7 @@ def test_token_ratio_along_one_run(tmp_path, noise):
     rng = np.random.default_rng(3) if noise else None
     for attention in ("diff", "vanilla"):
         write_run(tmp_path, attention, 1e8, 0.0, follow_token_law=True, noise=noise, rng=rng, eval_interval=20)
-    comparison = compare.compare_runs(compare.load_runs([tmp_path]))
+    comparison = scaling.compare_runs(run_records.load_runs([tmp_path]))
     assert "a scaling-law fit needs 3" in comparison.notes[0]
     estimate = comparison.token_ratio
     assert estimate.at == MAX_STEPS * TOKENS_PER_STEP
@@ -164,18 +166,18 @@ def test_a_size_that_breaks_the_power_law_leaves_a_note_not_a_crash(tmp_path):
     for n in SIZES:
         write_run(root, "vanilla", n, float(baseline_loss(n)))
         write_run(root, "diff", n, 3.0 + n / 1e8)  # larger models worse: no falling power law fits
-    comparison = compare.compare_runs(compare.load_runs([root]))
+    comparison = scaling.compare_runs(run_records.load_runs([root]))
     assert "diff" not in comparison.size_fits and "vanilla" in comparison.size_fits
     assert any(note.startswith("diff: no scaling-law fit") for note in comparison.notes)
     assert comparison.parameter_ratios == []
-    compare.plot_comparison(comparison, tmp_path / "figure.png")
+    plots.plot_comparison(comparison, tmp_path / "figure.png")
 
 
 def test_refuses_mismatched_data_naming_the_run(tmp_path):
     root = sweep(tmp_path / "sweep")
     write_run(root / "odd", "diff", 5e7, float(diff_loss(5e7)), data="other-corpus")
-    with pytest.raises(compare.RunMismatchError, match=r"differ in data.*n50000000_diff \(\S*odd/n50000000_diff\) has") as error:
-        compare.compare_runs(compare.load_runs([root]))
+    with pytest.raises(run_records.RunMismatchError, match=r"differ in data.*n50000000_diff \(\S*odd/n50000000_diff\) has") as error:
+        scaling.compare_runs(run_records.load_runs([root]))
     assert "other-corpus" in str(error.value)
     assert compare.main([str(root), "--out", str(tmp_path / "x.png")]) == 2
 
@@ -183,17 +185,17 @@ def test_refuses_mismatched_data_naming_the_run(tmp_path):
 def test_refuses_mismatched_token_budget_naming_the_run(tmp_path):
     root = sweep(tmp_path / "sweep")
     write_run(root / "short", "vanilla", 5e7, float(baseline_loss(5e7)), max_steps=500)
-    with pytest.raises(compare.RunMismatchError, match=r"token budget.*n50000000_vanilla \(\S*short/n50000000_vanilla\) has 2,048,000 tokens"):
-        compare.compare_runs(compare.load_runs([root]))
+    with pytest.raises(run_records.RunMismatchError, match=r"token budget.*n50000000_vanilla \(\S*short/n50000000_vanilla\) has 2,048,000 tokens"):
+        scaling.compare_runs(run_records.load_runs([root]))
 
 
 def test_refuses_unfinished_run_unless_allowed(tmp_path):
     root = sweep(tmp_path / "sweep")
     write_run(root / "cut", "diff", 5e7, float(diff_loss(5e7)), stop_at=700)
-    runs = compare.load_runs([root])
-    with pytest.raises(compare.RunMismatchError, match=r"not finished: n50000000_diff \(\S*cut/n50000000_diff, step 700 of 1000\)"):
-        compare.compare_runs(runs)
-    compare.compare_runs(runs, require_finished=False)
+    runs = run_records.load_runs([root])
+    with pytest.raises(run_records.RunMismatchError, match=r"not finished: n50000000_diff \(\S*cut/n50000000_diff, step 700 of 1000\)"):
+        scaling.compare_runs(runs)
+    scaling.compare_runs(runs, require_finished=False)
 
 
 def test_replayed_steps_keep_last_record_and_truncated_tail_is_skipped(tmp_path):
@@ -203,7 +205,7 @@ def test_replayed_steps_keep_last_record_and_truncated_tail_is_skipped(tmp_path)
         f.write(json.dumps({"step": 3, "loss": 9.0, "tokens": 3 * TOKENS_PER_STEP}) + "\n")
         f.write(json.dumps({"step": 4, "loss": 8.0, "val_loss": 7.0, "tokens": 4 * TOKENS_PER_STEP}) + "\n")
         f.write('{"step": 5, "lo')
-    run = compare.load_run(run_dir)
+    run = run_records.load_run(run_dir)
     assert run.steps.tolist() == [1, 2, 3, 4]
     assert run.train_loss[2:].tolist() == [9.0, 8.0]
     assert run.val_steps.tolist() == [2, 4] and run.final_val_loss == 7.0
@@ -228,9 +230,9 @@ def test_wandb_runs_are_read_like_run_directories():
             assert path == "team/proj" and filters == {"group": "sweep-1"}
             return [FakeRun(kind, n) for kind in ("diff", "vanilla") for n in (1_000_000, 3_000_000, 10_000_000)]
 
-    runs = compare.load_wandb_runs("team/proj/sweep-1", api=FakeApi())
+    runs = wandb_runs.load_wandb_runs("team/proj/sweep-1", api=FakeApi())
     assert {(r.attention, r.model, r.num_parameters, r.token_budget) for r in runs} >= {("diff", "n1000000", 1_000_000, 20)}
-    comparison = compare.compare_runs(runs)
+    comparison = scaling.compare_runs(runs)
     assert comparison.size_fits["vanilla"].E == pytest.approx(E, rel=1e-3)
     with pytest.raises(ValueError, match="ENTITY/PROJECT/GROUP"):
-        compare.load_wandb_runs("team/proj", api=FakeApi())
+        wandb_runs.load_wandb_runs("team/proj", api=FakeApi())

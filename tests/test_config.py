@@ -25,7 +25,7 @@ def compose_cfg(*overrides):
 
 
 def count_on_meta(cfg):
-    from diff_transformer.model import build_model_chunk, count_parameters
+    from diff_transformer.models.gpt import build_model_chunk, count_parameters
 
     with torch.device("meta"):
         model = build_model_chunk(cfg, cfg.model.vocab_size, perform_init=False)
@@ -60,8 +60,8 @@ def test_diff_and_baseline_have_equal_parameters(size, megatron_single_process):
 
 
 def test_lambda_init_uses_global_layer_numbers(megatron_single_process):
-    from diff_transformer.attention import lambda_init_for_layer
-    from diff_transformer.model import diff_attention_modules
+    from diff_transformer.models.attention import lambda_init_for_layer
+    from diff_transformer.models.gpt import diff_attention_modules
 
     _, model = count_on_meta(compose_cfg("model=tiny", "model.vocab_size=4096"))
     mods = diff_attention_modules([model])

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from diff_transformer.training.distributed import set_torch_env_from_slurm
+from diff_transformer.training.failures import requeue_current_job
 from launch import slurm
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -122,18 +124,18 @@ def test_cpu_job_dry_run_takes_one_process_per_node(tmp_path):
 def test_requeue_current_job(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
-    assert slurm.requeue_current_job() is False  # outside SLURM: nothing to do
+    assert requeue_current_job() is False  # outside SLURM: nothing to do
     log = fake_slurm_commands(tmp_path / "bin")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     monkeypatch.setenv("SLURM_JOB_ID", "77")
-    assert slurm.requeue_current_job() is True
+    assert requeue_current_job() is True
     assert log.read_text().splitlines() == ["scontrol requeue 77"]
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "70")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
-    assert slurm.requeue_current_job() is True
+    assert requeue_current_job() is True
     assert log.read_text().splitlines()[-1] == "scontrol requeue 70_3"
     fake_slurm_commands(tmp_path / "bin", fail="scontrol")
-    assert slurm.requeue_current_job() is False
+    assert requeue_current_job() is False
 
 
 def test_torch_env_from_slurm_for_directly_started_tasks(tmp_path, monkeypatch):
@@ -146,10 +148,10 @@ def test_torch_env_from_slurm_for_directly_started_tasks(tmp_path, monkeypatch):
     for key, value in {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NNODES": "2",
                        "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_JOB_ID": "20123"}.items():
         monkeypatch.setenv(key, value)
-    assert slurm.set_torch_env_from_slurm() is True
+    assert set_torch_env_from_slurm() is True
     assert [os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")] \
         == ["5", "8", "1", "4", "node07", "20123"]
-    assert slurm.set_torch_env_from_slurm() is False  # torchrun (or a first call) already set RANK
+    assert set_torch_env_from_slurm() is False  # torchrun (or a first call) already set RANK
 
 
 @pytest.mark.parametrize("env, message", [

@@ -3,12 +3,13 @@ smoke experiment data-parallel, with the losses of one process that takes the sa
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from diff_transformer.training.distributed import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN_SH = REPO_ROOT / "launch" / "torchrun.sh"
@@ -16,12 +17,6 @@ SMOKE = ["experiment=smoke", "trainer.max_steps=2", "optim.warmup_steps=1", "tra
          "logging.wandb.mode=disabled"]
 
 pytestmark = pytest.mark.multiproc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_run(run_dir: Path) -> tuple[dict, list[dict]]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from diff_transformer.checkpoint import LATEST_FILE, checkpoint_name, is_complete, read_trainer_state
+from diff_transformer.training.checkpoint import LATEST_FILE, checkpoint_name, is_complete, read_trainer_state
 from tests.train_runs import REPO, read_metrics, run_train, train_command, train_env
 
 STEPS = 4  # 2N: the resumed runs start from the checkpoint at step N = 2
@@ -91,7 +91,7 @@ def test_incompatible_model_config_names_the_keys(diff_tp2, tmp_path):
     from omegaconf import OmegaConf
 
     from diff_transformer.config import Config
-    from diff_transformer.trainer import Trainer
+    from diff_transformer.training.trainer import Trainer
 
     path = ckpt(diff_tp2 / "full", 2)
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), read_trainer_state(path)["config"]))
@@ -251,7 +251,7 @@ def test_convert_reshards_to_one_file_that_loads_into_a_tp1_model(diff_tp2, tmp_
     from omegaconf import OmegaConf
 
     from diff_transformer.config import Config
-    from diff_transformer.model import build_model_chunk
+    from diff_transformer.models.gpt import build_model_chunk
 
     # the same training, saved at TP=2 and at TP=1 (the resumed run): converted, both give the same tensors
     _checkpoint_cli("convert", ckpt(diff_tp2 / "full", 4), tmp_path / "from_tp2.pt")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from diff_transformer.training.distributed import free_port
 from launch import slurm
 
 pytestmark = pytest.mark.slurm
@@ -49,12 +50,6 @@ def ensure_installed(timeout_s: float = 300) -> None:
     missing = [d for d in DAEMONS if not shutil.which(d)]
     if missing:
         raise ClusterUnavailable(f"apt installed {PACKAGES} but {missing} are still not on PATH")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -210,11 +205,6 @@ class LocalSlurmCluster:
 SMOKE = ["experiment=smoke", "logging.wandb.mode=disabled", f"data.cache_dir={REPO_ROOT / 'data' / 'cache'}"]
 CPU_JOB = ["nodes=1", "gpus_per_node=0", "cpus_per_task=1", "time=15:00", "grace=30"]
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
-# The trainer installs its preemption handler (save, then requeue_current_job()) with checkpointing (issue 5).
-TRAINER_REQUEUES = any(
-    "requeue_current_job" in path.read_text() for path in (REPO_ROOT / "diff_transformer").glob("*.py")
-    if path.name != "compare.py"
-)
 
 
 @pytest.fixture(scope="module")
@@ -292,8 +282,6 @@ def finished_state(run_dir: Path) -> dict | None:
     return state if state["state"] in FINISHED else None
 
 
-@pytest.mark.xfail(not TRAINER_REQUEUES, strict=True,
-                   reason="the trainer has no preemption handler yet (checkpointing, issue 5): USR1 ends the job")
 def test_preempted_job_requeues_and_matches_uninterrupted_losses(cluster, jobs):
     # First in the file: the signal must reach the job while it trains, next to the uninterrupted one.
     run_dir = jobs["preempted"]

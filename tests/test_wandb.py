@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from diff_transformer.checkpoint import LATEST_FILE, checkpoint_name, read_trainer_state
+from diff_transformer.training.checkpoint import LATEST_FILE, checkpoint_name, read_trainer_state
 from tests.test_resume import SHORT_RUN, by_step, read_metrics
 from tests.train_runs import run_train
 

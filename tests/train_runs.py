@@ -2,18 +2,13 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from diff_transformer.training.distributed import free_port
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_command(run_dir, overrides, nproc: int = 1):

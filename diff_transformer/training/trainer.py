@@ -1,6 +1,8 @@
-"""The training loop on megatron-core: process groups, model, DDP, optimizer, schedules, validation, metrics.
+"""The training loop on megatron-core: model, DDP, optimizer, schedules, validation, metrics, checkpoints.
 
 The same code runs single-process on a CPU, on several CPU processes over gloo, and on GPU clusters over NCCL.
+Process groups and every small collective go through ``distributed``; checkpoints through ``checkpoint``; signals
+and bad steps through ``failures``; logging through ``metrics``; FLOPs and memory through ``accounting``.
 """
 
 from __future__ import annotations
@@ -16,8 +18,17 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from omegaconf import OmegaConf
 
-from diff_transformer import compat
-from diff_transformer.checkpoint import (
+from diff_transformer.config import padded_vocab_size, validate
+from diff_transformer.fileio import atomic_write_json
+from diff_transformer.models.gpt import build_model_chunk, count_parameters, lambda_values, resolve_precision
+from diff_transformer.training import distributed
+from diff_transformer.training.accounting import (
+    estimate_memory_per_gpu,
+    memory_gib,
+    model_flops_per_token,
+    peak_flops_per_device,
+)
+from diff_transformer.training.checkpoint import (
     CheckpointManager,
     check_model_compatible,
     check_resumable,
@@ -30,104 +41,18 @@ from diff_transformer.checkpoint import (
     remove_partial_saves,
     resolve_checkpoint_path,
 )
-from diff_transformer.config import padded_vocab_size, validate
-from diff_transformer.failures import (
+from diff_transformer.training.distributed import destroy_distributed, world_size_from_env
+from diff_transformer.training.failures import (
     BadStepGuard,
     PreemptionSignals,
     TrainingDiverged,
     grace_period_seconds,
     poison_gradients,
+    requeue_current_job,
 )
-from diff_transformer.metrics import MetricsWriter, init_wandb, setup_console_logging
-from diff_transformer.model import (
-    build_model_chunk,
-    count_parameters,
-    head_dim,
-    lambda_values,
-    resolve_precision,
-)
+from diff_transformer.training.metrics import MetricsWriter, init_wandb, setup_console_logging
 
 logger = logging.getLogger("diff_transformer")
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Process groups
-# ------------------------------------------------------------------------------------------------------------------
-def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def init_distributed(cfg: Any) -> None:
-    """Start the default process group (torchrun's env, or a single local process) and megatron's TP/PP groups."""
-    compat.apply_cpu_patches()
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    backend = cfg.parallel.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if not torch.distributed.is_initialized():
-        if "RANK" not in os.environ:  # plain `python train.py`: a world of one
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.distributed.init_process_group(backend=backend)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=cfg.parallel.tp, pipeline_model_parallel_size=cfg.parallel.pp
-        )
-    model_parallel_cuda_manual_seed(cfg.seed)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def destroy_distributed() -> None:
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Estimates printed before training
-# ------------------------------------------------------------------------------------------------------------------
-def estimate_memory_per_gpu(cfg: Any, params_on_rank: int, dtype: torch.dtype, dp: int) -> Dict[str, float]:
-    """Rough GiB per GPU: weights, fp32 gradients, optimizer state (sharded with the distributed optimizer), and
-    activations without recomputation (Korthikanti et al. 2022, ~34·s·b·h bytes a layer with fused attention)."""
-    w = 2 if dtype == torch.bfloat16 else 4
-    main = 4 if dtype == torch.bfloat16 else 0  # fp32 master copy
-    optim_bytes = (main + 8) / (dp if cfg.parallel.distributed_optimizer else 1)
-    gib = 1024**3
-    s, b, h = cfg.model.seq_length, cfg.trainer.micro_batch_size, cfg.model.hidden_size
-    layers_on_rank = cfg.model.num_layers // cfg.parallel.pp
-    act = 34 * s * b * h * layers_on_rank / cfg.parallel.tp * (cfg.parallel.pp if cfg.parallel.pp > 1 else 1)
-    out = {
-        "weights": params_on_rank * w / gib,
-        "grads": params_on_rank * 4 / gib,
-        "optimizer": params_on_rank * optim_bytes / gib,
-        "activations": act / gib,
-    }
-    out["total"] = sum(out.values())
-    return out
-
-
-def attention_flops_per_token(cfg: Any) -> float:
-    """Forward FLOPs of the attention scores and weighted sum per token (causal: half the s×s map).
-
-    DIFF: two maps of QKᵀ (2H heads of d) and two weighted sums with 2d-wide V over H heads; the baseline: 2H heads
-    of d for both. Both come to 2·2·(2H·d)·s/2 per layer per token."""
-    s, L = cfg.model.seq_length, cfg.model.num_layers
-    width = 2 * cfg.model.num_heads * head_dim(cfg.model)
-    return L * 2 * 2 * width * s / 2
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -182,7 +107,7 @@ class Trainer:
         vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
         check_vocab(vocab, self.tokenizer)
 
-        init_distributed(cfg)
+        distributed.init_distributed(cfg.parallel.backend, cfg.parallel.tp, cfg.parallel.pp, cfg.seed)
         from megatron.core import parallel_state
 
         self.rank = torch.distributed.get_rank()
@@ -222,9 +147,7 @@ class Trainer:
     def _agree_on_run_dir(self) -> None:
         """Every rank uses rank 0's run directory (time-stamped default directories can differ by a second)."""
         own = self.run_dir
-        shared = [own]
-        torch.distributed.broadcast_object_list(shared, src=0)
-        self.run_dir = shared[0]
+        self.run_dir = distributed.broadcast_object(own, src=0)
         if self.rank == 0:
             os.makedirs(self.run_dir, exist_ok=True)
             OmegaConf.save(OmegaConf.structured(self.cfg), os.path.join(self.run_dir, "config.yaml"))
@@ -284,20 +207,21 @@ class Trainer:
 
         cfg = self.cfg
         params_rank = count_parameters(self.model)
-        totals = torch.tensor([params_rank, count_parameters(self.model, exclude_embeddings=True)], dtype=torch.long)
+        totals = [params_rank, count_parameters(self.model, exclude_embeddings=True)]
         if self.is_last_stage and cfg.model.share_embeddings and not parallel_state.is_pipeline_first_stage():
             # the last stage's copy of the tied embedding is the same parameter as the first stage's
             totals[0] -= self.padded_vocab // cfg.parallel.tp * cfg.model.hidden_size
         # sum over the model-parallel group (TP shards and PP stages) of data-parallel rank 0
-        torch.distributed.all_reduce(totals, group=parallel_state.get_model_parallel_group())
+        totals = distributed.all_reduce_values(totals, group=parallel_state.get_model_parallel_group())
         # λ and sub-layer norm weights are replicated on TP ranks: count them once
         replicated = sum(
             p.numel() for p in self.model[0].parameters() if getattr(p, "tp_replicated_partial_grad", False)
         )
-        rep = torch.tensor([replicated], dtype=torch.long)
-        torch.distributed.all_reduce(rep, group=parallel_state.get_pipeline_model_parallel_group())
-        self.num_parameters = int(totals[0] - rep[0] * (cfg.parallel.tp - 1))
-        self.num_non_embedding_parameters = int(totals[1] - rep[0] * (cfg.parallel.tp - 1))
+        (replicated,) = distributed.all_reduce_values(
+            [replicated], group=parallel_state.get_pipeline_model_parallel_group()
+        )
+        self.num_parameters = int(totals[0] - replicated * (cfg.parallel.tp - 1))
+        self.num_non_embedding_parameters = int(totals[1] - replicated * (cfg.parallel.tp - 1))
         mem = estimate_memory_per_gpu(cfg, params_rank, self.dtype, self.dp_size)
         if self.rank != 0:
             return
@@ -336,8 +260,7 @@ class Trainer:
                     ensure_free_space(self.checkpoint_root, needed)
             except ValueError as err:
                 decision[2] = str(err)
-        torch.distributed.broadcast_object_list(decision, src=0)
-        resume, weights, error = decision
+        resume, weights, error = distributed.broadcast_object(decision, src=0)
         if error:
             raise ValueError(error)
         if resume:
@@ -406,26 +329,25 @@ class Trainer:
             forward_only=forward_only,
         )
         # mean over micro-batches, then over data-parallel ranks; lives on the last pipeline stage
-        loss = torch.zeros(1, dtype=torch.float64)
+        loss = 0.0
         if self.is_last_stage:
-            loss[0] = torch.stack([x["lm loss"].double().cpu() for x in losses]).mean()
-            torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
-            loss /= self.dp_size
+            local = torch.stack([x["lm loss"].detach().double() for x in losses]).mean()
+            (total,) = distributed.all_reduce_values([float(local)], group=parallel_state.get_data_parallel_group())
+            loss = total / self.dp_size
         return self._from_last_stage(loss)
 
-    def _from_last_stage(self, value: torch.Tensor) -> float:
-        """Broadcast a value computed on the last pipeline stage to every rank of the pipeline group."""
+    def _from_last_stage(self, value: float) -> float:
+        """A value computed on the last pipeline stage, on every rank of the pipeline group."""
         from megatron.core import parallel_state
 
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            group = parallel_state.get_pipeline_model_parallel_group()
-            src = parallel_state.get_pipeline_model_parallel_last_rank()
-            value = value.to(self._comm_device())
-            torch.distributed.broadcast(value, src=src, group=group)
-        return float(value[0])
-
-    def _comm_device(self):
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return value
+        (value,) = distributed.broadcast_values(
+            [value],
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+        return value
 
     def train_step(self, data_iter: Iterator) -> Dict[str, Any]:
         """One optimizer step; a bad loss (NaN/Inf, or a spike) skips the update but consumes the batch."""
@@ -469,8 +391,7 @@ class Trainer:
         local = lambda_values(self.model)
         if parallel_state.get_pipeline_model_parallel_world_size() == 1:
             return local
-        gathered: List[List[float]] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
-        torch.distributed.all_gather_object(gathered, local, group=parallel_state.get_pipeline_model_parallel_group())
+        gathered = distributed.all_gather_objects(local, group=parallel_state.get_pipeline_model_parallel_group())
         return [x for stage in gathered for x in stage]
 
     # -- loop --------------------------------------------------------------------------------------------------------
@@ -490,8 +411,7 @@ class Trainer:
             "data": self._data_description(),
             "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "dp": self.dp_size},
         }
-        with open(os.path.join(self.run_dir, "run.json"), "w") as f:
-            json.dump(info, f, indent=2)
+        atomic_write_json(os.path.join(self.run_dir, "run.json"), info)
 
     def _data_description(self) -> Dict[str, Any]:
         """What was trained on, by content (tokenizer hash, shard names and sizes, weights, split), not by path, so
@@ -511,86 +431,104 @@ class Trainer:
     def fit(self) -> List[Dict[str, Any]]:
         """Train to ``trainer.max_steps``; returns early (after a checkpoint) when a preemption signal arrives, and
         raises TrainingDiverged (after a checkpoint) after too many bad steps in a row."""
-        cfg = self.cfg
-        t = cfg.trainer
         self.write_run_info()
-        wandb_run = None
-        if self.rank == 0:
-            wandb_run = init_wandb(
-                cfg, self.run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)), run_id=self.wandb_run_id
-            )
-            self.wandb_run_id = getattr(wandb_run, "id", None)
-            if wandb_run is not None:  # compare --wandb reads the run description from here
-                with open(os.path.join(self.run_dir, "run.json")) as f:
-                    wandb_run.config.update({"run": json.load(f)}, allow_val_change=True)
-        writer = MetricsWriter(
-            self.run_dir, t.max_steps, enabled=self.rank == 0, wandb_run=wandb_run,
-            resume_step=self.step if self.resumed_from else None,
-        )
-        signals = PreemptionSignals(cfg.failures.signals, grace_period_seconds(cfg.failures)).install()
+        writer = self._open_metrics()
+        signals = PreemptionSignals(self.cfg.failures.signals, grace_period_seconds(self.cfg.failures)).install()
         train_iter = self._loader(self.train_ds, self.consumed_samples)
+        self._flops_per_token = model_flops_per_token(self.cfg, self.num_non_embedding_parameters, self.padded_vocab)
+        self._peak_flops = peak_flops_per_device(self.cfg)
         history = []
-        is_diff = cfg.model.attention == "diff"
-        flops_per_token = model_flops_per_token(cfg, self.num_non_embedding_parameters, self.padded_vocab)
-        peak_flops = peak_flops_per_device(cfg)
-        world = torch.distributed.get_world_size()
-        interval = cfg.checkpoint.interval
         try:
-            while self.step < t.max_steps:
-                lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
-                start = time.perf_counter()
-                out = self.train_step(train_iter)
-                step_time = time.perf_counter() - start
-                tokens_per_s = self.tokens_per_step / step_time
-                record = {
-                    "step": self.step,
-                    "loss": out["loss"],
-                    "lr": lr,
-                    "grad_norm": out["grad_norm"],
-                    "tokens_per_s": tokens_per_s,
-                    "tokens": self.consumed_samples * cfg.model.seq_length,
-                    "step_time": step_time,
-                    "skipped": out["skipped"] is not None,
-                    "skipped_steps": self.skipped_steps,
-                    "memory_gib": memory_gib(),
-                }
-                if peak_flops:
-                    record["mfu"] = flops_per_token * tokens_per_s / (world * peak_flops)
-                if is_diff:
-                    record["lambda"] = self.lambdas()
-                if t.eval_interval > 0 and (self.step % t.eval_interval == 0 or self.step == t.max_steps):
-                    record["val_loss"] = self.evaluate()
-                if out["skipped"] is not None:
-                    logger.warning(
-                        "step %d skipped (%s); %d in a row, %d in all",
-                        self.step, out["skipped"], self.bad_steps.consecutive, self.skipped_steps,
-                    )
-                writer.log(record)
+            while self.step < self.cfg.trainer.max_steps:
+                record = self._train_and_measure(train_iter)
+                self._log_step(writer, record)
                 history.append(record)
-                if self.rank == 0 and (self.step % t.log_interval == 0 or self.step == t.max_steps):
-                    logger.info(writer.progress_line(record))
-                if self.bad_steps.exhausted:
-                    self.checkpoints.save(reason="diverged")
-                    self.checkpoints.wait()
-                    raise TrainingDiverged(
-                        f"{self.bad_steps.consecutive} bad steps in a row up to step {self.step} "
-                        f"(failures.max_consecutive_bad_steps={cfg.failures.max_consecutive_bad_steps}); "
-                        f"checkpoint saved in {self.checkpoint_root}"
-                    )
-                if signals.agreed(self._comm_device()):
+                self._stop_if_diverged()
+                if signals.agreed():
                     self._save_and_exit_on_signal(signals)
                     break
-                if interval and self.step % interval == 0:
-                    self.checkpoints.save(reason="interval")
-                self.checkpoints.poll()
+                self._save_on_interval()
             else:
-                if cfg.checkpoint.save_at_end:
+                if self.cfg.checkpoint.save_at_end:
                     self.checkpoints.save(reason="end")
             self.checkpoints.wait()
         finally:
             signals.uninstall()
             writer.close()
         return history
+
+    # -- the steps of fit --------------------------------------------------------------------------------------------
+    def _open_metrics(self) -> MetricsWriter:
+        """metrics.jsonl (truncated to the resumed step) and, on rank 0, the W&B run (continued on resume)."""
+        wandb_run = None
+        if self.rank == 0:
+            resolved = OmegaConf.to_container(OmegaConf.structured(self.cfg))
+            wandb_run = init_wandb(self.cfg, self.run_dir, resolved, run_id=self.wandb_run_id)
+            self.wandb_run_id = getattr(wandb_run, "id", None)
+            if wandb_run is not None:  # compare --wandb reads the run description from here
+                with open(os.path.join(self.run_dir, "run.json")) as f:
+                    wandb_run.config.update({"run": json.load(f)}, allow_val_change=True)
+        return MetricsWriter(
+            self.run_dir, self.cfg.trainer.max_steps, enabled=self.rank == 0, wandb_run=wandb_run,
+            resume_step=self.step if self.resumed_from else None,
+        )
+
+    def _train_and_measure(self, train_iter: Iterator) -> Dict[str, Any]:
+        """One optimizer step and its metrics record (validation loss on evaluation steps)."""
+        t = self.cfg.trainer
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+        start = time.perf_counter()
+        out = self.train_step(train_iter)
+        step_time = time.perf_counter() - start
+        tokens_per_s = self.tokens_per_step / step_time
+        record = {
+            "step": self.step,
+            "loss": out["loss"],
+            "lr": lr,
+            "grad_norm": out["grad_norm"],
+            "tokens_per_s": tokens_per_s,
+            "tokens": self.consumed_samples * self.cfg.model.seq_length,
+            "step_time": step_time,
+            "skipped": out["skipped"] is not None,
+            "skipped_steps": self.skipped_steps,
+            "memory_gib": memory_gib(),
+        }
+        if self._peak_flops:
+            world = torch.distributed.get_world_size()
+            record["mfu"] = self._flops_per_token * tokens_per_s / (world * self._peak_flops)
+        if self.cfg.model.attention == "diff":
+            record["lambda"] = self.lambdas()
+        if t.eval_interval > 0 and (self.step % t.eval_interval == 0 or self.step == t.max_steps):
+            record["val_loss"] = self.evaluate()
+        if out["skipped"] is not None:
+            logger.warning(
+                "step %d skipped (%s); %d in a row, %d in all",
+                self.step, out["skipped"], self.bad_steps.consecutive, self.skipped_steps,
+            )
+        return record
+
+    def _log_step(self, writer: MetricsWriter, record: Dict[str, Any]) -> None:
+        t = self.cfg.trainer
+        writer.log(record)
+        if self.rank == 0 and (self.step % t.log_interval == 0 or self.step == t.max_steps):
+            logger.info(writer.progress_line(record))
+
+    def _stop_if_diverged(self) -> None:
+        if not self.bad_steps.exhausted:
+            return
+        self.checkpoints.save(reason="diverged")
+        self.checkpoints.wait()
+        raise TrainingDiverged(
+            f"{self.bad_steps.consecutive} bad steps in a row up to step {self.step} "
+            f"(failures.max_consecutive_bad_steps={self.cfg.failures.max_consecutive_bad_steps}); "
+            f"checkpoint saved in {self.checkpoint_root}"
+        )
+
+    def _save_on_interval(self) -> None:
+        interval = self.cfg.checkpoint.interval
+        if interval and self.step % interval == 0:
+            self.checkpoints.save(reason="interval")
+        self.checkpoints.poll()
 
     def _save_and_exit_on_signal(self, signals: PreemptionSignals) -> None:
         """Save the current step; under SLURM, rank 0 requeues the job. The caller then leaves the loop."""
@@ -600,44 +538,7 @@ class Trainer:
         self.checkpoints.save(reason=received)
         self.checkpoints.wait()
         if self.rank == 0 and os.environ.get("SLURM_JOB_ID"):
-            try:
-                from launch.slurm import requeue_current_job
-            except ImportError:
-                logger.warning("launch.slurm is not importable: the job is not requeued")
-            else:
-                requeue_current_job()
-
-
-def model_flops_per_token(cfg: Any, num_non_embedding_parameters: int, padded_vocab: int) -> float:
-    """Training FLOPs per token: 6 per weight of every matmul (forward 2, backward 4), the logits layer included
-    (tied or not), plus 3x the forward attention FLOPs (scores and weighted sums, causal)."""
-    matmul_weights = num_non_embedding_parameters + padded_vocab * cfg.model.hidden_size
-    return 6 * matmul_weights + 3 * attention_flops_per_token(cfg)
-
-
-# bf16 dense peak of one device, by CUDA device name (vendor datasheets)
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}
-
-
-def peak_flops_per_device(cfg: Any) -> Optional[float]:
-    """logging.peak_tflops_per_device when set, else the datasheet value of a known GPU; None on CPU."""
-    if getattr(cfg.logging, "peak_tflops_per_device", None):
-        return cfg.logging.peak_tflops_per_device * 1e12
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        for key, tflops in PEAK_BF16_TFLOPS.items():
-            if key in name:
-                return tflops * 1e12
-    return None
-
-
-def memory_gib() -> float:
-    """Peak GPU memory allocated by this process, or its resident memory on CPU."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    import psutil
-
-    return psutil.Process().memory_info().rss / 2**30
+            requeue_current_job()
 
 
 def run(cfg: Any, run_dir: str) -> List[Dict[str, Any]]:

@@ -13,7 +13,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
-from diff_transformer.attention import DifferentialCoreAttention, VanillaCoreAttention
+from diff_transformer.models.attention import DifferentialCoreAttention, VanillaCoreAttention
 
 
 class SeededTransformerLayer(TransformerLayer):

@@ -11,8 +11,8 @@ from megatron.core.distributed import finalize_model_grads as megatron_finalize_
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from diff_transformer.attention import TP_REPLICATED_ATTR, DifferentialCoreAttention
-from diff_transformer.layer_specs import layer_spec_for
+from diff_transformer.models.attention import TP_REPLICATED_ATTR, DifferentialCoreAttention
+from diff_transformer.models.layer_specs import layer_spec_for
 
 
 def head_dim(model: Any) -> int:

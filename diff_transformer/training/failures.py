@@ -1,4 +1,5 @@
-"""Failure handling: preemption signals agreed on collectively, and a guard that skips NaN/Inf or spiking steps.
+"""Failure handling: preemption signals agreed on collectively, requeueing a SLURM job from inside it, and a guard
+that skips NaN/Inf or spiking steps.
 
 Signals: the handler only records that a signal came; at the next step boundary every rank all-reduces the flag,
 so all ranks save the same step together and exit (a handler that saved by itself would deadlock the collectives).
@@ -10,43 +11,15 @@ import logging
 import math
 import os
 import signal
+import subprocess
 import threading
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Deque, List, Optional
 
-import torch
+from diff_transformer.config import FailureConfig
+from diff_transformer.training.distributed import any_rank
 
 logger = logging.getLogger("diff_transformer")
-
-SIGNAL_NAMES = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
-
-
-@dataclass
-class FailureConfig:
-    signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGUSR2"])  # save, then exit
-    # seconds from the signal to a forced exit, when the save has not finished (the scheduler kills soon after);
-    # None: SHUTDOWN_GRACE_S from the launcher, else 120
-    grace_period_s: Optional[float] = None
-    max_consecutive_bad_steps: int = 5  # stop with a checkpoint after this many skipped steps in a row
-    loss_spike_factor: float = 0.0  # skip a step whose loss exceeds this times the recent mean (0: off)
-    loss_spike_window: int = 20  # good steps in that mean; no spike test before the window is full
-    inject_nan_at_steps: List[int] = field(default_factory=list)  # testing: these steps' loss and grads become NaN
-
-
-def validate_failure_config(f: FailureConfig) -> None:
-    for name in f.signals:
-        if name not in SIGNAL_NAMES:
-            raise ValueError(f"failures.signals has {name!r}; use names from {', '.join(SIGNAL_NAMES)}")
-    if f.grace_period_s is not None and f.grace_period_s <= 0:
-        raise ValueError(f"failures.grace_period_s={f.grace_period_s} must be positive (or null for the default)")
-    if f.max_consecutive_bad_steps < 1:
-        raise ValueError(f"failures.max_consecutive_bad_steps={f.max_consecutive_bad_steps} must be >= 1")
-    if f.loss_spike_factor != 0 and f.loss_spike_factor <= 1:
-        raise ValueError(f"failures.loss_spike_factor={f.loss_spike_factor} must be > 1 (or 0 to turn it off)")
-    if f.loss_spike_window < 1:
-        raise ValueError(f"failures.loss_spike_window={f.loss_spike_window} must be >= 1")
-
 
 def grace_period_seconds(f: FailureConfig) -> float:
     if f.grace_period_s is not None:
@@ -88,12 +61,9 @@ class PreemptionSignals:
         logger.error("no checkpoint %.0f s after %s: exiting without one", self.grace_period_s, self.received)
         os._exit(143)
 
-    def agreed(self, device: torch.device) -> bool:
+    def agreed(self) -> bool:
         """True on every rank when any rank received a signal (collective: call at the same point on all ranks)."""
-        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32, device=device)
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank(self.received is not None)
 
     def uninstall(self) -> None:
         if self._watchdog is not None:
@@ -147,3 +117,34 @@ def poison_gradients(model_chunks: List[Any]) -> None:
                 grad = param.grad
             if grad is not None:
                 grad.fill_(float("nan"))
+
+
+def current_slurm_job_id() -> Optional[str]:
+    """This process's SLURM job id, in the form scontrol takes (array tasks as <array job>_<task>)."""
+    array_job, array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if array_job and array_task:
+        return f"{array_job}_{array_task}"
+    return os.environ.get("SLURM_JOB_ID")
+
+
+def requeue_current_job() -> bool:
+    """Put this SLURM job back in the queue (it restarts with the same id and resumes); False outside SLURM or on error.
+
+    Call once, from global rank 0, after the checkpoint is on disk: SLURM stops every task of the job right after.
+    """
+    job_id = current_slurm_job_id()
+    if not job_id:
+        return False
+    try:
+        subprocess.run(["scontrol", "requeue", job_id], check=True, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        logger.warning("cannot requeue job %s: scontrol is not on PATH", job_id)
+        return False
+    except subprocess.CalledProcessError as error:
+        logger.warning("scontrol requeue %s failed: %s", job_id, (error.stderr or error.stdout).strip())
+        return False
+    except subprocess.TimeoutExpired:
+        logger.warning("scontrol requeue %s timed out", job_id)
+        return False
+    logger.info("requeued SLURM job %s", job_id)
+    return True

@@ -8,28 +8,12 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
+
+from diff_transformer.config import WANDB_MODES
+from diff_transformer.fileio import atomic_write_lines
 
 logger = logging.getLogger("diff_transformer")
-
-WANDB_MODES = ("offline", "online", "disabled")
-
-
-@dataclass
-class WandbConfig:
-    mode: str = "offline"  # offline (default, no account) | online | disabled
-    project: str = "diff-transformer"
-    entity: Optional[str] = None
-    tags: List[str] = field(default_factory=list)
-
-
-@dataclass
-class LoggingConfig:
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    level: str = "INFO"
-    peak_tflops_per_device: Optional[float] = None  # for MFU; None: the datasheet bf16 peak of a known GPU, none on CPU
-
 
 def setup_console_logging(run_dir: str, rank: int, level: str = "INFO") -> None:
     """Rank 0 logs to stdout and ``train.log``; other ranks log warnings only."""
@@ -78,10 +62,7 @@ def truncate_metrics(path: str, last_step: int) -> int:
             kept.append(line if line.endswith("\n") else line + "\n")
     dropped = len(lines) - len(kept)
     if dropped:
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(kept)
-        os.replace(tmp, path)
+        atomic_write_lines(path, kept)
         logger.info("metrics.jsonl: dropped %d records after step %d, the step this run resumes from", dropped, last_step)
     return dropped
 

@@ -1,0 +1,192 @@
+"""Training runs as data: a run directory's ``run.json`` and ``metrics.jsonl`` read into a RunRecord, and the check
+that a set of runs can be compared (same data, same token budget, finished)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+DIFF = "diff"
+BASELINE = "vanilla"
+ATTENTION_KINDS = (DIFF, BASELINE)
+PARAMETER_COUNTS = ("total", "non_embedding")
+
+
+class RunMismatchError(ValueError):
+    """Runs that cannot be compared: different data, token budgets, or unfinished."""
+
+
+@dataclasses.dataclass
+class RunRecord:
+    """One training run: its description from run.json and its logged metrics."""
+
+    name: str
+    source: str
+    attention: str
+    model: str
+    num_parameters: int
+    num_non_embedding_parameters: int
+    tokens_per_step: int
+    seq_length: int
+    max_steps: int
+    data: Any
+    steps: np.ndarray
+    tokens: np.ndarray
+    train_loss: np.ndarray
+    val_steps: np.ndarray
+    val_tokens: np.ndarray
+    val_loss: np.ndarray
+
+    @property
+    def token_budget(self) -> int:
+        return self.tokens_per_step * self.max_steps
+
+    @property
+    def last_step(self) -> int:
+        return int(self.steps[-1]) if len(self.steps) else 0
+
+    @property
+    def final_val_loss(self) -> float:
+        return float(self.val_loss[-1])
+
+    def parameters(self, count: str) -> int:
+        return self.num_parameters if count == "total" else self.num_non_embedding_parameters
+
+
+def _metric_rows_to_arrays(rows: Iterable[dict], tokens_per_step: int) -> dict[str, np.ndarray]:
+    """Train and validation series by step; a step logged twice (replayed after a resume) keeps its last record."""
+    train: dict[int, tuple[float, float]] = {}
+    val: dict[int, tuple[float, float]] = {}
+    for row in rows:
+        if row.get("step") is None:
+            continue
+        step = int(row["step"])
+        tokens = float(row["tokens"]) if row.get("tokens") is not None else float(step * tokens_per_step)
+        if row.get("loss") is not None:
+            train[step] = (tokens, float(row["loss"]))
+        if row.get("val_loss") is not None:
+            val[step] = (tokens, float(row["val_loss"]))
+    steps = sorted(train)
+    val_steps = sorted(val)
+    return {
+        "steps": np.array(steps, dtype=np.int64),
+        "tokens": np.array([train[s][0] for s in steps], dtype=np.float64),
+        "train_loss": np.array([train[s][1] for s in steps], dtype=np.float64),
+        "val_steps": np.array(val_steps, dtype=np.int64),
+        "val_tokens": np.array([val[s][0] for s in val_steps], dtype=np.float64),
+        "val_loss": np.array([val[s][1] for s in val_steps], dtype=np.float64),
+    }
+
+
+def record_from_description(name: str, source: str, description: dict, rows: Iterable[dict]) -> RunRecord:
+    missing = [k for k in ("attention", "num_parameters", "tokens_per_step", "max_steps") if description.get(k) is None]
+    if missing:
+        raise ValueError(f"run {name} ({source}) lacks {', '.join(missing)} in its description; was it written by train.py?")
+    tokens_per_step = int(description["tokens_per_step"])
+    return RunRecord(
+        name=name,
+        source=source,
+        attention=str(description["attention"]),
+        model=str(description.get("model", name)),
+        num_parameters=int(description["num_parameters"]),
+        num_non_embedding_parameters=int(description.get("num_non_embedding_parameters") or description["num_parameters"]),
+        tokens_per_step=tokens_per_step,
+        seq_length=int(description.get("seq_length") or 0),
+        max_steps=int(description["max_steps"]),
+        data=description.get("data"),
+        **_metric_rows_to_arrays(rows, tokens_per_step),
+    )
+
+
+def load_run(run_dir: str | Path, name: str | None = None) -> RunRecord:
+    """Read one run directory written by train.py."""
+    run_dir = Path(run_dir)
+    description_path = run_dir / "run.json"
+    metrics_path = run_dir / "metrics.jsonl"
+    if not description_path.is_file():
+        raise FileNotFoundError(f"{run_dir} has no run.json; pass a run directory written by train.py or a sweep directory")
+    description = json.loads(description_path.read_text())
+    rows = []
+    lines = metrics_path.read_text().splitlines() if metrics_path.is_file() else []
+    for line_number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            # A last line cut short by a killed job is the only expected damage: skip it, refuse anything else.
+            if line_number == len(lines):
+                continue
+            raise ValueError(f"{metrics_path}:{line_number} is not JSON: {line[:80]!r}") from None
+    return record_from_description(name or run_dir.name, str(run_dir), description, rows)
+
+
+def find_run_dirs(paths: Sequence[str | Path]) -> list[Path]:
+    """Run directories (those holding run.json) at or under each path, in a stable order."""
+    found: list[Path] = []
+    for path in map(Path, paths):
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist")
+        if (path / "run.json").is_file():
+            found.append(path)
+            continue
+        below = sorted(p.parent for p in path.rglob("run.json") if "checkpoints" not in p.parts)
+        if not below:
+            raise FileNotFoundError(f"no run.json under {path}; pass run directories or a sweep directory")
+        found.extend(below)
+    return list(dict.fromkeys(found))
+
+
+def _display_names(run_dirs: Sequence[Path]) -> list[str]:
+    """Shortest path suffixes that tell the runs apart."""
+    for depth in range(1, 8):
+        names = ["/".join(d.parts[-depth:]) for d in run_dirs]
+        if len(set(names)) == len(names):
+            return names
+    return [str(d) for d in run_dirs]
+
+
+def load_runs(paths: Sequence[str | Path]) -> list[RunRecord]:
+    run_dirs = find_run_dirs(paths)
+    return [load_run(d, name) for d, name in zip(run_dirs, _display_names(run_dirs))]
+
+
+def check_comparable(runs: Sequence[RunRecord], require_finished: bool = True) -> None:
+    """Refuse runs that saw different data or token budgets, or stopped early, naming them."""
+    if not runs:
+        raise RunMismatchError("no runs to compare")
+    unknown = [f"{r.name} (attention={r.attention})" for r in runs if r.attention not in ATTENTION_KINDS]
+    if unknown:
+        raise RunMismatchError(f"unknown attention kind in {', '.join(unknown)}; expected one of {ATTENTION_KINDS}")
+    for field, describe in (
+        ("data", lambda r: json.dumps(r.data, sort_keys=True, default=str)),
+        ("token budget", lambda r: f"{r.token_budget:,} tokens ({r.max_steps} steps x {r.tokens_per_step:,})"),
+    ):
+        groups: dict[str, list[RunRecord]] = {}
+        for run in runs:
+            groups.setdefault(describe(run), []).append(run)
+        if len(groups) > 1:
+            # Name the odd runs out against what most runs share.
+            common_value, common_runs = max(groups.items(), key=lambda item: len(item[1]))
+            odd = "; ".join(
+                f"{run.name} ({run.source}) has {value}"
+                for value, group in groups.items() if value != common_value for run in group
+            )
+            raise RunMismatchError(
+                f"runs differ in {field} and cannot be compared: {odd}; while {len(common_runs)} run(s) "
+                f"({', '.join(r.name for r in common_runs[:4])}{', ...' if len(common_runs) > 4 else ''}) have "
+                f"{common_value}. Compare runs trained on the same data with the same token budget."
+            )
+    if require_finished:
+        unfinished = [f"{r.name} ({r.source}, step {r.last_step} of {r.max_steps})" for r in runs if r.last_step < r.max_steps]
+        if unfinished:
+            raise RunMismatchError(f"runs not finished: {', '.join(unfinished)}; wait for them or leave them out")
+    no_val = [f"{r.name} ({r.source})" for r in runs if len(r.val_loss) == 0]
+    if no_val:
+        raise RunMismatchError(
+            f"runs without a validation loss: {', '.join(no_val)}; train with trainer.eval_interval > 0"
+        )

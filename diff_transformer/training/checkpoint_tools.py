@@ -1,0 +1,63 @@
+"""Reading checkpoints outside training: describe one (``inspect``) and convert one to a single PyTorch file."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict
+
+import torch
+from omegaconf import OmegaConf
+
+from diff_transformer.config import Config, padded_vocab_size
+from diff_transformer.models.gpt import build_model_chunk, resolve_precision
+from diff_transformer.training.checkpoint import directory_bytes, read_trainer_state, resolve_checkpoint_path
+from diff_transformer.training.distributed import destroy_distributed, init_distributed
+
+logger = logging.getLogger("diff_transformer")
+
+
+def describe(path: str) -> Dict[str, Any]:
+    path = resolve_checkpoint_path(path)
+    state = read_trainer_state(path)
+    model = state["config"]["model"]
+    return {
+        "path": path,
+        "step": state["step"],
+        "consumed_samples": state["consumed_samples"],
+        "skipped_steps": state.get("skipped_steps", 0),
+        "layout": state["layout"],
+        "model": model,
+        "num_parameters": state.get("num_parameters"),
+        "size_bytes": directory_bytes(path),
+        "wandb_run_id": state.get("wandb_run_id"),
+        "saved_at": state.get("saved_at"),
+        "save_seconds": state.get("save_seconds"),
+    }
+
+
+def convert_to_torch(path: str, output: str) -> Dict[str, Any]:
+    """Write the model of checkpoint ``path`` as one PyTorch file at TP=1, PP=1: ``{"model": state_dict,
+    "config": resolved config, "step": int}``; the state dict is GPTModel's own (what ``load_state_dict`` takes)."""
+    path = resolve_checkpoint_path(path)
+    state = read_trainer_state(path)
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), state["config"]))
+    cfg.parallel.tp, cfg.parallel.pp = 1, 1
+    init_distributed("gloo", tp=1, pp=1, seed=0)  # a world of one: the conversion reshards to one rank
+    try:
+        from megatron.core import dist_checkpointing
+
+        dtype = resolve_precision(cfg.trainer.precision) if torch.cuda.is_available() else torch.float32
+        saved_tp = state["layout"]["tp"]
+        vocab = cfg.model.vocab_size
+        if vocab is None:  # the padded size was derived from the tokenizer at save time: read it from the tensor
+            meta = dist_checkpointing.load_tensors_metadata(path)
+            vocab = meta["embedding.word_embeddings.weight"].local_shape[0]
+        chunk = build_model_chunk(cfg, padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, 1), dtype)
+        loaded = dist_checkpointing.load({"model": chunk.sharded_state_dict()}, path)
+        chunk.load_state_dict(loaded["model"], strict=True)
+        weights = {k: v.detach().cpu().clone() for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}
+        torch.save({"model": weights, "config": state["config"], "step": state["step"]}, output)
+        logger.info("converted %s (saved at tp=%d) to %s", path, saved_tp, output)
+        return {"path": output, "tensors": len(weights), "parameters": sum(v.numel() for v in weights.values())}
+    finally:
+        destroy_distributed()

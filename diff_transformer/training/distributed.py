@@ -1,0 +1,142 @@
+"""Process groups and the small collectives of the training loop: the one place that knows which device a
+collective's tensors must live on.
+
+NCCL only reduces CUDA tensors and gloo only CPU tensors, so every scalar, flag or count that crosses ranks is
+allocated by :func:`collective_device` for the group it is reduced on, and read back to a Python value here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+from diff_transformer import compat
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (for a local rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_torch_env_from_slurm() -> bool:
+    """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT from SLURM for processes that srun starts directly
+    (one per GPU, as the submitit launcher does), when torchrun has not set them; True when it set them."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return False
+    env = os.environ
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    env["LOCAL_WORLD_SIZE"] = str(int(env["SLURM_NTASKS"]) // int(env.get("SLURM_NNODES", "1")))
+    if "MASTER_ADDR" not in env:
+        hosts = subprocess.run(
+            ["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]], check=True, capture_output=True, text=True
+        ).stdout.split()
+        env["MASTER_ADDR"] = hosts[0]
+    env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    return True
+
+
+def resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+def init_distributed(backend: str, tp: int = 1, pp: int = 1, seed: int = 0) -> None:
+    """Start the default process group (torchrun's env, or a single local process) and megatron's TP/PP groups."""
+    compat.apply_cpu_patches()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    backend = resolve_backend(backend)
+    if not torch.distributed.is_initialized():
+        if "RANK" not in os.environ:  # plain `python train.py`: a world of one
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group(backend=backend)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def collective_device(group: Optional[Any] = None) -> torch.device:
+    """The device a tensor must live on to be reduced over ``group`` (default: the world)."""
+    if not torch.distributed.is_initialized():
+        return torch.device("cpu")
+    backend = torch.distributed.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _is_trivial(group: Optional[Any]) -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_world_size(group) == 1
+
+
+def all_reduce_values(
+    values: Sequence[float], group: Optional[Any] = None, op: str = "sum", dtype: torch.dtype = torch.float64
+) -> List[float]:
+    """Reduce Python numbers over ``group`` (``op``: sum or max) and return them as Python numbers on every rank."""
+    tensor = torch.tensor(list(values), dtype=dtype, device=collective_device(group))
+    if not _is_trivial(group):
+        reduce_op = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX}[op]
+        torch.distributed.all_reduce(tensor, op=reduce_op, group=group)
+    return tensor.cpu().tolist()
+
+
+def any_rank(flag: bool, group: Optional[Any] = None) -> bool:
+    """True on every rank when ``flag`` is true on any rank of ``group`` (collective)."""
+    return bool(all_reduce_values([1 if flag else 0], group, op="max", dtype=torch.int32)[0])
+
+
+def broadcast_values(values: Sequence[float], src: int, group: Optional[Any] = None) -> List[float]:
+    """Rank ``src``'s numbers (global rank) on every rank of ``group``; other ranks pass placeholders of the same
+    length."""
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=collective_device(group))
+    if not _is_trivial(group):
+        torch.distributed.broadcast(tensor, src=src, group=group)
+    return tensor.cpu().tolist()
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Optional[Any] = None) -> Any:
+    """A picklable object from global rank ``src`` on every rank (small payloads: decisions, paths)."""
+    if _is_trivial(group):
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=src, group=group)  # NCCL: staged on the current CUDA device
+    return box[0]
+
+
+def all_gather_objects(obj: Any, group: Optional[Any] = None) -> List[Any]:
+    if _is_trivial(group):
+        return [obj]
+    gathered: List[Any] = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
