@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -262,7 +263,9 @@ def _absolute(value: str, base_dir: str) -> str:
 
 
 def _hydra_string(value: str) -> str:
-    """A quoted Hydra override value (any character allowed inside)."""
+    """A Hydra override value for a path: as it is when plain, quoted when it holds Hydra's special characters."""
+    if re.fullmatch(r"[A-Za-z0-9_./@+-]+", value):
+        return value
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 

@@ -59,6 +59,25 @@ def test_latest_pointer_and_its_fallbacks(tmp_path):
     assert latest_checkpoint(str(tmp_path)).endswith(checkpoint_name(20)), "a pointer to a partial one is ignored"
 
 
+def test_a_checkpoint_is_found_from_a_latest_file_a_run_dir_or_a_checkpoints_dir(tmp_path, capsys):
+    from diff_transformer.checkpoint import main
+    from diff_transformer.training.checkpoint import resolve_checkpoint_path
+
+    root = tmp_path / "run" / "checkpoints"
+    fake_checkpoint(root, 2)
+    newest = fake_checkpoint(root, 4)
+    (root / LATEST_FILE).write_text(checkpoint_name(4) + "\n")
+    state = {"step": 4, "consumed_samples": 16, "layout": {"tp": 1, "pp": 1, "dp": 1, "world_size": 1,
+             "distributed_optimizer": False}, "config": {"model": {"name": "debug", "attention": "diff"}}}
+    (newest / STATE_FILE).write_text(json.dumps(state))
+    for given in (root / LATEST_FILE, tmp_path / "run", root, newest):
+        assert resolve_checkpoint_path(str(given)) == str(newest), given
+    assert main(["inspect", str(root / LATEST_FILE)]) == 0  # the README's command
+    assert f"checkpoint   {newest}" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "is not a checkpoint: give a step_* checkpoint directory" in capsys.readouterr().err
+
+
 def test_partial_saves_are_removed(tmp_path):
     partial = tmp_path / f".{checkpoint_name(40)}.tmp"
     partial.mkdir()

@@ -4,6 +4,7 @@ import json
 import os
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -198,3 +199,32 @@ def test_tiny_sweep_sizes_span_1_to_10m_parameters():
         layer = 4 * m.hidden_size * 2 * m.num_heads * head_dim + 3 * m.hidden_size * m.ffn_hidden_size + 2 * m.hidden_size
         totals.append(m.num_layers * layer + vocab * m.hidden_size)
     assert totals == sorted(totals) and 1e6 <= totals[0] and totals[-1] <= 10e6, totals
+
+
+def test_submit_takes_relative_paths_from_where_it_runs(tmp_path, monkeypatch):
+    """The job runs inside the code snapshot: relative data and checkpoint paths must not resolve there."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prev" / "ckpt").mkdir(parents=True)
+    run_dir = tmp_path / "run"
+    slurm.submit(["experiment=smoke", "data.source=shards", "data.blend=[shards/a,shards/b]", "data.tokenizer_dir=tok",
+                  "checkpoint.load_weights_only=prev/ckpt", "gpus_per_node=1", f"run_dir={run_dir}",
+                  "python=/usr/bin/python3"], dry_run=True)
+    lines = (run_dir / "submit.sbatch").read_text().splitlines()
+    for line in (f"  'data.blend=[{tmp_path}/shards/a,{tmp_path}/shards/b]' \\",
+                 f"  data.tokenizer_dir={tmp_path}/tok \\",
+                 f"  checkpoint.load_weights_only={tmp_path}/prev/ckpt \\",
+                 f"  data.cache_dir={tmp_path}/data/cache \\"):
+        assert line in lines, (line, lines)
+    assert "data.blend=[shards/a,shards/b]" not in "\n".join(lines).split("srun", 1)[1]
+    config = (run_dir / "config.yaml").read_text()
+    assert f"- {tmp_path}/shards/a" in config and f"tokenizer_dir: {tmp_path}/tok" in config
+
+
+def test_train_takes_relative_data_paths_from_the_launch_directory(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "train.py"), "experiment=smoke", "data.source=shards", "data.blend=[shards/x]",
+         "data.tokenizer_dir=tok", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"shard file {tmp_path}/shards/x.bin does not exist" in result.stderr

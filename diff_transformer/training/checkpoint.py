@@ -30,7 +30,7 @@ import torch
 from diff_transformer import compat
 from diff_transformer.config import CheckpointConfig
 from diff_transformer.fileio import atomic_write_json, atomic_write_text, fsync_dir
-from diff_transformer.training.distributed import barrier
+from diff_transformer.training.distributed import barrier, broadcast_object
 
 logger = logging.getLogger("diff_transformer")
 
@@ -76,15 +76,35 @@ def list_checkpoints(root: str) -> List[Tuple[int, str]]:
 
 def latest_checkpoint(root: str) -> Optional[str]:
     """The checkpoint that ``latest`` names; the newest complete one when the pointer is absent or stale."""
-    pointer = os.path.join(root, LATEST_FILE)
-    if os.path.isfile(pointer):
-        with open(pointer) as f:
-            path = os.path.join(root, f.read().strip())
+    name = _pointer_target(root)
+    if name is not None:
+        path = os.path.join(root, name)
         if is_complete(path):
             return path
-        logger.warning("%s names %s, which is not a complete checkpoint; using the newest complete one", pointer, path)
+        logger.warning(
+            "%s names %s, which is not a complete checkpoint; using the newest complete one",
+            os.path.join(root, LATEST_FILE), path,
+        )
     found = list_checkpoints(root)
     return found[-1][1] if found else None
+
+
+def _pointer_target(root: str) -> Optional[str]:
+    """The name ``latest`` holds, or None when there is no pointer."""
+    pointer = os.path.join(root, LATEST_FILE)
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer) as f:
+        return f.read().strip()
+
+
+def _discard_checkpoint(path: str) -> None:
+    """Remove a checkpoint so that a crash part-way leaves an incomplete one (never loaded), not a damaged one."""
+    state = os.path.join(path, STATE_FILE)
+    if os.path.exists(state):
+        os.remove(state)
+        fsync_dir(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def resolve_checkpoint_path(path: str) -> str:
@@ -326,8 +346,19 @@ class CheckpointManager:
         self.wait()  # one save at a time: the previous background save must be renamed first
         step = self.trainer.step
         final = os.path.join(self.root, checkpoint_name(step))
-        if is_complete(final):
-            return None
+        action = None
+        if self.rank == 0:  # one rank decides, so that every rank takes the same branch
+            action = "save"
+            if is_complete(final):
+                action = "skip" if _pointer_target(self.root) == os.path.basename(final) else "replace"
+        action = broadcast_object(action, src=0)
+        if action == "skip":
+            return None  # this step is saved already (e.g. on the interval, then again on a signal)
+        if action == "replace" and self.rank == 0:
+            # complete but never named by `latest`: a save killed between its rename and the pointer update; this
+            # run resumed from an earlier checkpoint and retraced the step, so its own state replaces the orphan
+            logger.warning("replacing %s, which the latest pointer never named (an interrupted save)", final)
+            _discard_checkpoint(final)
         start = time.perf_counter()
         tmp = os.path.join(self.root, f".{checkpoint_name(step)}.tmp")
         if self.rank == 0:

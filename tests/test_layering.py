@@ -1,0 +1,99 @@
+"""The dependency direction of docs/ARCHITECTURE.md: lower layers never import higher ones, at module level or
+inside a function, and every package imports on its own."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# What each part of the code may import from this repository (prefixes of module names); anything else of ours is a
+# layering violation. Third-party modules are free. Ordered bottom-up, as in docs/ARCHITECTURE.md.
+ALLOWED = {
+    "diff_transformer": (),  # the package itself: empty
+    "diff_transformer.fileio": (),
+    "kernels": ("kernels",),
+    "diff_transformer.compat": (),
+    "data": ("data", "diff_transformer.fileio"),
+    "diff_transformer.models": ("diff_transformer.models", "kernels"),
+    "diff_transformer.config": ("data.config", "diff_transformer.models"),
+    "diff_transformer.training": (
+        "diff_transformer.training", "diff_transformer.models", "diff_transformer.config", "diff_transformer.compat",
+        "diff_transformer.fileio", "data",
+    ),
+    "diff_transformer.analysis": ("diff_transformer.analysis",),
+    # command-line entry points over the libraries
+    "diff_transformer.checkpoint": ("diff_transformer.training",),
+    "diff_transformer.compare": ("diff_transformer.analysis",),
+    "diff_transformer.quickstart": ("diff_transformer.analysis", "diff_transformer.fileio"),
+    "launch": ("launch", "diff_transformer.config"),
+    "train": ("diff_transformer.config", "diff_transformer.training"),
+}
+OURS = ("diff_transformer", "kernels", "data", "launch", "train")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> str:
+    return max((key for key in ALLOWED if module == key or module.startswith(key + ".")), key=len)
+
+
+def imported_modules(path: Path):
+    """(line, module) of every import in the file, including those inside functions."""
+    package = module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" else module_name(path)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                yield node.lineno, f"{base}.{alias.name}" if base else alias.name
+
+
+def source_files():
+    files = [REPO / "train.py"]
+    for top in ("diff_transformer", "kernels", "data", "launch"):
+        files += sorted((REPO / top).rglob("*.py"))
+    return [f for f in files if "corpus" not in f.parts]
+
+
+def test_lower_layers_never_import_higher_ones():
+    violations = []
+    for path in source_files():
+        layer = layer_of(module_name(path))
+        for line, target in imported_modules(path):
+            if target.split(".")[0] not in OURS:
+                continue
+            allowed = ALLOWED[layer]
+            if not any(target == a or target.startswith(a + ".") for a in allowed):
+                violations.append(f"{path.relative_to(REPO)}:{line} ({layer}) imports {target}")
+    assert violations == []
+
+
+@pytest.mark.parametrize("package", ["diff_transformer.fileio", "kernels", "data", "diff_transformer.compat",
+                                     "diff_transformer.models", "diff_transformer.analysis"])
+def test_each_package_imports_alone_without_higher_layers(package):
+    """Import every module of ``package`` in a fresh interpreter; no module of a layer above it gets loaded."""
+    root = REPO / package.replace(".", "/")
+    modules = [module_name(p) for p in sorted(root.rglob("*.py"))] if root.is_dir() else [package]
+    modules = [m for m in modules if "corpus" not in m and not m.endswith("check_compile")]
+    code = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}: importlib.import_module(name)\n"
+        "print('\\n'.join(sorted(m for m in sys.modules if m.split('.')[0] in "
+        f"{OURS!r})))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    allowed = ALLOWED[package] + (package,)
+    loaded = [m for m in out.stdout.split() if m != "diff_transformer"]  # the namespace package itself is empty
+    assert [m for m in loaded if not any(m == a or m.startswith(a + ".") for a in allowed)] == []
