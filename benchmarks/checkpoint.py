@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from diff_transformer.training.checkpoint import CheckpointManager, directory_bytes  # noqa: E402
 from diff_transformer.config import register_configs, to_object  # noqa: E402
-from diff_transformer.training.distributed import destroy_distributed, init_distributed  # noqa: E402
+from diff_transformer.distributed import destroy_distributed, init_distributed  # noqa: E402
 from diff_transformer.training.trainer import Trainer  # noqa: E402
 
 # ~110M parameters: 12 layers of width 768 (6 differential heads of d=64), SwiGLU 2048, a 32k vocabulary

@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
 def megatron_single_process():
     """A gloo world of one with megatron-core's TP=PP=1 groups, for in-process model tests."""
     from diff_transformer.compat import apply_cpu_patches
-    from diff_transformer.training.distributed import free_port
+    from diff_transformer.distributed import free_port
 
     apply_cpu_patches()
     from megatron.core import parallel_state

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from diff_transformer.training.distributed import set_torch_env_from_slurm
+from diff_transformer.distributed import set_torch_env_from_slurm
 from diff_transformer.training.failures import requeue_current_job
 from launch import slurm
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from diff_transformer.training.distributed import free_port
+from diff_transformer.distributed import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN_SH = REPO_ROOT / "launch" / "torchrun.sh"

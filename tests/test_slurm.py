@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from diff_transformer.training.distributed import free_port
+from diff_transformer.distributed import free_port
 from launch import slurm
 
 pytestmark = pytest.mark.slurm

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from diff_transformer.training.distributed import free_port
+from diff_transformer.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -11,6 +11,7 @@ from megatron.core.distributed import finalize_model_grads as megatron_finalize_
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from diff_transformer.distributed import all_reduce_tensor
 from diff_transformer.models.attention import TP_REPLICATED_ATTR, DifferentialCoreAttention
 from diff_transformer.models.layer_specs import layer_spec_for
 
@@ -110,7 +111,7 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens=None, pg_colle
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    torch.distributed.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+    all_reduce_tensor(flat, group=parallel_state.get_tensor_model_parallel_group())
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))

@@ -30,7 +30,7 @@ import torch
 from diff_transformer import compat
 from diff_transformer.config import CheckpointConfig
 from diff_transformer.fileio import atomic_write_json, atomic_write_text, fsync_dir
-from diff_transformer.training.distributed import barrier, broadcast_object
+from diff_transformer.distributed import barrier, broadcast_object
 
 logger = logging.getLogger("diff_transformer")
 

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from diff_transformer.config import Config, padded_vocab_size
 from diff_transformer.models.gpt import build_model_chunk, resolve_precision
 from diff_transformer.training.checkpoint import directory_bytes, read_trainer_state, resolve_checkpoint_path
-from diff_transformer.training.distributed import destroy_distributed, init_distributed
+from diff_transformer.distributed import destroy_distributed, init_distributed
 
 logger = logging.getLogger("diff_transformer")
 

@@ -17,7 +17,7 @@ from collections import deque
 from typing import Any, Deque, List, Optional
 
 from diff_transformer.config import FailureConfig
-from diff_transformer.training.distributed import any_rank
+from diff_transformer.distributed import any_rank
 
 logger = logging.getLogger("diff_transformer")
 

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from diff_transformer.config import padded_vocab_size, validate
 from diff_transformer.fileio import atomic_write_json
 from diff_transformer.models.gpt import build_model_chunk, count_parameters, lambda_values, resolve_precision
-from diff_transformer.training import distributed
+from diff_transformer import distributed
 from diff_transformer.training.accounting import (
     estimate_memory_per_gpu,
     memory_gib,
@@ -41,7 +41,7 @@ from diff_transformer.training.checkpoint import (
     remove_partial_saves,
     resolve_checkpoint_path,
 )
-from diff_transformer.training.distributed import destroy_distributed, world_size_from_env
+from diff_transformer.distributed import destroy_distributed, world_size_from_env
 from diff_transformer.training.failures import (
     BadStepGuard,
     PreemptionSignals,

@@ -1,8 +1,11 @@
-"""Process groups and the small collectives of the training loop: the one place that knows which device a
+"""Process groups and every collective the framework calls itself: the one place that knows which device a
 collective's tensors must live on.
 
 NCCL only reduces CUDA tensors and gloo only CPU tensors, so every scalar, flag or count that crosses ranks is
-allocated by :func:`collective_device` for the group it is reduced on, and read back to a Python value here.
+allocated by :func:`collective_device` for the group it is reduced on, and read back to a Python value here; tensors
+that already live somewhere (gradients) go through :func:`all_reduce_tensor`, which refuses a tensor on the wrong
+device with a message instead of NCCL's "No backend type associated with device type cpu". No other module calls a
+``torch.distributed`` collective (tests/test_distributed.py checks).
 """
 
 from __future__ import annotations
@@ -81,14 +84,32 @@ def destroy_distributed() -> None:
         torch.distributed.destroy_process_group()
 
 
+def device_type_for_backend(backend: str) -> str:
+    """``cuda`` for NCCL, ``cpu`` for gloo (and for anything else torch runs on the CPU)."""
+    return "cuda" if str(backend).lower() == "nccl" else "cpu"
+
+
 def collective_device(group: Optional[Any] = None) -> torch.device:
     """The device a tensor must live on to be reduced over ``group`` (default: the world)."""
     if not torch.distributed.is_initialized():
         return torch.device("cpu")
-    backend = torch.distributed.get_backend(group)
-    if backend == "nccl":
+    if device_type_for_backend(torch.distributed.get_backend(group)) == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def all_reduce_tensor(tensor: torch.Tensor, group: Optional[Any] = None) -> torch.Tensor:
+    """Sum ``tensor`` in place over ``group``; it must already live where the group's backend reduces."""
+    if _is_trivial(group):
+        return tensor
+    expected = device_type_for_backend(torch.distributed.get_backend(group))
+    if tensor.device.type != expected:
+        raise RuntimeError(
+            f"all_reduce_tensor: a {tensor.device.type} tensor cannot be reduced over a "
+            f"{torch.distributed.get_backend(group)} group, which needs {expected} tensors"
+        )
+    torch.distributed.all_reduce(tensor, group=group)
+    return tensor
 
 
 def _is_trivial(group: Optional[Any]) -> bool:
