@@ -60,6 +60,12 @@ def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
     return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(diagonal=sk - sq)
 
 
+def _subtract_in_fp32(o1: torch.Tensor, lam: torch.Tensor, o2: torch.Tensor) -> torch.Tensor:
+    """o1 − λ·o2 computed in fp32 (in bf16 the difference of two close outputs loses most of its bits), returned in
+    the outputs' dtype."""
+    return (o1.float() - lam.float() * o2.float()).to(o1.dtype)
+
+
 def eager_attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     """softmax(q·kᵀ·scale + causal mask) in fp32; q (b, h, sq, d), k (b, h, sk, d). Materialises the map."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
@@ -198,7 +204,7 @@ class DifferentialCoreAttention(_CoreAttentionBase):
         gqa = q1.shape[1] != k1.shape[1]
         o1 = F.scaled_dot_product_attention(q1, k1, vh, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
         o2 = F.scaled_dot_product_attention(q2, k2, vh, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
-        return (o1 - lam.to(o2.dtype) * o2).transpose(1, 2)
+        return _subtract_in_fp32(o1, lam, o2).transpose(1, 2)
 
     def _forward_flash_attn(self, q, k, v, lam):
         flash_attn_func = _flash_attn_func()
@@ -208,7 +214,7 @@ class DifferentialCoreAttention(_CoreAttentionBase):
         kw = dict(causal=True, softmax_scale=self.softmax_scale)
         o1 = torch.cat([flash_attn_func(q1, k1, va, **kw), flash_attn_func(q1, k1, vb, **kw)], dim=-1)
         o2 = torch.cat([flash_attn_func(q2, k2, va, **kw), flash_attn_func(q2, k2, vb, **kw)], dim=-1)
-        return o1 - lam.to(o2.dtype) * o2
+        return _subtract_in_fp32(o1, lam, o2)
 
     def _forward_triton(self, q, k, v, lam):
         try:

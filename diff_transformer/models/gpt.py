@@ -9,11 +9,13 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads as megatron_finalize_model_grads
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from diff_transformer.distributed import all_reduce_tensor
 from diff_transformer.models.attention import TP_REPLICATED_ATTR, DifferentialCoreAttention
 from diff_transformer.models.layer_specs import layer_spec_for
+from diff_transformer.models.norms import RMSNorm
 
 
 def head_dim(model: Any) -> int:
@@ -79,9 +81,13 @@ def build_model_chunk(cfg: Any, vocab_size: int, dtype: torch.dtype = torch.floa
     config = transformer_config(cfg, dtype, perform_init)
     if perform_init:
         torch.manual_seed(cfg.seed)
+    layer_spec = layer_spec_for(cfg.model, seed=cfg.seed)
+    block_spec = TransformerBlockSubmodules(
+        layer_specs=[layer_spec] * get_num_layers_to_build(config), layer_norm=RMSNorm  # RMSNorm: the final norm
+    )
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec_for(cfg.model, seed=cfg.seed),
+        transformer_layer_spec=block_spec,
         vocab_size=vocab_size,
         max_sequence_length=cfg.model.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),

@@ -14,6 +14,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
 from diff_transformer.models.attention import DifferentialCoreAttention, VanillaCoreAttention
+from diff_transformer.models.norms import RMSNorm
 
 
 class SeededTransformerLayer(TransformerLayer):
@@ -35,6 +36,8 @@ class SeededTransformerLayer(TransformerLayer):
 
 def _base_spec(seed: int) -> ModuleSpec:
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.input_layernorm = RMSNorm
+    spec.submodules.pre_mlp_layernorm = RMSNorm
     layer_cls = type("SeededTransformerLayer", (SeededTransformerLayer,), {"init_seed": seed})
     spec.module = layer_cls
     return spec

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -29,19 +29,33 @@ def estimate_memory_per_gpu(cfg: Any, params_on_rank: int, dtype: torch.dtype, d
     return out
 
 
-def attention_flops_per_token(cfg: Any) -> float:
-    """Forward FLOPs of the attention scores and weighted sum per token (causal: half the s×s map).
+def attention_maps(model: Any) -> Tuple[int, int, int, int]:
+    """(maps, heads per map, query/key head size, value head size) of one layer's attention, before TP.
 
-    DIFF: two maps of QKᵀ (2H heads of d) and two weighted sums with 2d-wide V over H heads; the baseline: 2H heads
-    of d for both. Both come to 2·2·(2H·d)·s/2 per layer per token."""
-    s, L = cfg.model.seq_length, cfg.model.num_layers
-    width = 2 * cfg.model.num_heads * head_dim(cfg.model)
-    return L * 2 * 2 * width * s / 2
+    DIFF V1 has two softmax maps over H heads of size d, each weighting the 2d-wide V (a fused kernel must keep the
+    two weighted sums apart until both softmaxes are normalised); the baseline one map over 2H heads of d. A kind
+    not listed here counts as the baseline."""
+    h, d = model.num_heads, head_dim(model)
+    if model.attention == "diff":
+        return 2, h, d, 2 * d
+    return 1, 2 * h, d, d
+
+
+def attention_flops_per_token(cfg: Any) -> float:
+    """Forward FLOPs per token of the attention scores (Q·Kᵀ) and weighted sums (A·V) of every map, all layers:
+    2 FLOPs a multiply-add, over s/2 keys on average (causal).
+
+    debug (H=2, d=16, s=64, 2 layers): DIFF 2·2·(2·16 + 2·32)·32 per layer = 12,288, 24,576 in all; the baseline
+    1·4·(16 + 16)·2·32 = 8,192 per layer."""
+    maps, heads, qk, v = attention_maps(cfg.model)
+    keys = cfg.model.seq_length / 2
+    return cfg.model.num_layers * maps * heads * 2 * (qk + v) * keys
 
 
 def model_flops_per_token(cfg: Any, num_non_embedding_parameters: int, padded_vocab: int) -> float:
     """Training FLOPs per token: 6 per weight of every matmul (forward 2, backward 4), the logits layer included
-    (tied or not), plus 3x the forward attention FLOPs (scores and weighted sums, causal)."""
+    (tied or not), plus 3x the forward attention FLOPs of the model's attention kind (scores and weighted sums,
+    causal). These are model FLOPs (what MFU divides), not what a given backend executes."""
     matmul_weights = num_non_embedding_parameters + padded_vocab * cfg.model.hidden_size
     return 6 * matmul_weights + 3 * attention_flops_per_token(cfg)
 

@@ -1,0 +1,53 @@
+"""bf16 the megatron way: weights and activations in bf16, λ and the λ·A2 subtraction in fp32, every norm's weight
+in the activations' dtype (no "Mismatch dtype between input and weight" fallback)."""
+
+import warnings
+
+import torch
+
+from diff_transformer.models.attention import DifferentialCoreAttention
+from diff_transformer.models.gpt import build_model_chunk
+from diff_transformer.models.norms import RMSNorm
+from tests.test_config import compose_cfg
+
+
+def test_a_bf16_model_keeps_lambda_in_fp32_and_norms_in_bf16(megatron_single_process):
+    cfg = compose_cfg("model=debug", "model.vocab_size=256")
+    model = build_model_chunk(cfg, 256, torch.bfloat16)
+    norms = [m for m in model.modules() if isinstance(m, (RMSNorm, torch.nn.RMSNorm))]
+    assert len(norms) == 2 * 2 + 1 + 2  # per layer: input and pre-MLP; the final norm; DIFF's sub-layer norms
+    assert {m.weight.dtype for m in norms} == {torch.bfloat16}
+    lambdas = [p for m in model.modules() if isinstance(m, DifferentialCoreAttention) for p in m.lambda_parameters()]
+    assert lambdas and {p.dtype for p in lambdas} == {torch.float32}
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16).expand(2, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logits = model(tokens, positions, None)
+    assert not [w for w in caught if "Mismatch dtype" in str(w.message)]  # torch's unfused fallback
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+
+
+def test_sdpa_subtracts_in_fp32(megatron_single_process):
+    """bf16 inputs: the sdpa backend's two bf16 outputs are combined as o1 − λ·o2 in fp32 and rounded once."""
+    import torch.nn.functional as F
+
+    cfg = compose_cfg("model=debug")
+    model = build_model_chunk(cfg, 128, torch.float32)
+    attn = next(m for m in model.modules() if isinstance(m, DifferentialCoreAttention))
+    attn.sublayer_norm = None  # compare the difference itself
+    attn.lambda_init = 0.9  # λ = 0.9 is no bf16 number: a bf16 λ·o2 would be off by 0.2% of o2 before subtracting
+    for p in attn.lambda_parameters():
+        p.data.zero_()
+    g = torch.Generator().manual_seed(0)
+    s, b, heads, d = 32, 2, 4, 16
+    q, k, v = (torch.randn(s, b, heads, d, generator=g).bfloat16() for _ in range(3))
+    with torch.no_grad():
+        out = attn(q, k, v)
+        qh, kh = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3)
+        vh = v.transpose(0, 1).reshape(b, s, heads // 2, 2 * d).transpose(1, 2)
+        o1, o2 = (F.scaled_dot_product_attention(qh[:, i::2], kh[:, i::2], vh, is_causal=True) for i in (0, 1))
+    expected = (o1.float() - 0.9 * o2.float()).bfloat16() * (1 - 0.9)  # then DIFF's (1 − λ_init) scaling
+    expected = expected.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
