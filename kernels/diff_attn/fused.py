@@ -143,6 +143,40 @@ def _fwd_key_loop(
 
 
 @triton.jit
+def _kv_heads(g, SHARED_K: tl.constexpr):
+    """Heads of k that KV group g uses for map 1 and map 2: 2g and 2g+1 in V1, g for both in V2."""
+    k_head1 = g if SHARED_K else 2 * g
+    k_head2 = g if SHARED_K else 2 * g + 1
+    return k_head1, k_head2
+
+
+@triton.jit
+def _query_block_program(
+    Q, K, V, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, N_HEADS, GROUP, N_Q,
+    SHARED_K: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Decode a program of the (query block, batch × head) grid of the forward, preprocess and dQ kernels.
+
+    Returns its first query row and rows, b (int64, so batch offsets cannot overflow), h, the offset of map 1's row of
+    (b, h) in the (B, 2H, Nq) LSE and delta tensors (map 2's is N_Q further), and the bases of q[2h] (q[2h+1] is one
+    stride_qh further), of k for each map and of v.
+    """
+    start_m = tl.program_id(0) * BLOCK_M
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // N_HEADS).to(tl.int64)
+    h = pid_bh % N_HEADS
+    g = h // GROUP
+    k_head1, k_head2 = _kv_heads(g, SHARED_K)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    row_stats = (b * 2 * N_HEADS + 2 * h) * N_Q
+    q1_base = Q + b * stride_qb + (2 * h) * stride_qh
+    k1_base = K + b * stride_kb + k_head1 * stride_kh
+    k2_base = K + b * stride_kb + k_head2 * stride_kh
+    v_base = V + b * stride_vb + g * stride_vh
+    return start_m, offs_m, b, h, row_stats, q1_base, k1_base, k2_base, v_base
+
+
+@triton.jit
 def _key_ranges(start_m, N_Q, N_K, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 CAUSAL: tl.constexpr):
     """Key range [0, full_end) that every row of the query block sees whole, and [full_end, end) needing masks."""
@@ -169,24 +203,15 @@ def _diff_attn_fwd_kernel(
     CAUSAL: tl.constexpr, SHARED_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // N_HEADS).to(tl.int64)
-    h = pid_bh % N_HEADS
-    g = h // GROUP
-    k_head1 = g if SHARED_K else 2 * g
-    k_head2 = g if SHARED_K else 2 * g + 1
+    start_m, offs_m, b, h, row_stats, q1_base, k1_base, k2_base, v_base = _query_block_program(
+        Q, K, V, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, N_HEADS, GROUP, N_Q,
+        SHARED_K, BLOCK_M,
+    )
     causal_offset = N_K - N_Q
-
-    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_base = Q + b * stride_qb + (2 * h) * stride_qh
-    q1 = _load_tile(q_base, offs_m, offs_d, stride_qn, N_Q, HEAD_D, UPCAST)
-    q2 = _load_tile(q_base + stride_qh, offs_m, offs_d, stride_qn, N_Q, HEAD_D, UPCAST)
-    k1_base = K + b * stride_kb + k_head1 * stride_kh
-    k2_base = K + b * stride_kb + k_head2 * stride_kh
-    v_base = V + b * stride_vb + g * stride_vh
+    q1 = _load_tile(q1_base, offs_m, offs_d, stride_qn, N_Q, HEAD_D, UPCAST)
+    q2 = _load_tile(q1_base + stride_qh, offs_m, offs_d, stride_qn, N_Q, HEAD_D, UPCAST)
 
     m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
     m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -213,7 +238,7 @@ def _diff_attn_fwd_kernel(
     out_ptrs = OUT + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_dv[None, :]
     tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=row_valid[:, None] & (offs_dv[None, :] < VALUE_D))
     # LSE is stored in natural-log units, (B, 2H, Nq) contiguous: row 2h is map 1, row 2h+1 is map 2.
-    lse_base = LSE + (b * 2 * N_HEADS + 2 * h) * N_Q
+    lse_base = LSE + row_stats
     tl.store(lse_base + offs_m, (m1 + tl.math.log2(l1)) / 1.4426950408889634, mask=row_valid)
     tl.store(lse_base + N_Q + offs_m, (m2 + tl.math.log2(l2)) / 1.4426950408889634, mask=row_valid)
 
@@ -269,27 +294,20 @@ def _diff_attn_bwd_preprocess_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """delta1, delta2 (B, 2H, Nq) and r2 = rowsum(dO ∘ O2) (B, H, Nq), recomputing O2's contribution from P2."""
-    start_m = tl.program_id(0) * BLOCK_M
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // N_HEADS).to(tl.int64)
-    h = pid_bh % N_HEADS
-    g = h // GROUP
-    k_head2 = g if SHARED_K else 2 * g + 1
+    start_m, offs_m, b, h, row_stats, q1_base, _, k2_base, v_base = _query_block_program(
+        Q, K, V, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, N_HEADS, GROUP, N_Q,
+        SHARED_K, BLOCK_M,
+    )
     causal_offset = N_K - N_Q
-
-    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_valid = offs_m < N_Q
-    q2 = _load_tile(Q + b * stride_qb + (2 * h + 1) * stride_qh, offs_m, offs_d, stride_qn, N_Q, HEAD_D, UPCAST)
+    q2 = _load_tile(q1_base + stride_qh, offs_m, offs_d, stride_qn, N_Q, HEAD_D, UPCAST)
     do = _load_tile(DOUT + b * stride_dob + h * stride_doh, offs_m, offs_dv, stride_don, N_Q, VALUE_D, UPCAST)
     out = _load_tile(OUT + b * stride_ob + h * stride_oh, offs_m, offs_dv, stride_on, N_Q, VALUE_D, UPCAST)
-    lse_base = LSE + (b * 2 * N_HEADS + 2 * h) * N_Q
-    lse2_log2 = _load_row_vector(lse_base + N_Q, offs_m, N_Q, float("inf")) * 1.4426950408889634
+    lse2_log2 = _load_row_vector(LSE + row_stats + N_Q, offs_m, N_Q, float("inf")) * 1.4426950408889634
 
     r2 = tl.zeros([BLOCK_M], tl.float32)
-    k2_base = K + b * stride_kb + k_head2 * stride_kh
-    v_base = V + b * stride_vb + g * stride_vh
     full_end, end = _key_ranges(start_m, N_Q, N_K, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
     r2 = _bwd_r2_key_loop(r2, q2, do, lse2_log2, k2_base, v_base, stride_kn, stride_vn, offs_m, 0, full_end,
                           causal_offset, qk_scale, N_K, HEAD_D, BLOCK_D, VALUE_D, BLOCK_DV, BLOCK_N, False, CAUSAL,
@@ -301,7 +319,7 @@ def _diff_attn_bwd_preprocess_kernel(
     lam = tl.load(LAM + b * stride_lb + offs_m * stride_ln + h * stride_lh, mask=row_valid, other=0.0)
     lam = lam.to(tl.float32)
     do_dot_out = tl.sum(do.to(tl.float32) * out.to(tl.float32), 1)
-    delta_base = DELTA + (b * 2 * N_HEADS + 2 * h) * N_Q
+    delta_base = DELTA + row_stats
     tl.store(delta_base + offs_m, do_dot_out + lam * r2, mask=row_valid)
     tl.store(delta_base + N_Q + offs_m, -lam * r2, mask=row_valid)
     tl.store(R2 + (b * N_HEADS + h) * N_Q + offs_m, r2, mask=row_valid)
@@ -385,8 +403,7 @@ def _diff_attn_bwd_dkdv_kernel(
     pid_bg = tl.program_id(1)
     b = (pid_bg // N_KV_GROUPS).to(tl.int64)
     g = pid_bg % N_KV_GROUPS
-    k_head1 = g if SHARED_K else 2 * g
-    k_head2 = g if SHARED_K else 2 * g + 1
+    k_head1, k_head2 = _kv_heads(g, SHARED_K)
     causal_offset = N_K - N_Q
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -482,35 +499,24 @@ def _diff_attn_bwd_dq_kernel(
     CAUSAL: tl.constexpr, SHARED_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // N_HEADS).to(tl.int64)
-    h = pid_bh % N_HEADS
-    g = h // GROUP
-    k_head1 = g if SHARED_K else 2 * g
-    k_head2 = g if SHARED_K else 2 * g + 1
+    start_m, offs_m, b, h, row_stats, q1_base, k1_base, k2_base, v_base = _query_block_program(
+        Q, K, V, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, N_HEADS, GROUP, N_Q,
+        SHARED_K, BLOCK_M,
+    )
     causal_offset = N_K - N_Q
-
-    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_valid = offs_m < N_Q
-    q_base = Q + b * stride_qb + (2 * h) * stride_qh
-    q1 = _load_tile(q_base, offs_m, offs_d, stride_qn, N_Q, HEAD_D, UPCAST)
-    q2 = _load_tile(q_base + stride_qh, offs_m, offs_d, stride_qn, N_Q, HEAD_D, UPCAST)
+    q1 = _load_tile(q1_base, offs_m, offs_d, stride_qn, N_Q, HEAD_D, UPCAST)
+    q2 = _load_tile(q1_base + stride_qh, offs_m, offs_d, stride_qn, N_Q, HEAD_D, UPCAST)
     do = _load_tile(DOUT + b * stride_dob + h * stride_doh, offs_m, offs_dv, stride_don, N_Q, VALUE_D, UPCAST)
-    lse_base = LSE + (b * 2 * N_HEADS + 2 * h) * N_Q
-    lse1 = _load_row_vector(lse_base, offs_m, N_Q, float("inf")) * 1.4426950408889634
-    lse2 = _load_row_vector(lse_base + N_Q, offs_m, N_Q, float("inf")) * 1.4426950408889634
-    delta_base = DELTA + (b * 2 * N_HEADS + 2 * h) * N_Q
-    delta1 = _load_row_vector(delta_base, offs_m, N_Q, 0.0)
-    delta2 = _load_row_vector(delta_base + N_Q, offs_m, N_Q, 0.0)
+    lse1 = _load_row_vector(LSE + row_stats, offs_m, N_Q, float("inf")) * 1.4426950408889634
+    lse2 = _load_row_vector(LSE + row_stats + N_Q, offs_m, N_Q, float("inf")) * 1.4426950408889634
+    delta1 = _load_row_vector(DELTA + row_stats, offs_m, N_Q, 0.0)
+    delta2 = _load_row_vector(DELTA + row_stats + N_Q, offs_m, N_Q, 0.0)
     lam = tl.load(LAM + b * stride_lb + offs_m * stride_ln + h * stride_lh, mask=row_valid, other=0.0)
     lam = lam.to(tl.float32)
 
-    k1_base = K + b * stride_kb + k_head1 * stride_kh
-    k2_base = K + b * stride_kb + k_head2 * stride_kh
-    v_base = V + b * stride_vb + g * stride_vh
     dq1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dq2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     full_end, end = _key_ranges(start_m, N_Q, N_K, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
