@@ -1,13 +1,19 @@
-"""Compare DIFF with its mirrored baseline: loss curves, scaling-law fits, and the parameter and token ratios at equal loss.
+"""Compare DIFF with its mirrored baseline: loss curves, scaling-law fits, and the parameter and token ratios at equal loss;
+or, with --table, every variant of an ablation sweep: final validation loss over seeds and paired differences.
 
     python -m diff_transformer.compare multirun/tiny/2026-11-25_22-10-00 --out docs/tiny_sweep.png
     python -m diff_transformer.compare --wandb my-team/diff-transformer/paper-scaling
+    python -m diff_transformer.compare multirun/ablations/2026-11-26_05-00-00 --table --out docs/ablations.png
 
 Runs are read from run directories (`run.json` + `metrics.jsonl`, found recursively under each path) or from the W&B
 API. Per attention kind the final validation losses are fitted with L(N) = E + A * (N / N_ref)^(-alpha); the parameter
 ratio is N_diff / N_baseline at which both fits give the same loss (the paper: 62.2% at 6.8B). The token ratio does the
 same along one run of each kind with L(D) over the validation losses at its evaluation steps (the paper: 63.7% at 3B).
 Uncertainties come from the fits' covariances, propagated to the ratios by sampling the fitted parameters.
+
+--table groups runs by their variant (run.json "variant": the attention kind and its ablation keys) and reports the mean
+± standard deviation of the final validation loss over seeds, and each variant minus the --reference variants paired by
+seed, with a paired t-test (diff_transformer/analysis/variants.py).
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from diff_transformer.analysis.plots import plot_comparison
-from diff_transformer.analysis.runs import PARAMETER_COUNTS, RunMismatchError, load_runs
+from diff_transformer.analysis.plots import plot_comparison, plot_variant_spread
+from diff_transformer.analysis.runs import PARAMETER_COUNTS, RunMismatchError, check_comparable, load_runs
 from diff_transformer.analysis.scaling import compare_runs, format_report
+from diff_transformer.analysis.variants import format_table, seed_spread
 from diff_transformer.analysis.wandb_runs import load_wandb_runs, log_to_wandb
 
 
@@ -36,13 +43,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="also report the parameter ratio at these DIFF sizes, e.g. --at 6.8e9 (extrapolated)")
     parser.add_argument("--allow-unfinished", action="store_true", help="compare runs that stopped before max_steps")
     parser.add_argument("--title", help="figure title")
+    parser.add_argument("--table", action="store_true",
+                        help="the seed-spread table of every variant instead of the scaling comparison")
+    parser.add_argument("--reference", nargs="+", default=["vanilla", "diff"], metavar="VARIANT",
+                        help="with --table: variants every other one is compared with, paired by seed")
     args = parser.parse_args(argv)
     if bool(args.paths) == bool(args.wandb):
         parser.error("give run or sweep directories, or --wandb ENTITY/PROJECT/GROUP (one of the two)")
     try:
         runs = load_wandb_runs(args.wandb) if args.wandb else load_runs(args.paths)
-        comparison = compare_runs(runs, args.parameters, args.token_ratio_model, args.token_fit_from,
-                                  not args.allow_unfinished, args.at)
+        if args.table:
+            check_comparable(runs, require_finished=not args.allow_unfinished)
+            stats = seed_spread(runs, args.reference, args.parameters)
+        else:
+            comparison = compare_runs(runs, args.parameters, args.token_ratio_model, args.token_fit_from,
+                                      not args.allow_unfinished, args.at)
     except (RunMismatchError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -50,9 +65,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = Path(args.out)
     elif args.paths:
         first = Path(args.paths[0])
-        out = (first if first.is_dir() else first.parent) / "compare.png"
+        out = (first if first.is_dir() else first.parent) / ("variants.png" if args.table else "compare.png")
     else:
-        out = Path(f"compare-{args.wandb.rstrip('/').split('/')[-1]}.png")
+        out = Path(f"{'variants' if args.table else 'compare'}-{args.wandb.rstrip('/').split('/')[-1]}.png")
+    if args.table:
+        print(format_table(stats))
+        plot_variant_spread(stats, out, args.title)
+        out.with_suffix(".json").write_text(json.dumps([s.summary() for s in stats], indent=2, default=float) + "\n")
+        print(f"\nfigure: {out}\nsummary: {out.with_suffix('.json')}")
+        return 0
     print(format_report(comparison))
     plot_comparison(comparison, out, args.title)
     out.with_suffix(".json").write_text(json.dumps(comparison.summary(), indent=2, default=float) + "\n")

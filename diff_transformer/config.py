@@ -18,15 +18,15 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from data.config import DataConfig
 from diff_transformer.models.attention import BACKENDS
-from diff_transformer.models.gpt import num_kv_heads
-from diff_transformer.models.layer_specs import ATTENTION_KINDS
+from diff_transformer.models.layer_specs import ABLATION_KEY_DEFAULTS, ATTENTION_KINDS, num_kv_heads
 
 
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    attention: str = "diff"  # a key of ATTENTION_KINDS: diff | vanilla
-    attention_backend: str = "sdpa"  # eager | sdpa | flash_attn | triton
+    # a key of ATTENTION_KINDS: diff | vanilla | diff_v2 | vanilla_subln | vanilla_wide | topk | signed_mask
+    attention: str = "diff"
+    attention_backend: str = "sdpa"  # eager | sdpa | flash_attn | triton (what each kind runs on: README)
     num_layers: int = MISSING
     hidden_size: int = MISSING
     num_heads: int = MISSING  # differential heads H; the mirrored baseline has 2H heads of size head_dim
@@ -40,7 +40,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_base: float = 10000.0
     lambda_init: Optional[float] = None  # None: the per-layer schedule 0.8 - 0.6 exp(-0.3 (l-1)); a number fixes it
+    lambda_learnable: bool = True  # DIFF: false freezes λ at λ_init (ablation; with lambda_init=1.0: pure cancellation)
     sublayer_norm: bool = True  # DIFF's per-head RMSNorm (ablation: false)
+    topk: Optional[int] = None  # topk: scores each query keeps (None: 32)
     make_vocab_size_divisible_by: int = 128
 
 
@@ -197,7 +199,14 @@ def validate(cfg: Any, world_size: int) -> None:
         )
     kv = num_kv_heads(m)
     if kv < 1 or m.num_heads % kv:
-        raise ValueError(f"model.num_kv_heads={kv} must divide model.num_heads={m.num_heads}; use {_divisors(m.num_heads)}")
+        why = (
+            " (DIFF V2 subtracts query heads 2h and 2h+1, which must share one KV head)"
+            if m.attention == "diff_v2" else ""
+        )
+        raise ValueError(
+            f"model.num_kv_heads={kv} must divide model.num_heads={m.num_heads}{why}; use {_divisors(m.num_heads)}"
+        )
+    validate_attention_kind(m)
     if p.tp < 1 or p.pp < 1:
         raise ValueError(f"parallel.tp={p.tp} and parallel.pp={p.pp} must be positive")
     if m.num_heads % p.tp:
@@ -248,6 +257,32 @@ def validate(cfg: Any, world_size: int) -> None:
         )
     validate_checkpoint_config(cfg.checkpoint)
     validate_failure_config(cfg.failures)
+
+
+def validate_attention_kind(m: ModelConfig) -> None:
+    """The backend and the ablation keys must fit ``model.attention``: a key a kind does not read is refused."""
+    kind = ATTENTION_KINDS[m.attention]
+    if m.attention_backend not in kind.backends:
+        raise ValueError(
+            f"model.attention={m.attention} does not run on model.attention_backend={m.attention_backend}; "
+            f"use {', '.join(kind.backends)}"
+        )
+    for key, default in ABLATION_KEY_DEFAULTS.items():
+        value = getattr(m, key)
+        if key not in kind.keys and value != default:
+            readers = [name for name, k in ATTENTION_KINDS.items() if key in k.keys]
+            shown = str(value).lower() if isinstance(value, bool) else value  # as written in an override
+            raise ValueError(
+                f"model.{key}={shown} does not apply to model.attention={m.attention} (only to "
+                f"{', '.join(readers)}); leave it unset"
+            )
+    if m.topk is not None and m.topk < 1:
+        raise ValueError(f"model.topk={m.topk} must be >= 1 (scores kept per query; >= model.seq_length keeps all)")
+    if m.lambda_init is not None and m.lambda_init >= 1 and (m.attention != "diff" or m.lambda_learnable):
+        raise ValueError(
+            f"model.lambda_init={m.lambda_init} makes the output multiplier (1 - lambda_init) of "
+            f"model.attention={m.attention} zero or negative; to fix DIFF's λ at 1 use model.lambda_learnable=false"
+        )
 
 
 # Config keys that name files or directories; relative values are taken from the directory the user launched from.

@@ -25,15 +25,17 @@ def make_config(heads, kv_heads, d):
     )
 
 
-def paper_reference(q, k, v, lq1, lk1, lq2, lk2, lambda_init, norm_weight, eps=1e-5):
+def paper_reference(q, k, v, lq1, lk1, lq2, lk2, lambda_init, norm_weight, eps=1e-5, output_scale=None):
     """The paper's equations, one differential head at a time, in float64.
 
     q (B, N, 2H, d), k (B, N, 2Hkv, d), v (B, N, Hkv, 2d); head h uses (Q1, Q2) = q heads (2h, 2h+1) and
-    (K1, K2) = k heads (2g, 2g+1), V = v head g, with g = h // (H / Hkv).
+    (K1, K2) = k heads (2g, 2g+1), V = v head g, with g = h // (H / Hkv). Each head is multiplied by
+    ``output_scale`` (default 1 − λ_init). Differentiable in q, k, v and the norm weight.
     """
     q, k, v = q.double(), k.double(), v.double()
     B, N, two_h, d = q.shape
     H, Hkv = two_h // 2, v.shape[2]
+    output_scale = 1 - lambda_init if output_scale is None else output_scale
     lam = (
         math.exp(float(torch.dot(lq1.detach().double(), lk1.detach().double())))
         - math.exp(float(torch.dot(lq2.detach().double(), lk2.detach().double())))
@@ -47,7 +49,7 @@ def paper_reference(q, k, v, lq1, lk1, lq2, lk2, lambda_init, norm_weight, eps=1
         a2 = torch.softmax(q[:, :, 2 * h + 1] @ k[:, :, 2 * g + 1].transpose(-1, -2) / math.sqrt(d) + mask, dim=-1)
         head = (a1 - lam * a2) @ v[:, :, g]  # (B, N, 2d)
         head = head / torch.sqrt(head.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
-        heads.append(head * (1 - lambda_init))
+        heads.append(head * output_scale)
     return torch.cat(heads, dim=-1)  # (B, N, H * 2d)
 
 
@@ -76,6 +78,37 @@ def test_diff_eager_matches_paper_equations(layer, heads, kv_heads):
     )
     assert rel_err(out.transpose(0, 1), ref) < 1e-5
     assert attn.lambda_init == pytest.approx(0.8 - 0.6 * math.exp(-0.3 * (layer - 1)))
+
+
+@pytest.mark.parametrize("lambda_init", [1.0, 0.5, None], ids=["lambda1", "lambda0.5", "schedule"])
+def test_frozen_lambda_is_the_constant_with_the_schedules_multiplier(lambda_init):
+    """model.lambda_learnable=false: no λ parameters, λ = λ_init (1.0: pure cancellation A1 − A2), and the output
+    multiplier stays 1 − λ_init(l) of the depth schedule; outputs and gradients against the paper's equations."""
+    torch.manual_seed(5)
+    heads, kv_heads, B, N, d, layer = 4, 2, 2, 12, 8, 3
+    attn = DifferentialCoreAttention(make_config(heads, kv_heads, d), layer, AttnMaskType.causal, backend="eager",
+                                     lambda_init=lambda_init, lambda_learnable=False)
+    assert [name for name, _ in attn.named_parameters()] == ["sublayer_norm.weight"]
+    lam = lambda_init if lambda_init is not None else lambda_init_for_layer(layer)
+    assert float(attn.lambda_full()) == pytest.approx(lam)
+    with torch.no_grad():
+        attn.sublayer_norm.weight.uniform_(0.5, 1.5)
+    q = torch.randn(B, N, 2 * heads, d, requires_grad=True)
+    k = torch.randn(B, N, 2 * kv_heads, d, requires_grad=True)
+    v = torch.randn(B, N, kv_heads, 2 * d, requires_grad=True)
+    grad_out = torch.randn(B, N, heads * 2 * d)
+    out = attn(*as_megatron_inputs(q, k, v), None, attn_mask_type=AttnMaskType.causal).transpose(0, 1)
+    out.backward(grad_out)
+    got = [t.grad.clone() for t in (q, k, v)] + [attn.sublayer_norm.weight.grad.clone()]
+    zero = torch.zeros(d)
+    weight = attn.sublayer_norm.weight.detach().double().requires_grad_(True)
+    q.grad = k.grad = v.grad = None
+    ref = paper_reference(q, k, v, zero, zero, zero, zero, lam, weight,
+                          output_scale=1 - lambda_init_for_layer(layer))  # exp(0) − exp(0) + λ_init = λ_init
+    ref.backward(grad_out.double())
+    assert rel_err(out, ref) < 1e-6
+    for g, want in zip(got, [q.grad, k.grad, v.grad, weight.grad]):
+        assert rel_err(g, want) < 1e-6
 
 
 def test_lambda_init_schedule():

@@ -236,3 +236,58 @@ def test_wandb_runs_are_read_like_run_directories():
     assert comparison.size_fits["vanilla"].E == pytest.approx(E, rel=1e-3)
     with pytest.raises(ValueError, match="ENTITY/PROJECT/GROUP"):
         wandb_runs.load_wandb_runs("team/proj", api=FakeApi())
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# --table: the seed spread of every variant
+# ------------------------------------------------------------------------------------------------------------------
+def write_seeded_run(root, variant, seed, final_val_loss, attention=None):
+    run_dir = root / f"{variant.replace(' ', '_')}-seed{seed}"
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({
+        "name": "ablations", "model": "tiny", "attention": attention or variant.split()[0], "variant": variant,
+        "seed": seed, "num_parameters": 1000, "tokens_per_step": 10, "seq_length": 5, "data": {"corpus": "x"},
+        "max_steps": 2,
+    }))
+    rows = [{"step": 1, "loss": 9.0, "tokens": 10}, {"step": 2, "loss": 8.0, "tokens": 20, "val_loss": final_val_loss}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_table_groups_variants_over_seeds_and_pairs_them_by_seed(tmp_path, capsys):
+    """A seed effect shared by every variant (the data order) cancels in the paired differences: a 0.01 shift under a
+    0.1 seed-to-seed spread is found, a variant equal up to 1e-3 jitter is not."""
+    seed_effect = {1: 0.0, 2: 0.1, 3: -0.1}
+    jitter = {1: 0.001, 2: -0.0005, 3: 0.0}
+    for seed, shared in seed_effect.items():
+        write_seeded_run(tmp_path, "vanilla", seed, 5.0 + shared)
+        write_seeded_run(tmp_path, "diff", seed, 4.99 + shared + jitter[seed] / 10)
+        write_seeded_run(tmp_path, "diff lambda_init=1.0 lambda_learnable=false", seed, 5.0 + shared + jitter[seed])
+    write_seeded_run(tmp_path, "topk topk=32", 1, 5.2)  # one seed only
+    assert compare.main([str(tmp_path), "--table", "--out", str(tmp_path / "t.png")]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    assert [line.split(" | ")[0][2:] for line in lines[1:]] == [
+        "vanilla", "diff", "diff lambda_init=1.0 lambda_learnable=false", "topk topk=32"]
+    assert "5.0000 ± 0.1000" in lines[1]
+    assert "-0.0100 ±" in lines[2] and "outside noise" in lines[2]
+    frozen = lines[3].split(" | ")
+    assert "inside noise" in frozen[5] and "outside noise" in frozen[6]  # vs vanilla: jitter; vs diff: +0.01
+    assert "(1 seed)" in lines[4]
+    summary = json.loads((tmp_path / "t.json").read_text())
+    assert summary[0]["variant"] == "vanilla" and summary[0]["seeds"] == [1, 2, 3]
+    assert summary[1]["deltas"]["vanilla"]["outside_noise"] is True
+    assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_table_refuses_two_runs_with_the_same_seed(tmp_path, capsys):
+    write_seeded_run(tmp_path / "a", "vanilla", 1, 5.0)
+    write_seeded_run(tmp_path / "b", "vanilla", 1, 5.1)
+    assert compare.main([str(tmp_path), "--table", "--out", str(tmp_path / "t.png")]) == 2
+    assert "two runs of vanilla (tiny) with seed 1" in capsys.readouterr().err
+
+
+def test_runs_of_every_kind_load_and_old_runs_fall_back_to_their_kind(tmp_path):
+    write_seeded_run(tmp_path, "signed_mask", 1, 5.0)
+    write_run(tmp_path, "vanilla", 1e6, 5.0, max_steps=2, tokens_per_step=10, eval_interval=1)  # no variant, no seed
+    runs = sorted(run_records.load_runs([tmp_path]), key=lambda r: r.variant)
+    assert [(r.attention, r.variant, r.seed) for r in runs] == [("signed_mask", "signed_mask", 1), ("vanilla", "vanilla", None)]

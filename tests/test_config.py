@@ -59,6 +59,80 @@ def test_diff_and_baseline_have_equal_parameters(size, megatron_single_process):
     assert diff - vanilla == cfg.model.num_layers * 6 * d
 
 
+KINDS = ("diff", "vanilla", "diff_v2", "vanilla_subln", "vanilla_wide", "topk", "signed_mask")
+
+
+@pytest.mark.parametrize("size", ["debug", "tiny"])
+def test_every_kind_has_the_parameter_count_it_states(size, megatron_single_process):
+    """attention_parameters_per_layer (what the trainer prints for a model it does not build) equals the built
+    model for every kind; vanilla_wide has DIFF's projections (DIFF adds 6d per layer, as against vanilla)."""
+    from diff_transformer.models.gpt import attention_parameters_per_layer
+
+    counts, models = {}, {}
+    for kind in KINDS + ("diff lambda_learnable=false", "diff sublayer_norm=false"):
+        overrides = [f"model.{'attention=' if i == 0 else ''}{part}" for i, part in enumerate(kind.split())]
+        cfg = compose_cfg(f"model={size}", "model.vocab_size=4096", *overrides)
+        counts[kind], model = count_on_meta(cfg)
+        models[kind] = cfg.model
+    L = models["diff"].num_layers
+    d = models["diff"].hidden_size // (2 * models["diff"].num_heads)
+    for kind, m in models.items():
+        assert counts[kind] - counts["vanilla"] == L * (
+            attention_parameters_per_layer(m) - attention_parameters_per_layer(models["vanilla"])
+        ), kind
+    assert counts["vanilla_wide"] == counts["vanilla"] == counts["diff"] - L * 6 * d
+    assert counts["diff lambda_learnable=false"] == counts["diff"] - L * 4 * d
+    assert counts["vanilla_subln"] == counts["vanilla"] + L * d
+
+
+def test_vanilla_wide_has_half_the_heads_twice_as_wide(megatron_single_process):
+    cfg = compose_cfg("model=tiny", "model.attention=vanilla_wide", "model.vocab_size=4096")
+    _, model = count_on_meta(cfg)
+    attn = model.decoder.layers[0].self_attention
+    assert (attn.config.num_attention_heads, attn.config.num_query_groups, attn.config.kv_channels) == (2, 2, 64)
+
+
+@pytest.mark.parametrize("size", ["debug", "tiny", "830m"])
+def test_diff_v2_and_its_baseline(size, megatron_single_process):
+    """V2 (2H query heads of d over Hkv KV heads, Wo from H·d, W_λ: E→H) against its baseline, the Transformer with
+    the same hidden size, 2H query heads of d and Hkv KV heads: equal Q, K, V; V2's Wo is H·d·E smaller; W_λ adds E·H."""
+    from diff_transformer.models.gpt import v2_baseline
+
+    v2_cfg = compose_cfg(f"model={size}", "model.attention=diff_v2", "model.vocab_size=4096")
+    baseline_model, overrides = v2_baseline(v2_cfg.model)
+    m = v2_cfg.model
+    kv = m.num_kv_heads or m.num_heads
+    assert overrides == f"model.attention=vanilla model.num_kv_heads={kv // 2}"
+    baseline_cfg = compose_cfg(f"model={size}", "model.vocab_size=4096", *overrides.split())
+    assert baseline_cfg.model == baseline_model
+    v2, v2_model = count_on_meta(v2_cfg)
+    baseline, baseline_net = count_on_meta(baseline_cfg)
+    E, H, d, L = m.hidden_size, m.num_heads, m.hidden_size // (2 * m.num_heads), m.num_layers
+    assert v2 - baseline == L * (E * H - H * d * E)
+    v2_attn, base_attn = v2_model.decoder.layers[0].self_attention, baseline_net.decoder.layers[0].self_attention
+    assert v2_attn.linear_qkv.weight.shape == base_attn.linear_qkv.weight.shape == ((2 * H + 2 * kv) * d, E)
+    assert v2_attn.linear_proj.weight.shape == (E, H * d) and base_attn.linear_proj.weight.shape == (E, 2 * H * d)
+    assert v2_attn.linear_lambda.weight.shape == (H, E)
+
+
+def test_ablation_sweep_variants_are_valid_and_distinct():
+    from diff_transformer.models.layer_specs import variant_label
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        sweep = compose("config", overrides=["+sweep=ablations"], return_hydra_config=True)
+        variants = sweep.hydra.sweeper.params["+sweep/ablation"].split(",")
+        assert sweep.hydra.sweeper.params["seed"] == "1,2,3"
+        labels = []
+        for variant in variants:
+            cfg = to_object(compose("config", overrides=["+sweep=ablations", f"+sweep/ablation={variant}"]))
+            validate(cfg, world_size=1)
+            assert (cfg.model.name, cfg.trainer.max_steps, cfg.data.source) == ("ablation", 200, "bundled")
+            labels.append(variant_label(cfg.model))
+    assert len(set(labels)) == len(variants) == 12
+    assert {"diff sublayer_norm=false", "diff lambda_init=1.0 lambda_learnable=false", "diff lambda_init=0.8",
+            "diff lambda_init=0.5", "topk topk=32", "vanilla num_kv_heads=1", "diff_v2"} <= set(labels)
+
+
 def test_lambda_init_uses_global_layer_numbers(megatron_single_process):
     from diff_transformer.models.attention import lambda_init_for_layer
     from diff_transformer.models.gpt import diff_attention_modules
@@ -94,14 +168,53 @@ def test_experiment_presets_compose():
         (["model.num_kv_heads=3", "model=830m"], 1, r"model.num_kv_heads=3 must divide model.num_heads=8"),
         (["trainer.max_steps=10", "optim.warmup_steps=10"], 1,
          r"optim.warmup_steps=10 must lie in \[0, trainer.max_steps=10\)"),
+        (["model.attention=topk", "model.topk=0"], 1, r"model.topk=0 must be >= 1"),
+        (["model.attention=topk", "model.topk=-3"], 1, r"model.topk=-3 must be >= 1"),
+        (["model=830m", "model.attention=diff_v2", "model.num_kv_heads=3"], 1,
+         r"model.num_kv_heads=3 must divide model.num_heads=8 \(DIFF V2 subtracts query heads 2h and 2h\+1, "
+         r"which must share one KV head\); use 1, 2, 4, 8"),
+        (["model=830m", "model.attention=diff_v2", "model.num_kv_heads=2", "parallel.tp=4"], 4,
+         r"parallel.tp=4 does not divide model.num_kv_heads=2"),
+        (["model.attention=vanilla", "model.lambda_learnable=false"], 1,
+         r"model.lambda_learnable=false does not apply to model.attention=vanilla \(only to diff\); leave it unset"),
+        (["model.attention=diff_v2", "model.lambda_learnable=false"], 1,
+         r"model.lambda_learnable=false does not apply to model.attention=diff_v2 \(only to diff\)"),
+        (["model.attention=diff_v2", "model.lambda_init=0.8"], 1,
+         r"model.lambda_init=0.8 does not apply to model.attention=diff_v2 \(only to diff, vanilla_subln\)"),
+        (["model.attention=vanilla_wide", "model.sublayer_norm=false"], 1,
+         r"model.sublayer_norm=false does not apply to model.attention=vanilla_wide \(only to diff\)"),
+        (["model.attention=signed_mask", "model.topk=8"], 1, r"model.topk=8 does not apply to model.attention=signed_mask"),
+        (["model.lambda_init=1.0"], 1, r"model.lambda_init=1.0 makes the output multiplier .* zero or negative; "
+                                       r"to fix DIFF's λ at 1 use model.lambda_learnable=false"),
+        (["model.attention=topk", "model.attention_backend=triton"], 1,
+         r"model.attention=topk does not run on model.attention_backend=triton; use eager, sdpa"),
+        (["model.attention=vanilla", "model.attention_backend=triton"], 1,
+         r"model.attention=vanilla does not run on model.attention_backend=triton; use eager, sdpa, flash_attn"),
     ],
     ids=["heads-tp", "heads-tp3", "layers-pp", "world", "batch", "attention", "backend", "precision", "kv-heads",
-         "warmup"],
+         "warmup", "topk-0", "topk-negative", "v2-kv-heads", "v2-tp-kv", "learnable-vanilla", "learnable-v2",
+         "lambda-init-v2", "subln-wide", "topk-signed", "lambda-init-1", "topk-triton", "vanilla-triton"],
 )
 def test_bad_configs_are_refused_naming_the_value(overrides, world, message):
     cfg = compose_cfg(*overrides)
     with pytest.raises(ValueError, match=message):
         validate(cfg, world_size=world)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.attention=topk", "model.topk=100000"],  # at or beyond the sequence: equals vanilla
+        ["model.lambda_learnable=false", "model.lambda_init=1.0"],  # the review's λ = 1
+        ["model.lambda_learnable=false"],
+        ["model.attention=vanilla_subln", "model.lambda_init=0.8"],
+        ["model.attention=diff_v2", "model.attention_backend=triton", "parallel.tp=2"],
+        ["model.attention=signed_mask", "model.attention_backend=eager"],
+    ],
+    ids=["topk-long", "lambda-1", "frozen", "subln-fixed", "v2-triton-tp2", "signed-eager"],
+)
+def test_good_variant_configs_are_accepted(overrides):
+    validate(compose_cfg(*overrides), world_size=2)
 
 
 def test_unknown_keys_are_refused():
@@ -120,6 +233,18 @@ def test_train_py_refuses_before_starting_anything(tmp_path):
     assert proc.returncode == 2
     assert "error: parallel.tp=3 does not divide model.num_heads=2" in proc.stderr
     assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_train_py_refuses_a_key_the_kind_does_not_read_in_one_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "experiment=smoke", "model.attention=vanilla",
+         "model.lambda_learnable=false", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: model.lambda_learnable=false does not apply to model.attention=vanilla (only to diff); "
+                      "leave it unset"]
 
 
 def test_data_group_selects_the_source():

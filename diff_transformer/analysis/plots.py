@@ -1,4 +1,5 @@
-"""Figures: the comparison of DIFF with its baseline (curves, size fit, token fit) and the quickstart's curves."""
+"""Figures: the comparison of DIFF with its baseline (curves, size fit, token fit), the seed spread of every variant
+of an ablation sweep, and the quickstart's curves."""
 
 from __future__ import annotations
 
@@ -8,13 +9,31 @@ from typing import Dict, List
 
 import numpy as np
 
-from diff_transformer.analysis.runs import ATTENTION_KINDS, BASELINE, DIFF, RunRecord
+from diff_transformer.analysis.runs import BASELINE, DIFF, RunRecord
 from diff_transformer.analysis.scaling import Comparison, RatioEstimate
+from diff_transformer.analysis.variants import VariantStats
 
 LABELS = {DIFF: "DIFF", BASELINE: "Transformer"}
 STYLES = {DIFF: "-", BASELINE: "--"}
 MARKERS = {DIFF: "o", BASELINE: "s"}
 KIND_COLORS = {DIFF: "C0", BASELINE: "C1"}
+OTHER_STYLES, OTHER_MARKERS = ("-.", ":"), ("^", "v", "D", "P", "X", "<", ">", "*")
+
+
+def _label(variant: str) -> str:
+    return LABELS.get(variant, variant)
+
+
+def _style(variant: str, variants: List[str]) -> str:
+    return STYLES.get(variant) or OTHER_STYLES[variants.index(variant) % len(OTHER_STYLES)]
+
+
+def _marker(variant: str, variants: List[str]) -> str:
+    return MARKERS.get(variant) or OTHER_MARKERS[variants.index(variant) % len(OTHER_MARKERS)]
+
+
+def _color(variant: str, variants: List[str]) -> str:
+    return KIND_COLORS.get(variant) or f"C{2 + variants.index(variant) % 8}"
 
 
 def _pyplot():
@@ -62,11 +81,13 @@ def plot_comparison(comparison: Comparison, out_path: str | Path, title: str | N
 def _draw_loss_curves(ax, runs: List[RunRecord], plt) -> None:
     """Train (faint) and validation (marked) loss against tokens, one colour per model size."""
     models = list(dict.fromkeys(r.model for r in runs))
+    variants = sorted({r.variant for r in runs})
     colors = {m: plt.get_cmap("viridis")(i / max(1, len(models) - 1) * 0.85) for i, m in enumerate(models)}
     for r in runs:
-        ax.plot(r.tokens, r.train_loss, STYLES[r.attention], color=colors[r.model], alpha=0.35, lw=1)
-        ax.plot(r.val_tokens, r.val_loss, STYLES[r.attention], marker=MARKERS[r.attention], ms=3,
-                color=colors[r.model], label=f"{LABELS[r.attention]} {r.model}")
+        style = _style(r.variant, variants)
+        ax.plot(r.tokens, r.train_loss, style, color=colors[r.model], alpha=0.35, lw=1)
+        ax.plot(r.val_tokens, r.val_loss, style, marker=_marker(r.variant, variants), ms=3,
+                color=colors[r.model], label=f"{_label(r.variant)} {r.model}")
     # Early steps dwarf the curves' ends: frame the validation losses, with the train curves' tail in view.
     val_all = np.concatenate([r.val_loss for r in runs])
     tail_all = np.concatenate([r.train_loss[len(r.train_loss) // 10:] for r in runs])
@@ -84,16 +105,15 @@ def _draw_size_fit(ax, comparison: Comparison, runs: List[RunRecord]) -> None:
     count = comparison.parameter_count
     all_n = np.array([r.parameters(count) for r in runs], dtype=np.float64)
     grid = np.geomspace(all_n.min() / 1.5, all_n.max() * 1.5, 200)
-    for kind in ATTENTION_KINDS:
-        of_kind = [r for r in runs if r.attention == kind]
-        if not of_kind:
-            continue
-        ax.plot([r.parameters(count) for r in of_kind], [r.final_val_loss for r in of_kind], MARKERS[kind],
-                color=KIND_COLORS[kind], label=f"{LABELS[kind]} runs")
+    variants = sorted({r.variant for r in runs})
+    for kind in variants:
+        of_kind = [r for r in runs if r.variant == kind]
+        ax.plot([r.parameters(count) for r in of_kind], [r.final_val_loss for r in of_kind], _marker(kind, variants),
+                color=_color(kind, variants), label=f"{_label(kind)} runs")
         if kind in comparison.size_fits:
             fit = comparison.size_fits[kind]
-            ax.plot(grid, fit(grid), STYLES[kind], color=KIND_COLORS[kind],
-                    label=f"{LABELS[kind]} fit: E={fit.E:.3f}, α={fit.alpha:.2f}")
+            ax.plot(grid, fit(grid), _style(kind, variants), color=_color(kind, variants),
+                    label=f"{_label(kind)} fit: E={fit.E:.3f}, α={fit.alpha:.2f}")
     trained = [e for e in comparison.parameter_ratios if e.at <= all_n.max()]
     if trained:
         _annotate_ratio(ax, trained[-1], "params")
@@ -113,14 +133,14 @@ def _draw_token_fit(ax, comparison: Comparison) -> None:
     """Validation loss against tokens along the token-ratio pair, each run's L(D) fit, and the token ratio."""
     if comparison.token_pair is not None:
         for run in comparison.token_pair:
-            color = KIND_COLORS[run.attention]
-            ax.plot(run.val_tokens, run.val_loss, MARKERS[run.attention], color=color, ms=4,
-                    label=f"{LABELS[run.attention]} {run.model}")
-            if run.attention in comparison.token_fits:
-                fit = comparison.token_fits[run.attention]
+            color = KIND_COLORS[run.variant]
+            ax.plot(run.val_tokens, run.val_loss, MARKERS[run.variant], color=color, ms=4,
+                    label=f"{LABELS[run.variant]} {run.model}")
+            if run.variant in comparison.token_fits:
+                fit = comparison.token_fits[run.variant]
                 tokens = np.geomspace(max(run.val_tokens.min(), 1.0), run.val_tokens.max() * 1.5, 200)
-                ax.plot(tokens, fit(tokens), STYLES[run.attention], color=color,
-                        label=f"{LABELS[run.attention]} fit: α={fit.alpha:.2f}")
+                ax.plot(tokens, fit(tokens), STYLES[run.variant], color=color,
+                        label=f"{LABELS[run.variant]} fit: α={fit.alpha:.2f}")
         if comparison.token_ratio is not None:
             _annotate_ratio(ax, comparison.token_ratio, "tokens")
         ax.set_xscale("log")
@@ -129,6 +149,27 @@ def _draw_token_fit(ax, comparison: Comparison) -> None:
     ax.set_ylabel("validation loss")
     ax.set_title("data: L(D) = E + B·D^-β along one run")
     ax.grid(alpha=0.3, which="both")
+
+
+def plot_variant_spread(stats: List[VariantStats], out_path: str | Path, title: str | None = None) -> Path:
+    """Final validation loss of every variant: each seed a dot, the mean ± one standard deviation a bar, and the
+    references' means as vertical lines, so that a difference can be read against the seed-to-seed spread."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(stats) + 1.6))
+    for y, s in enumerate(stats):
+        ax.errorbar(s.mean, y, xerr=s.std if math.isfinite(s.std) else 0, fmt="o", color="k", capsize=4, zorder=3)
+        ax.scatter(s.values, [y] * len(s.values), color="C0", alpha=0.6, s=18, zorder=2)
+    compared = {r for s in stats for r in s.deltas}
+    for i, ref in enumerate(s for s in stats if s.variant in compared):
+        ax.axvline(ref.mean, color=f"C{1 + i}", ls="--", lw=1, label=f"{ref.variant} mean ({ref.model})")
+    ax.set_yticks(range(len(stats)), [f"{s.variant} (n={s.n})" for s in stats], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("final validation loss (dots: seeds; bar: mean ± std over seeds)")
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return _save(fig, out_path, plt)
 
 
 def _save(fig, out_path: str | Path, plt) -> Path:

@@ -12,7 +12,6 @@ from typing import Sequence
 import numpy as np
 
 from diff_transformer.analysis.runs import (
-    ATTENTION_KINDS,
     BASELINE,
     DIFF,
     PARAMETER_COUNTS,
@@ -202,6 +201,8 @@ class Comparison:
                     "name": r.name,
                     "model": r.model,
                     "attention": r.attention,
+                    "variant": r.variant,
+                    "seed": r.seed,
                     "parameters": r.parameters(self.parameter_count),
                     "final_val_loss": r.final_val_loss,
                     "tokens": r.token_budget,
@@ -220,7 +221,7 @@ class Comparison:
 def _largest_pair(runs: Sequence[RunRecord], model: str | None, count: str) -> tuple[RunRecord, RunRecord] | None:
     by_model: dict[str, dict[str, RunRecord]] = {}
     for run in runs:
-        by_model.setdefault(run.model, {})[run.attention] = run
+        by_model.setdefault(run.model, {})[run.variant] = run
     pairs = {m: kinds for m, kinds in by_model.items() if DIFF in kinds and BASELINE in kinds}
     if model is not None:
         if model not in pairs:
@@ -248,8 +249,8 @@ def compare_runs(
     check_comparable(runs, require_finished=require_finished)
     notes: list[str] = []
     size_fits: dict[str, PowerLawFit] = {}
-    for kind in ATTENTION_KINDS:
-        of_kind = [r for r in runs if r.attention == kind]
+    for kind in dict.fromkeys(r.variant for r in runs):  # every variant gets its fit; DIFF and vanilla their ratio
+        of_kind = [r for r in runs if r.variant == kind]
         sizes = {r.parameters(parameter_count) for r in of_kind}
         if len(sizes) < 3:
             notes.append(f"{kind}: {len(sizes)} model size(s); a scaling-law fit needs 3 (4+ for an uncertainty)")
@@ -261,9 +262,9 @@ def compare_runs(
         except ValueError as error:  # the curves are still worth drawing
             notes.append(f"{kind}: no scaling-law fit: {error}")
     parameter_ratios = []
-    if len(size_fits) == 2:
+    if DIFF in size_fits and BASELINE in size_fits:
         # At each DIFF size trained, then at any size asked for (an extrapolation of both fits).
-        diff_sizes = sorted({r.parameters(parameter_count) for r in runs if r.attention == DIFF})
+        diff_sizes = sorted({r.parameters(parameter_count) for r in runs if r.variant == DIFF})
         parameter_ratios = [matching_ratio(size_fits[DIFF], size_fits[BASELINE], n) for n in diff_sizes]
         parameter_ratios += [matching_ratio(size_fits[DIFF], size_fits[BASELINE], float(n)) for n in at_parameters]
 
@@ -282,7 +283,7 @@ def compare_runs(
                 )
                 break
             try:
-                token_fits[run.attention] = fit_power_law(run.val_tokens[keep], run.val_loss[keep])
+                token_fits[run.variant] = fit_power_law(run.val_tokens[keep], run.val_loss[keep])
             except ValueError as error:
                 notes.append(f"{run.name}: no token fit: {error}")
                 break
@@ -302,9 +303,9 @@ def human_number(n: float) -> str:
 def format_report(comparison: Comparison) -> str:
     count = comparison.parameter_count
     lines = [f"{'run':<40} {'attention':<9} {'params (' + count + ')':>22} {'tokens':>10} {'final val loss':>15}"]
-    for r in sorted(comparison.runs, key=lambda r: (r.attention, r.parameters(count))):
+    for r in sorted(comparison.runs, key=lambda r: (r.variant, r.parameters(count))):
         lines.append(
-            f"{r.name:<40} {r.attention:<9} {r.parameters(count):>22,} {human_number(r.token_budget):>10} {r.final_val_loss:>15.4f}"
+            f"{r.name:<40} {r.variant:<9} {r.parameters(count):>22,} {human_number(r.token_budget):>10} {r.final_val_loss:>15.4f}"
         )
     lines.append("")
     for kind, fit in comparison.size_fits.items():

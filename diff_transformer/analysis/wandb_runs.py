@@ -42,6 +42,8 @@ def load_wandb_runs(path: str, api: Any = None) -> list[RunRecord]:
         sources = [config.get("run") or {}, config, summary]
         description = {
             "attention": _lookup(sources, "attention") or _lookup([config], "model.attention"),
+            "variant": _lookup(sources, "variant"),
+            "seed": _lookup(sources, "seed"),
             "model": _lookup(sources, "model") if isinstance(_lookup(sources, "model"), str) else _lookup([config], "model.name"),
             "num_parameters": _lookup(sources, "num_parameters"),
             "num_non_embedding_parameters": _lookup(sources, "num_non_embedding_parameters"),
@@ -67,7 +69,7 @@ def log_to_wandb(comparison: Comparison, png: Path, path: str) -> str:
     count = comparison.parameter_count
     runs_table = wandb.Table(columns=["run", "model", "attention", f"parameters_{count}", "tokens", "final_val_loss"])
     for r in comparison.runs:
-        runs_table.add_data(r.name, r.model, r.attention, r.parameters(count), r.token_budget, r.final_val_loss)
+        runs_table.add_data(r.name, r.model, r.variant, r.parameters(count), r.token_budget, r.final_val_loss)
     ratio_table = wandb.Table(columns=["kind", "diff_at", "loss", "ratio", "low_68", "high_68", "std"])
     for estimate in comparison.parameter_ratios:
         ratio_table.add_data("parameters", estimate.at, estimate.loss, estimate.ratio, estimate.low, estimate.high, estimate.std)

@@ -1,6 +1,14 @@
-"""Core attention modules: differential attention (DIFF V1) and the vanilla baseline, with pluggable backends.
+"""Core attention modules of every attention kind, with pluggable backends.
 
-Both plug into megatron-core's ``SelfAttention`` as its ``core_attention`` submodule. ``SelfAttention`` owns the
+- ``DifferentialCoreAttention``: DIFF V1 (also with λ frozen, ``lambda_learnable=False``);
+- ``VanillaCoreAttention``: softmax attention, the baseline (and, with H heads of 2d, the head-count control);
+- ``VanillaSublnCoreAttention``: the baseline plus DIFF's per-head RMSNorm and (1 − λ_init) multiplier;
+- ``TopKCoreAttention``: softmax over each query's k largest causal scores;
+- ``SignedMaskCoreAttention``: one softmax map gated by a learnable signed per-head, per-distance factor;
+- ``DiffV2SelfAttention`` + ``DiffV2CoreAttention``: DIFF V2 (the only kind that changes ``SelfAttention`` itself:
+  its λ comes from the layer input and its output projection reads H·d).
+
+All plug into megatron-core's ``SelfAttention`` as its ``core_attention`` submodule. ``SelfAttention`` owns the
 QKV and output projections and RoPE; for DIFF it is configured with 2H query heads and 2Hkv key/value heads of
 size d, exactly like the mirrored baseline, so the two have the same projection parameters:
 
@@ -16,14 +24,20 @@ both divisible by the TP size (checked in the config).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_pg_rank
 
 BACKENDS = ("eager", "sdpa", "flash_attn", "triton")
 
@@ -109,6 +123,9 @@ class DifferentialCoreAttention(_CoreAttentionBase):
     """Differential attention V1: (softmax(Q1K1ᵀ·s) − λ·softmax(Q2K2ᵀ·s))·V per head, then per-head RMSNorm·(1−λ_init).
 
     λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init, one set of four d-vectors per layer shared by its heads.
+    ``lambda_init`` fixes λ_init (default: the depth schedule). ``lambda_learnable=False`` (ablation) drops the four
+    vectors: λ is the constant λ_init, and the output multiplier stays (1 − λ_init(l)) of the depth schedule, because
+    (1 − λ) would zero the attention output when λ is frozen at 1 (pure cancellation).
     """
 
     def __init__(
@@ -126,6 +143,7 @@ class DifferentialCoreAttention(_CoreAttentionBase):
         sublayer_norm: bool = True,
         lambda_std: float = 0.1,
         norm_eps: float = 1e-5,
+        lambda_learnable: bool = True,
     ):
         super().__init__(
             config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
@@ -133,10 +151,13 @@ class DifferentialCoreAttention(_CoreAttentionBase):
         )
         d = self.head_dim
         self.lambda_init = lambda_init if lambda_init is not None else lambda_init_for_layer(layer_number)
-        self.lambda_q1 = torch.nn.Parameter(torch.empty(d, dtype=torch.float32))
-        self.lambda_k1 = torch.nn.Parameter(torch.empty(d, dtype=torch.float32))
-        self.lambda_q2 = torch.nn.Parameter(torch.empty(d, dtype=torch.float32))
-        self.lambda_k2 = torch.nn.Parameter(torch.empty(d, dtype=torch.float32))
+        self.lambda_learnable = lambda_learnable
+        self.output_scale = 1.0 - (self.lambda_init if lambda_learnable else lambda_init_for_layer(layer_number))
+        if lambda_learnable:
+            self.lambda_q1 = torch.nn.Parameter(torch.empty(d, dtype=torch.float32))
+            self.lambda_k1 = torch.nn.Parameter(torch.empty(d, dtype=torch.float32))
+            self.lambda_q2 = torch.nn.Parameter(torch.empty(d, dtype=torch.float32))
+            self.lambda_k2 = torch.nn.Parameter(torch.empty(d, dtype=torch.float32))
         self.sublayer_norm = (
             torch.nn.RMSNorm(2 * d, eps=norm_eps, elementwise_affine=True, dtype=config.params_dtype)
             if sublayer_norm
@@ -149,10 +170,14 @@ class DifferentialCoreAttention(_CoreAttentionBase):
             setattr(p, TP_REPLICATED_ATTR, True)
 
     def lambda_parameters(self):
+        if not self.lambda_learnable:
+            return ()
         return (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2)
 
     def lambda_full(self) -> torch.Tensor:
-        """The layer's λ as a 0-dim fp32 tensor (differentiable)."""
+        """The layer's λ as a 0-dim fp32 tensor (differentiable when learnable)."""
+        if not self.lambda_learnable:
+            return torch.tensor(self.lambda_init, dtype=torch.float32)
         lambda_1 = torch.exp(torch.dot(self.lambda_q1.float(), self.lambda_k1.float()))
         lambda_2 = torch.exp(torch.dot(self.lambda_q2.float(), self.lambda_k2.float()))
         return lambda_1 - lambda_2 + self.lambda_init
@@ -172,14 +197,14 @@ class DifferentialCoreAttention(_CoreAttentionBase):
         two_g = key.shape[2]
         if two_h % 2 or two_g % 2:
             raise ValueError(f"query heads ({two_h}) and key heads ({two_g}) per rank must be even (head pairs)")
-        lam = self.lambda_full()
+        lam = self.lambda_full().to(query.device)
         # (s, b, heads, d) -> (b, s, heads, d): the layout every backend below starts from.
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))
         v = v.reshape(b, s, two_g // 2, 2 * d)
         out = getattr(self, f"_forward_{self.backend}")(q, k, v, lam)  # (b, s, H, 2d)
         if self.sublayer_norm is not None:
             out = self.sublayer_norm(out)
-        out = out * (1.0 - self.lambda_init)
+        out = out * self.output_scale
         return out.transpose(0, 1).reshape(s, b, two_h * d)
 
     def _split_pairs(self, q, k):
@@ -263,3 +288,293 @@ class VanillaCoreAttention(_CoreAttentionBase):
                 q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=groups > 1
             )
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+
+class VanillaSublnCoreAttention(VanillaCoreAttention):
+    """The baseline plus DIFF's sub-layer norm: softmax attention over 2H heads of d, then each head normalised by
+    RMSNorm over its d features (one affine weight shared by the heads, as DIFF shares its 2d weight) and
+    multiplied by (1 − λ_init). Isolates the norm from the differential mechanism (the paper's
+    "Transformer + GroupNorm" row)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        backend: str = "sdpa",
+        lambda_init: Optional[float] = None,
+        norm_eps: float = 1e-5,
+    ):
+        super().__init__(
+            config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
+            cp_comm_type, pg_collection, backend,
+        )
+        self.lambda_init = lambda_init if lambda_init is not None else lambda_init_for_layer(layer_number)
+        self.sublayer_norm = torch.nn.RMSNorm(
+            self.head_dim, eps=norm_eps, elementwise_affine=True, dtype=config.params_dtype
+        )
+        for p in self.parameters():
+            setattr(p, TP_REPLICATED_ATTR, True)
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None) -> torch.Tensor:
+        out = super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+        s, b, heads, d = query.shape
+        out = self.sublayer_norm(out.view(s, b, heads, d)) * (1.0 - self.lambda_init)
+        return out.reshape(s, b, heads * d)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Controls that change the attention map itself: no fused kernel exists, so `eager` materialises the map and `sdpa`
+# (the default backend) runs the same math one block of queries at a time, recomputing each block in the backward.
+# ------------------------------------------------------------------------------------------------------------------
+BLOCK_QUERIES = 128  # rows of the map alive at once in the blockwise backend: BLOCK_QUERIES x N per head
+
+
+def _attention_block(q, k, v, first_query: int, scale: float, score_transform, prob_transform):
+    """Causal softmax attention of one block of queries, in fp32. q (b, h, m, d) holds queries first_query ..
+    first_query + m − 1; k, v (b, h, n, ·) the keys 0 .. n − 1."""
+    rows = torch.arange(first_query, first_query + q.shape[-2], device=q.device)
+    cols = torch.arange(k.shape[-2], device=q.device)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+    if score_transform is not None:
+        scores = score_transform(scores)
+    probs = torch.softmax(scores, dim=-1)
+    if prob_transform is not None:
+        probs = prob_transform(probs, rows, cols)
+    return torch.matmul(probs, v.float())
+
+
+def blockwise_attention(q, k, v, scale: float, score_transform=None, prob_transform=None,
+                        block: Optional[int] = BLOCK_QUERIES) -> torch.Tensor:
+    """Causal attention with a transform of the scores before the softmax and of the probabilities after it.
+
+    q (b, h, sq, d), k and v (b, h, sk, ·) with matching heads; returns fp32 (b, h, sq, ·). With ``block`` set, one
+    block of queries is materialised at a time and recomputed in the backward (activation checkpointing), so memory
+    is O(block·sk) per head instead of O(sq·sk); ``block=None`` materialises the whole map (the eager backend).
+    """
+    sq, sk = q.shape[-2], k.shape[-2]
+    offset = sk - sq  # bottom-right alignment, as everywhere else
+    if block is None or block >= sq:
+        return _attention_block(q, k, v, offset, scale, score_transform, prob_transform)
+    outs = []
+    for start in range(0, sq, block):
+        stop = min(start + block, sq)
+        visible = stop + offset  # keys the block's last query sees; later keys are masked for the whole block
+        args = (q[:, :, start:stop], k[:, :, :visible], v[:, :, :visible])
+        fn = functools.partial(_attention_block, first_query=start + offset, scale=scale,
+                               score_transform=score_transform, prob_transform=prob_transform)
+        if torch.is_grad_enabled():
+            outs.append(torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False))
+        else:
+            outs.append(fn(*args))
+    return torch.cat(outs, dim=-2)
+
+
+def keep_top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Scores outside each row's k largest become −inf (masked scores are −inf already, so a row with k or fewer
+    visible keys keeps them all; ties with the k-th score are kept too)."""
+    if k >= scores.shape[-1]:
+        return scores
+    kth = scores.detach().topk(k, dim=-1).values[..., -1:]
+    return scores.masked_fill(scores < kth, float("-inf"))
+
+
+class _MapControlCoreAttention(_CoreAttentionBase):
+    """Shared forward of the controls that transform the softmax map: 2H heads of d, GQA over 2Hkv KV heads."""
+
+    SUPPORTED_BACKENDS = ("eager", "sdpa")
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type="self", attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, backend="sdpa"):
+        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
+                         cp_comm_type, pg_collection, backend)
+        # This rank's heads are the tp_rank-th slice of all heads (None outside a SelfAttention: rank 0).
+        self.tp_rank = get_pg_rank(getattr(pg_collection, "tp", None))
+        if backend not in self.SUPPORTED_BACKENDS:
+            raise ValueError(
+                f"model.attention_backend={backend} has no {type(self).__name__} (no fused kernel transforms the map); "
+                "use sdpa (blockwise) or eager"
+            )
+
+    def transforms(self, first_head: int, num_heads: int):
+        """(score_transform, prob_transform) for this rank's heads first_head .. first_head + num_heads − 1."""
+        raise NotImplementedError
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None) -> torch.Tensor:
+        self._check_call(attn_mask_type, attention_bias, packed_seq_params)
+        s, b, heads, d = query.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (b, heads, s, d)
+        groups = heads // k.shape[1]
+        k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+        score_transform, prob_transform = self.transforms(self.tp_rank * heads, heads)
+        out = blockwise_attention(q, k, v, self.softmax_scale, score_transform, prob_transform,
+                                  block=None if self.backend == "eager" else BLOCK_QUERIES)
+        return out.to(query.dtype).permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+
+class TopKCoreAttention(_MapControlCoreAttention):
+    """Softmax attention where each query keeps only its k largest causal scores (the sparsity control):
+    softmax(topk_k(Q·Kᵀ·s + causal mask))·V, scores outside the k largest set to −inf before the softmax."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type="self", attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, backend="sdpa", topk: int = 32):
+        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
+                         cp_comm_type, pg_collection, backend)
+        if topk < 1:
+            raise ValueError(f"model.topk={topk} must be >= 1")
+        self.topk = topk
+
+    def transforms(self, first_head, num_heads):
+        return functools.partial(keep_top_k, k=self.topk), None
+
+
+SIGNED_MASK_BUCKETS = 32
+SIGNED_MASK_INIT = -3.0  # 1 − 2·sigmoid(−3) = 0.905: training starts close to plain softmax attention
+
+
+def relative_position_bucket(distance: torch.Tensor, max_distance: int, num_buckets: int = SIGNED_MASK_BUCKETS):
+    """T5's causal buckets of the distance i − j >= 0: one bucket per distance below num_buckets/2, then
+    logarithmically wider buckets up to max_distance (farther distances share the last bucket)."""
+    exact = num_buckets // 2
+    max_distance = max(max_distance, 2 * exact)
+    distance = distance.clamp(min=0)
+    log_ratio = torch.log(distance.float().clamp(min=exact) / exact) / math.log(max_distance / exact)
+    large = (exact + (log_ratio * (num_buckets - exact)).long()).clamp(max=num_buckets - 1)
+    return torch.where(distance < exact, distance, large)
+
+
+class SignedMaskCoreAttention(_MapControlCoreAttention):
+    """One softmax map with a learnable signed gate on its weights (the single-map control):
+    out = (A ⊙ G)·V with A = softmax(Q·Kᵀ·s + causal mask) and G[h, i, j] = 1 − 2·sigmoid(m[h, bucket(i − j)]),
+    m a learnable logit per head and per relative-distance bucket (``relative_position_bucket``). G lies in
+    (−1, 1), so a weight can be subtracted without a second map.
+
+    m holds every head's logits on every tensor-parallel rank (each rank uses its heads' rows); its gradient is
+    summed over the TP group like DIFF's λ.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type="self", attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, backend="sdpa", max_distance: int = 2048):
+        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
+                         cp_comm_type, pg_collection, backend)
+        self.max_distance = max_distance
+        self.mask_logits = torch.nn.Parameter(
+            torch.full((config.num_attention_heads, SIGNED_MASK_BUCKETS), SIGNED_MASK_INIT, dtype=torch.float32)
+        )
+        setattr(self.mask_logits, TP_REPLICATED_ATTR, True)
+
+    def gate(self, rows: torch.Tensor, cols: torch.Tensor, first_head: int, num_heads: int) -> torch.Tensor:
+        """G for query positions ``rows`` and key positions ``cols``: (num_heads, len(rows), len(cols)), fp32."""
+        buckets = relative_position_bucket(rows[:, None] - cols[None, :], self.max_distance)
+        logits = self.mask_logits[first_head : first_head + num_heads].float()
+        return 1.0 - 2.0 * torch.sigmoid(logits[:, buckets])
+
+    def transforms(self, first_head, num_heads):
+        def apply_gate(probs, rows, cols):
+            return probs * self.gate(rows, cols, first_head, num_heads)
+
+        return None, apply_gate
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# DIFF V2
+# ------------------------------------------------------------------------------------------------------------------
+class DiffV2CoreAttention(_CoreAttentionBase):
+    """Differential attention V2: one causal attention of 2H query heads of d over Hkv KV heads of d (GQA; head
+    pair (2h, 2h+1) lies in one KV group because Hkv divides H), then head_h = O[2h] − λ_h,t·O[2h+1] in fp32, with
+    λ_h,t = sigmoid(x_t·W_λ)_h computed by ``DiffV2SelfAttention`` and passed in as ``attention_bias`` (its logits,
+    [s, b, H per rank]). No sub-layer norm. Output [s, b, H per rank · d]."""
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None) -> torch.Tensor:
+        if attention_bias is None:
+            raise ValueError("DiffV2CoreAttention needs the per-token λ logits from DiffV2SelfAttention (attention_bias)")
+        self._check_call(attn_mask_type, None, packed_seq_params)
+        s, b, two_h, d = query.shape
+        if two_h % 2 or (two_h // 2) % key.shape[2]:
+            raise ValueError(f"{two_h} query heads over {key.shape[2]} KV heads: head pairs must share a KV group")
+        lam = torch.sigmoid(attention_bias.float()).transpose(0, 1)  # (b, s, H)
+        q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # (b, s, heads, d)
+        if self.backend == "triton":
+            out = self._forward_triton(q, k, v, lam)
+        else:
+            o = getattr(self, f"_forward_{self.backend}")(q, k, v).float()  # (b, s, 2H, d)
+            out = o[:, :, 0::2] - lam.unsqueeze(-1) * o[:, :, 1::2]
+        return out.to(query.dtype).transpose(0, 1).reshape(s, b, two_h // 2 * d)
+
+    def _forward_eager(self, q, k, v):
+        groups = q.shape[2] // k.shape[2]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+        return torch.matmul(eager_attention_probs(q, k, self.softmax_scale), v.float()).transpose(1, 2)
+
+    def _forward_sdpa(self, q, k, v):
+        gqa = q.shape[2] != k.shape[2]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
+        return o.transpose(1, 2)
+
+    def _forward_flash_attn(self, q, k, v):
+        return _flash_attn_func()(q, k, v, causal=True, softmax_scale=self.softmax_scale)
+
+    def _forward_triton(self, q, k, v, lam):
+        try:
+            from kernels import diff_flash_attn_v2
+        except ImportError as err:
+            raise ImportError(
+                "model.attention_backend=triton needs the fused kernel package `kernels` (kernels/diff_attn); "
+                f"it could not be imported ({err}); use model.attention_backend=sdpa"
+            ) from err
+        return diff_flash_attn_v2(q, k, v, lam, causal=True, softmax_scale=self.softmax_scale)
+
+
+class DiffV2SelfAttention(SelfAttention):
+    """megatron-core's SelfAttention for DIFF V2, configured with 2H query heads and Hkv KV groups of size d.
+
+    Adds W_λ (hidden → H, no bias, column-parallel: a rank holds the λ of its own head pairs) and gives the core
+    attention λ's logits x·W_λ through its ``attention_bias`` argument, the one tensor SelfAttention passes through;
+    the output projection reads H·d, since each pair of query heads leaves one head after the subtraction.
+    """
+
+    def __init__(self, config, submodules, layer_number, attn_mask_type=AttnMaskType.causal, cp_comm_type=None,
+                 pg_collection=None):
+        super().__init__(config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection)
+        self.linear_proj = build_module(
+            submodules.linear_proj,
+            self.query_projection_size // 2,
+            self.config.hidden_size,
+            config=self.config,
+            init_method=self.config.output_layer_init_method,
+            bias=self.config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            is_expert=False,
+            tp_comm_buffer_name="proj",
+            tp_group=self.pg_collection.tp,
+        )
+        self.linear_lambda = ColumnParallelLinear(
+            self.config.hidden_size,
+            self.config.num_attention_heads // 2,
+            config=self.config,
+            init_method=self.config.init_method,
+            bias=False,
+            gather_output=False,
+            skip_bias_add=True,
+            is_expert=False,
+            tp_group=self.pg_collection.tp,
+        )
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        if kwargs.get("attention_bias") is not None:
+            raise ValueError("DIFF V2 uses the attention_bias slot for its λ; an attention bias is not supported")
+        lambda_logits, _ = self.linear_lambda(hidden_states)  # [s, b, H per rank]
+        kwargs["attention_bias"] = lambda_logits
+        return super().forward(hidden_states, attention_mask, **kwargs)

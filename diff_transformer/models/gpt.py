@@ -1,8 +1,9 @@
-"""Build the GPT model (DIFF or its mirrored baseline) on megatron-core from the typed config."""
+"""Build the GPT model (DIFF, its mirrored baseline, or any other attention kind) on megatron-core from the typed config."""
 
 from __future__ import annotations
 
-from typing import Any, List
+import copy
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -13,18 +14,10 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from diff_transformer.distributed import all_reduce_tensor
-from diff_transformer.models.attention import TP_REPLICATED_ATTR, DifferentialCoreAttention
-from diff_transformer.models.layer_specs import layer_spec_for
+from diff_transformer.models.attention import SIGNED_MASK_BUCKETS, TP_REPLICATED_ATTR, DifferentialCoreAttention
+from diff_transformer.models.layer_specs import head_dim  # noqa: F401  (re-exported: accounting reads it here)
+from diff_transformer.models.layer_specs import attention_heads, layer_spec_for, num_kv_heads
 from diff_transformer.models.norms import RMSNorm
-
-
-def head_dim(model: Any) -> int:
-    """d: the size of every query/key head (DIFF's value heads are 2d)."""
-    return model.head_dim if model.head_dim is not None else model.hidden_size // (2 * model.num_heads)
-
-
-def num_kv_heads(model: Any) -> int:
-    return model.num_kv_heads if model.num_kv_heads is not None else model.num_heads
 
 
 def resolve_precision(precision: str) -> torch.dtype:
@@ -34,19 +27,21 @@ def resolve_precision(precision: str) -> torch.dtype:
 
 
 def transformer_config(cfg: Any, dtype: torch.dtype = torch.float32, perform_init: bool = True) -> TransformerConfig:
-    """The megatron-core TransformerConfig of a DIFF model or its baseline (identical apart from the core attention).
+    """The megatron-core TransformerConfig of the model; the attention kinds differ only in the head layout of
+    SelfAttention (``layer_specs.attention_heads``) and in their layer spec.
 
-    Both use 2H query heads and 2Hkv key/value heads of size d in megatron's SelfAttention; DIFF pairs them up.
+    DIFF and its baseline use 2H query heads and 2Hkv key/value heads of size d; DIFF pairs them up.
     """
     m, p = cfg.model, cfg.parallel
     bf16 = dtype == torch.bfloat16
+    query_heads, kv_heads, head_size = attention_heads(m)
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         ffn_hidden_size=m.ffn_hidden_size,
-        num_attention_heads=2 * m.num_heads,
-        num_query_groups=2 * num_kv_heads(m),
-        kv_channels=head_dim(m),
+        num_attention_heads=query_heads,
+        num_query_groups=kv_heads,
+        kv_channels=head_size,
         normalization="RMSNorm",
         layernorm_epsilon=m.norm_eps,
         gated_linear_unit=True,
@@ -150,3 +145,40 @@ def count_parameters(model_chunks, exclude_embeddings: bool = False) -> int:
                 continue
             total += p.numel()
     return total
+
+
+def attention_parameters_per_layer(model: Any) -> int:
+    """Parameters of one layer's attention (projections and the kind's own parameters), over all TP ranks.
+
+    Matches the built model (tests/test_config.py); used to state the count of a model that is not built."""
+    query_heads, kv_heads, d = attention_heads(model)
+    E = model.hidden_size
+    output_width = query_heads * d // 2 if model.attention == "diff_v2" else query_heads * d
+    count = E * (query_heads * d + 2 * kv_heads * d) + output_width * E
+    if model.attention == "diff":
+        count += (4 * d if model.lambda_learnable else 0) + (2 * d if model.sublayer_norm else 0)
+    elif model.attention == "diff_v2":
+        count += E * model.num_heads  # W_λ
+    elif model.attention == "vanilla_subln":
+        count += d
+    elif model.attention == "signed_mask":
+        count += query_heads * SIGNED_MASK_BUCKETS
+    return count
+
+
+def v2_baseline(model: Any) -> Tuple[Optional[Any], str]:
+    """DIFF V2's baseline: the standard Transformer with the same hidden size, the same 2H query heads of d and the
+    same Hkv KV heads, i.e. ``model.attention=vanilla model.num_kv_heads=Hkv/2`` (vanilla has 2·num_kv_heads KV
+    heads). V2 has the same Q, K and V projections, an output projection from H·d instead of 2H·d, and W_λ.
+
+    Returns (the baseline's model config, its overrides), or (None, why not) when Hkv is odd."""
+    kv = num_kv_heads(model)
+    if kv % 2:
+        return None, (
+            f"V2's baseline needs {kv} KV heads, but model.attention=vanilla has 2*model.num_kv_heads; "
+            "use an even model.num_kv_heads"
+        )
+    baseline = copy.copy(model)
+    baseline.attention, baseline.num_kv_heads = "vanilla", kv // 2
+    baseline.lambda_init, baseline.lambda_learnable, baseline.sublayer_norm, baseline.topk = None, True, True, None
+    return baseline, f"model.attention=vanilla model.num_kv_heads={kv // 2}"

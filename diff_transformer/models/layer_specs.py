@@ -1,20 +1,45 @@
 """megatron-core ModuleSpecs, one per attention kind, on the local (non-TransformerEngine) layer spec.
 
 Every attention kind is a ModuleSpec chosen by ``model.attention``, so a mirrored baseline or an ablation is one
-config override. New kinds (V2, DEX, ablations) register themselves in ``ATTENTION_KINDS``.
+config override. A kind registers itself in ``ATTENTION_KINDS`` with its spec, the head layout megatron-core's
+SelfAttention is configured with, the backends it runs on and the ablation keys it reads.
+
+For DIFF's H differential heads of size d (hidden E = 2H·d by default) and Hkv KV groups:
+
+| kind            | query heads x size | KV heads | core attention                                            |
+|-----------------|--------------------|----------|-----------------------------------------------------------|
+| `diff`          | 2H x d             | 2Hkv     | V1: pairs of maps, λ, per-head RMSNorm·(1 − λ_init)       |
+| `vanilla`       | 2H x d             | 2Hkv     | softmax (the mirrored baseline)                           |
+| `diff_v2`       | 2H x d             | Hkv      | V2: one attention, O[2h] − sigmoid(x·W_λ)_h·O[2h+1]; Wo from H·d |
+| `vanilla_subln` | 2H x d             | 2Hkv     | softmax, per-head RMSNorm·(1 − λ_init)                    |
+| `vanilla_wide`  | H x 2d             | Hkv      | softmax (the head-count control)                          |
+| `topk`          | 2H x d             | 2Hkv     | softmax over each query's k largest scores                |
+| `signed_mask`   | 2H x d             | 2Hkv     | softmax map times a learnable signed per-distance gate    |
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict
+import dataclasses
+from typing import Callable, Dict, Tuple
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
-from diff_transformer.models.attention import DifferentialCoreAttention, VanillaCoreAttention
+from diff_transformer.models.attention import (
+    BACKENDS,
+    DifferentialCoreAttention,
+    DiffV2CoreAttention,
+    DiffV2SelfAttention,
+    SignedMaskCoreAttention,
+    TopKCoreAttention,
+    VanillaCoreAttention,
+    VanillaSublnCoreAttention,
+)
 from diff_transformer.models.norms import RMSNorm
+
+DEFAULT_TOPK = 32  # model.topk when unset
 
 
 class SeededTransformerLayer(TransformerLayer):
@@ -43,39 +68,129 @@ def _base_spec(seed: int) -> ModuleSpec:
     return spec
 
 
-def diff_layer_spec(model_cfg, seed: int = 0) -> ModuleSpec:
+def _with_core_attention(seed: int, module, **params) -> ModuleSpec:
     spec = _base_spec(seed)
-    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-        module=DifferentialCoreAttention,
-        params={
-            "backend": model_cfg.attention_backend,
-            "lambda_init": model_cfg.lambda_init,
-            "sublayer_norm": model_cfg.sublayer_norm,
-            "norm_eps": model_cfg.norm_eps,
-        },
-    )
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=module, params=params)
     return spec
+
+
+def diff_layer_spec(model_cfg, seed: int = 0) -> ModuleSpec:
+    return _with_core_attention(
+        seed, DifferentialCoreAttention,
+        backend=model_cfg.attention_backend,
+        lambda_init=model_cfg.lambda_init,
+        sublayer_norm=model_cfg.sublayer_norm,
+        norm_eps=model_cfg.norm_eps,
+        lambda_learnable=model_cfg.lambda_learnable,
+    )
 
 
 def vanilla_layer_spec(model_cfg, seed: int = 0) -> ModuleSpec:
-    spec = _base_spec(seed)
-    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-        module=VanillaCoreAttention, params={"backend": model_cfg.attention_backend}
-    )
+    return _with_core_attention(seed, VanillaCoreAttention, backend=model_cfg.attention_backend)
+
+
+def diff_v2_layer_spec(model_cfg, seed: int = 0) -> ModuleSpec:
+    spec = _with_core_attention(seed, DiffV2CoreAttention, backend=model_cfg.attention_backend)
+    spec.submodules.self_attention.module = DiffV2SelfAttention
     return spec
 
 
-ATTENTION_KINDS: Dict[str, Callable[..., ModuleSpec]] = {
-    "diff": diff_layer_spec,
-    "vanilla": vanilla_layer_spec,
+def vanilla_subln_layer_spec(model_cfg, seed: int = 0) -> ModuleSpec:
+    return _with_core_attention(
+        seed, VanillaSublnCoreAttention,
+        backend=model_cfg.attention_backend, lambda_init=model_cfg.lambda_init, norm_eps=model_cfg.norm_eps,
+    )
+
+
+def topk_layer_spec(model_cfg, seed: int = 0) -> ModuleSpec:
+    return _with_core_attention(seed, TopKCoreAttention, backend=model_cfg.attention_backend, topk=resolved_topk(model_cfg))
+
+
+def signed_mask_layer_spec(model_cfg, seed: int = 0) -> ModuleSpec:
+    return _with_core_attention(
+        seed, SignedMaskCoreAttention, backend=model_cfg.attention_backend, max_distance=model_cfg.seq_length
+    )
+
+
+def head_dim(model_cfg) -> int:
+    """d: the size of DIFF's query/key heads (its value heads are 2d)."""
+    return model_cfg.head_dim if model_cfg.head_dim is not None else model_cfg.hidden_size // (2 * model_cfg.num_heads)
+
+
+def num_kv_heads(model_cfg) -> int:
+    """Hkv: DIFF's KV groups."""
+    return model_cfg.num_kv_heads if model_cfg.num_kv_heads is not None else model_cfg.num_heads
+
+
+def resolved_topk(model_cfg) -> int:
+    return model_cfg.topk if model_cfg.topk is not None else DEFAULT_TOPK
+
+
+def _paired_heads(m) -> Tuple[int, int, int]:
+    return 2 * m.num_heads, 2 * num_kv_heads(m), head_dim(m)
+
+
+def _v2_heads(m) -> Tuple[int, int, int]:
+    return 2 * m.num_heads, num_kv_heads(m), head_dim(m)
+
+
+def _wide_heads(m) -> Tuple[int, int, int]:
+    return m.num_heads, num_kv_heads(m), 2 * head_dim(m)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionKind:
+    """One value of ``model.attention``."""
+
+    layer_spec: Callable[..., ModuleSpec]  # (model_cfg, seed) -> the transformer layer's ModuleSpec
+    heads: Callable[..., Tuple[int, int, int]]  # model_cfg -> (query heads, KV heads, head size) of SelfAttention
+    backends: Tuple[str, ...]
+    keys: Tuple[str, ...] = ()  # the model.* ablation keys this kind reads, besides the head settings
+
+
+ATTENTION_KINDS: Dict[str, AttentionKind] = {
+    "diff": AttentionKind(diff_layer_spec, _paired_heads, BACKENDS, ("lambda_init", "lambda_learnable", "sublayer_norm")),
+    "vanilla": AttentionKind(vanilla_layer_spec, _paired_heads, ("eager", "sdpa", "flash_attn")),
+    "diff_v2": AttentionKind(diff_v2_layer_spec, _v2_heads, BACKENDS),
+    "vanilla_subln": AttentionKind(vanilla_subln_layer_spec, _paired_heads, ("eager", "sdpa", "flash_attn"), ("lambda_init",)),
+    "vanilla_wide": AttentionKind(vanilla_layer_spec, _wide_heads, ("eager", "sdpa", "flash_attn")),
+    "topk": AttentionKind(topk_layer_spec, _paired_heads, ("eager", "sdpa"), ("topk",)),
+    "signed_mask": AttentionKind(signed_mask_layer_spec, _paired_heads, ("eager", "sdpa")),
 }
 
+# Every ablation key with the value that means "not set"; a kind that does not read a key refuses any other value.
+ABLATION_KEY_DEFAULTS = {"lambda_init": None, "lambda_learnable": True, "sublayer_norm": True, "topk": None}
 
-def layer_spec_for(model_cfg, seed: int = 0) -> ModuleSpec:
+
+def attention_kind(model_cfg) -> AttentionKind:
     try:
-        build = ATTENTION_KINDS[model_cfg.attention]
+        return ATTENTION_KINDS[model_cfg.attention]
     except KeyError:
         raise ValueError(
             f"model.attention={model_cfg.attention!r} is unknown; use one of {', '.join(ATTENTION_KINDS)}"
         ) from None
-    return build(model_cfg, seed)
+
+
+def layer_spec_for(model_cfg, seed: int = 0) -> ModuleSpec:
+    return attention_kind(model_cfg).layer_spec(model_cfg, seed)
+
+
+def attention_heads(model_cfg) -> Tuple[int, int, int]:
+    """(query heads, KV heads, head size) of megatron-core's SelfAttention for this model's attention kind."""
+    return attention_kind(model_cfg).heads(model_cfg)
+
+
+def variant_label(model_cfg) -> str:
+    """The attention kind, the ablation keys it reads that are set, and explicit head settings, e.g.
+    ``diff lambda_init=0.8``, ``topk topk=32`` or ``vanilla num_kv_heads=1``: what tells runs of one sweep apart
+    besides their seed."""
+    kind = attention_kind(model_cfg)
+    parts = [model_cfg.attention]
+    for key in kind.keys:
+        value = resolved_topk(model_cfg) if key == "topk" else getattr(model_cfg, key)
+        if key == "topk" or value != ABLATION_KEY_DEFAULTS[key]:
+            parts.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
+    for key in ("num_kv_heads", "head_dim"):
+        if getattr(model_cfg, key) is not None:
+            parts.append(f"{key}={getattr(model_cfg, key)}")
+    return " ".join(parts)

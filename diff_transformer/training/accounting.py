@@ -6,7 +6,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from diff_transformer.models.gpt import head_dim
+from diff_transformer.models.layer_specs import attention_heads, head_dim
 
 
 def estimate_memory_per_gpu(cfg: Any, params_on_rank: int, dtype: torch.dtype, dp: int) -> Dict[str, float]:
@@ -33,12 +33,13 @@ def attention_maps(model: Any) -> Tuple[int, int, int, int]:
     """(maps, heads per map, query/key head size, value head size) of one layer's attention, before TP.
 
     DIFF V1 has two softmax maps over H heads of size d, each weighting the 2d-wide V (a fused kernel must keep the
-    two weighted sums apart until both softmaxes are normalised); the baseline one map over 2H heads of d. A kind
-    not listed here counts as the baseline."""
-    h, d = model.num_heads, head_dim(model)
+    two weighted sums apart until both softmaxes are normalised); every other kind one map over the query heads of
+    its megatron-core SelfAttention (V2: 2H heads of d; the subtraction after it is negligible)."""
     if model.attention == "diff":
-        return 2, h, d, 2 * d
-    return 1, 2 * h, d, d
+        d = head_dim(model)
+        return 2, model.num_heads, d, 2 * d
+    query_heads, _, size = attention_heads(model)
+    return 1, query_heads, size, size
 
 
 def attention_flops_per_token(cfg: Any) -> float:
@@ -52,12 +53,28 @@ def attention_flops_per_token(cfg: Any) -> float:
     return cfg.model.num_layers * maps * heads * 2 * (qk + v) * keys
 
 
+def attention_backward_flops_per_token(cfg: Any) -> float:
+    """Backward FLOPs per token of the attention products, all layers (no recomputation: model FLOPs).
+
+    A single map needs dQ, dK (over the query/key size) and dP = dO·Vᵀ, dV (over the value size): twice its forward.
+    DIFF's two maps share V, so dP = dO·Vᵀ and dV = (A1 − λA2)ᵀ·dO are one product each over the 2d-wide V, while
+    dQ and dK are per map: 2·H·(2d + 2d) + 2·2·H·(d + d) per (query, key) pair and layer, the 8·H·d MACs of the
+    2H-head baseline."""
+    maps, heads, qk, v = attention_maps(cfg.model)
+    keys = cfg.model.seq_length / 2
+    if cfg.model.attention == "diff":
+        macs = heads * 2 * v + maps * heads * 2 * qk
+    else:
+        macs = maps * heads * 2 * (qk + v)
+    return cfg.model.num_layers * 2 * macs * keys
+
+
 def model_flops_per_token(cfg: Any, num_non_embedding_parameters: int, padded_vocab: int) -> float:
     """Training FLOPs per token: 6 per weight of every matmul (forward 2, backward 4), the logits layer included
-    (tied or not), plus 3x the forward attention FLOPs of the model's attention kind (scores and weighted sums,
-    causal). These are model FLOPs (what MFU divides), not what a given backend executes."""
+    (tied or not), plus the attention products forward and backward for the model's attention kind (causal). These
+    are model FLOPs (what MFU divides), not what a given backend executes (recomputation is not counted)."""
     matmul_weights = num_non_embedding_parameters + padded_vocab * cfg.model.hidden_size
-    return 6 * matmul_weights + 3 * attention_flops_per_token(cfg)
+    return 6 * matmul_weights + attention_flops_per_token(cfg) + attention_backward_flops_per_token(cfg)
 
 
 # bf16 dense peak of one device, by CUDA device name (vendor datasheets)

@@ -20,7 +20,15 @@ from omegaconf import OmegaConf
 
 from diff_transformer.config import padded_vocab_size, validate
 from diff_transformer.fileio import atomic_write_json
-from diff_transformer.models.gpt import build_model_chunk, count_parameters, lambda_values, resolve_precision
+from diff_transformer.models.gpt import (
+    attention_parameters_per_layer,
+    build_model_chunk,
+    count_parameters,
+    lambda_values,
+    resolve_precision,
+    v2_baseline,
+)
+from diff_transformer.models.layer_specs import variant_label
 from diff_transformer import distributed
 from diff_transformer.training.accounting import (
     estimate_memory_per_gpu,
@@ -213,9 +221,10 @@ class Trainer:
             totals[0] -= self.padded_vocab // cfg.parallel.tp * cfg.model.hidden_size
         # sum over the model-parallel group (TP shards and PP stages) of data-parallel rank 0
         totals = distributed.all_reduce_values(totals, group=parallel_state.get_model_parallel_group())
-        # λ and sub-layer norm weights are replicated on TP ranks: count them once
+        # parameters that are not split over TP ranks (norm weights, λ, the other kinds' small parameters) are
+        # replicated on every rank: count them once
         replicated = sum(
-            p.numel() for p in self.model[0].parameters() if getattr(p, "tp_replicated_partial_grad", False)
+            p.numel() for p in self.model[0].parameters() if not getattr(p, "tensor_model_parallel", False)
         )
         (replicated,) = distributed.all_reduce_values(
             [replicated], group=parallel_state.get_pipeline_model_parallel_group()
@@ -232,6 +241,8 @@ class Trainer:
             f"{self.num_parameters:,}", f"{self.num_non_embedding_parameters:,}",
             self.tokenizer.vocab_size, self.padded_vocab,
         )
+        if cfg.model.attention == "diff_v2":
+            self._log_v2_baseline()
         logger.info(
             "layout: tp=%d pp=%d dp=%d, %d micro-batches of %d per step, %s tokens per step, dtype %s",
             cfg.parallel.tp, cfg.parallel.pp, self.dp_size, self.num_microbatches, cfg.trainer.micro_batch_size,
@@ -240,6 +251,20 @@ class Trainer:
         logger.info(
             "estimated memory per GPU: %.2f GiB (weights %.2f, grads %.2f, optimizer %.2f, activations %.2f)",
             mem["total"], mem["weights"], mem["grads"], mem["optimizer"], mem["activations"],
+        )
+
+    def _log_v2_baseline(self) -> None:
+        """DIFF V2's parameter count next to the Transformer it is compared with (same hidden size and KV heads)."""
+        model = self.cfg.model
+        baseline, overrides = v2_baseline(model)
+        if baseline is None:
+            logger.info("DIFF V2 baseline: %s", overrides)
+            return
+        delta = model.num_layers * (attention_parameters_per_layer(baseline) - attention_parameters_per_layer(model))
+        logger.info(
+            "DIFF V2 baseline (%s): %s parameters (%s without embeddings); DIFF V2: %s",
+            overrides, f"{self.num_parameters + delta:,}", f"{self.num_non_embedding_parameters + delta:,}",
+            f"{self.num_parameters:,}",
         )
 
     # -- checkpoints -------------------------------------------------------------------------------------------------
@@ -402,6 +427,8 @@ class Trainer:
             "name": self.cfg.name,
             "model": self.cfg.model.name,
             "attention": self.cfg.model.attention,
+            "variant": variant_label(self.cfg.model),  # the kind and its ablation keys: compare --table groups by it
+            "seed": self.cfg.seed,
             "num_parameters": self.num_parameters,
             "num_non_embedding_parameters": self.num_non_embedding_parameters,
             "tokens_per_step": self.tokens_per_step,
