@@ -37,6 +37,7 @@ def test_sdpa_subtracts_in_fp32(megatron_single_process):
     attn = next(m for m in model.modules() if isinstance(m, DifferentialCoreAttention))
     attn.sublayer_norm = None  # compare the difference itself
     attn.lambda_init = 0.9  # λ = 0.9 is no bf16 number: a bf16 λ·o2 would be off by 0.2% of o2 before subtracting
+    attn.output_scale = 1 - 0.9
     for p in attn.lambda_parameters():
         p.data.zero_()
     g = torch.Generator().manual_seed(0)
