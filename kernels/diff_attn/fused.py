@@ -17,8 +17,15 @@ Backward (FlashAttention-2 style, recomputing P from the saved LSE):
   then delta1 = rowsum(dO ∘ out) + λ·r2, delta2 = −λ·r2 and dλ = −r2 summed over what λ broadcasts over.
   dK/dV: one program per (batch, KV group, key block) loops over every query head of the group, so GQA needs
   no atomics and the result is deterministic. dQ: one program per (batch, head, query block).
+  The products the backward needs per (query, key) pair (S1, S2 recomputed; dP; dV; dQ1, dQ2; dK1, dK2) are in V1
+  as many multiply-adds as a vanilla attention of 2H heads of d needs (10·d); the preprocess (S2, dP) and the dQ
+  kernel (S1, S2, dP) recompute on top of them.
 Causal masking is aligned to the bottom right (query i sees keys j <= i + Nk − Nq); key blocks that a query
 block cannot see are skipped, and only the blocks on the diagonal or at a ragged tail pay for masking.
+
+Block sizes, warps and stages come from kernels/diff_attn/tuning.py: a table of known-good configs by default,
+timed candidates with DIFF_ATTN_AUTOTUNE=1. fp32 inputs run their products in TF32 on a GPU (fp32 accumulation and
+softmax statistics; IEEE fp32 dots are an order of magnitude slower on tensor cores), in full fp32 in the interpreter.
 """
 
 import math
@@ -28,51 +35,21 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.diff_attn import tuning
+from kernels.diff_attn.tuning import BlockConfig
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 128
 
-# Block sizes used in the interpreter, where autotuning needs a GPU driver; small so tests cross block edges.
-_INTERPRET_FWD = dict(BLOCK_M=32, BLOCK_N=16)
-_INTERPRET_BWD = dict(BLOCK_M=16, BLOCK_N=32)
-
-
-def _hopper_configs(pairs, warps, stages):
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bm, bn in pairs
-        for w in warps
-        for s in stages
-    ]
-
-
-def _prune_fwd_configs(configs, named_args, **kwargs):
-    """Drop query blocks whose two (BLOCK_M, Dv) fp32 accumulators would spill out of registers."""
-    value_block = triton.next_power_of_2({**named_args, **kwargs}["VALUE_D"])
-    kept = [c for c in configs if 2 * c.kwargs["BLOCK_M"] * value_block <= 128 * 256]
-    return kept or configs[:1]
-
-
-def _prune_bwd_configs(configs, named_args, **kwargs):
-    """Drop blocks whose fp32 accumulators (dK1, dK2, dV per key row; dQ1, dQ2 and dO per query row) would spill."""
-    args = {**named_args, **kwargs}
-    row_width = 2 * triton.next_power_of_2(args["HEAD_D"]) + triton.next_power_of_2(args["VALUE_D"])
-    kept = [c for c in configs if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) * row_width <= 64 * 512]
-    return kept or configs[:1]
-
-
-def _autotuned(configs, key, prune=None):
-    """triton.autotune on a GPU; the bare kernel in the interpreter (block sizes then come from the launcher)."""
-    if _INTERPRET:
-        return lambda kernel: kernel
-    prune_by = {"early_config_prune": prune} if prune else None
-    return triton.autotune(configs=configs, key=key, prune_configs_by=prune_by)
-
-
-_TUNE_KEY = ["N_Q", "N_K", "HEAD_D", "VALUE_D", "CAUSAL", "SHARED_K"]
-_FWD_CONFIGS = _hopper_configs([(64, 64), (64, 32), (128, 64), (128, 32), (64, 128)], [4, 8], [2, 3])
-_BWD_CONFIGS = _hopper_configs([(64, 64), (32, 64), (64, 128), (32, 128), (128, 64)], [4, 8], [2, 3])
+# Block sizes in the interpreter (no tuning there); small, so that the tests cross block edges.
+_INTERPRET_CONFIGS = {
+    "forward": BlockConfig(32, 16, 4, 1),
+    "preprocess": BlockConfig(16, 32, 4, 1),
+    "dkdv": BlockConfig(16, 32, 4, 1),
+    "dq": BlockConfig(16, 32, 4, 1),
+}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -189,7 +166,6 @@ def _key_ranges(start_m, N_Q, N_K, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N
     return full_end, end
 
 
-@_autotuned(_FWD_CONFIGS, _TUNE_KEY, _prune_fwd_configs)
 @triton.jit
 def _diff_attn_fwd_kernel(
     Q, K, V, LAM, OUT, LSE,
@@ -278,7 +254,6 @@ def _bwd_r2_key_loop(
     return r2
 
 
-@_autotuned(_BWD_CONFIGS, _TUNE_KEY, _prune_bwd_configs)
 @triton.jit
 def _diff_attn_bwd_preprocess_kernel(
     Q, K, V, LAM, OUT, DOUT, LSE, DELTA, R2,
@@ -383,7 +358,6 @@ def _query_ranges(start_n, N_Q, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N: t
     return start, full_start, end
 
 
-@_autotuned(_BWD_CONFIGS, _TUNE_KEY, _prune_bwd_configs)
 @triton.jit
 def _diff_attn_bwd_dkdv_kernel(
     Q, K, V, LAM, DOUT, LSE, DELTA, DK, DV,
@@ -484,7 +458,6 @@ def _bwd_dq_key_loop(
     return dq1, dq2
 
 
-@_autotuned(_BWD_CONFIGS, _TUNE_KEY, _prune_bwd_configs)
 @triton.jit
 def _diff_attn_bwd_dq_kernel(
     Q, K, V, LAM, DOUT, LSE, DELTA, DQ,
@@ -542,21 +515,60 @@ def _diff_attn_bwd_dq_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# Chosen configs by (device index, problem): selection runs once per shape class, a dict lookup afterwards.
+_CHOSEN_CONFIGS = {}
+_CONFIG_CACHE = {}
+
+
 def _kernel_constants(q, value_dim, causal, shared_k):
     head_dim = q.shape[3]
     return dict(
         HEAD_D=head_dim,
         VALUE_D=value_dim,
         # tl.dot needs every dimension >= 16; non-power-of-two head dims (96) are padded and masked.
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
+        BLOCK_D=tuning.padded_dim(head_dim),
+        BLOCK_DV=tuning.padded_dim(value_dim),
         CAUSAL=causal,
         SHARED_K=shared_k,
         # The interpreter computes bf16 arithmetic wrongly, so bf16 tiles are widened to fp32 after loading there.
         UPCAST=_INTERPRET and q.dtype == torch.bfloat16,
-        # fp32 inputs keep full fp32 products on tensor cores instead of tf32.
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # fp32 inputs: TF32 products with fp32 accumulation on a GPU (IEEE fp32 dots are an order of magnitude slower
+        # on tensor cores); the interpreter multiplies in full fp32, which the reference tests rely on. 16-bit inputs
+        # ignore it.
+        DOT_PRECISION="ieee" if _INTERPRET else "tf32",
     )
+
+
+def _block_config(name, kernel, grid, args, constants, q, n_q, n_k):
+    """The block config `kernel` launches with at this problem (kernels/diff_attn/tuning.py explains the choice)."""
+    if _INTERPRET:
+        return _INTERPRET_CONFIGS[name]
+    autotuning = tuning.autotune_enabled()
+    problem = tuning.KernelProblem.of(name, _DTYPE_NAMES[q.dtype], constants["HEAD_D"], constants["VALUE_D"],
+                                      constants["SHARED_K"], constants["CAUSAL"], n_q, n_k)
+    memo_key = (q.device.index, problem, autotuning)
+    config = _CHOSEN_CONFIGS.get(memo_key)
+    if config is None:
+        device = tuning.device_info(q.device)
+        cache = None
+        if autotuning:
+            path = tuning.default_cache_path()
+            cache = _CONFIG_CACHE.setdefault(path, tuning.ConfigCache(path))
+
+        def bench(candidate):
+            launch = lambda: kernel[grid(candidate)](*args, **constants, **candidate.launch_options())  # noqa: E731
+            return triton.testing.do_bench(launch, warmup=5, rep=25, return_mode="median")
+
+        config = tuning.select_config(problem, device, autotuning, cache, bench, triton.__version__)
+        _CHOSEN_CONFIGS[memo_key] = config
+    return config
+
+
+def _launch(name, kernel, grid, args, constants, q, n_q, n_k):
+    """Launch `kernel` over `grid(config)` with the block config chosen for it."""
+    config = _block_config(name, kernel, grid, args, constants, q, n_q, n_k)
+    kernel[grid(config)](*args, **constants, **config.launch_options())
 
 
 def _strides3(x):
@@ -570,14 +582,14 @@ def _diff_attn_forward(q, k, v, lam_rows, causal, softmax_scale, shared_k):
     # Poisoned with NaN so that any element the kernel fails to write shows up.
     out = torch.full((batch, n_q, n_heads, value_dim), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((batch, two_h, n_q), float("nan"), dtype=torch.float32, device=q.device)
-    grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), batch * n_heads)  # noqa: E731
-    _diff_attn_fwd_kernel[grid](
+    grid = lambda config: (triton.cdiv(n_q, config.block_m), batch * n_heads)  # noqa: E731
+    args = (
         q, k, v, lam_rows, out, lse,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(lam_rows), *_strides3(out),
         n_heads, n_heads // n_kv_groups, n_q, n_k, softmax_scale * _LOG2E,
-        **_kernel_constants(q, value_dim, causal, shared_k),
-        **(_INTERPRET_FWD if _INTERPRET else {}),
     )
+    constants = _kernel_constants(q, value_dim, causal, shared_k)
+    _launch("forward", _diff_attn_fwd_kernel, grid, args, constants, q, n_q, n_k)
     return out, lse
 
 
@@ -587,7 +599,6 @@ def _diff_attn_backward(dout, q, k, v, lam_rows, out, lse, causal, softmax_scale
     n_heads, n_k, n_kv_groups, value_dim = two_h // 2, k.shape[1], v.shape[2], v.shape[3]
     group = n_heads // n_kv_groups
     constants = _kernel_constants(q, value_dim, causal, shared_k)
-    blocks = _INTERPRET_BWD if _INTERPRET else {}
     nan = float("nan")
     delta = torch.full((batch, two_h, n_q), nan, dtype=torch.float32, device=q.device)
     r2 = torch.full((batch, n_heads, n_q), nan, dtype=torch.float32, device=q.device)
@@ -597,26 +608,26 @@ def _diff_attn_backward(dout, q, k, v, lam_rows, out, lse, causal, softmax_scale
     qk_scale = softmax_scale * _LOG2E
     common_strides = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(lam_rows))
 
-    query_grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), batch * n_heads)  # noqa: E731
-    _diff_attn_bwd_preprocess_kernel[query_grid](
+    query_grid = lambda config: (triton.cdiv(n_q, config.block_m), batch * n_heads)  # noqa: E731
+    key_grid = lambda config: (triton.cdiv(n_k, config.block_n), batch * n_kv_groups)  # noqa: E731
+    preprocess_args = (
         q, k, v, lam_rows, out, dout, lse, delta, r2,
         *common_strides, *_strides3(out), *_strides3(dout),
         n_heads, group, n_q, n_k, qk_scale,
-        **constants, **blocks,
     )
-    key_grid = lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), batch * n_kv_groups)  # noqa: E731
-    _diff_attn_bwd_dkdv_kernel[key_grid](
+    _launch("preprocess", _diff_attn_bwd_preprocess_kernel, query_grid, preprocess_args, constants, q, n_q, n_k)
+    dkdv_args = (
         q, k, v, lam_rows, dout, lse, delta, dk, dv,
         *common_strides, *_strides3(dout), *_strides3(dk), *_strides3(dv),
         n_heads, n_kv_groups, group, n_q, n_k, qk_scale, softmax_scale,
-        **constants, **blocks,
     )
-    _diff_attn_bwd_dq_kernel[query_grid](
+    _launch("dkdv", _diff_attn_bwd_dkdv_kernel, key_grid, dkdv_args, constants, q, n_q, n_k)
+    dq_args = (
         q, k, v, lam_rows, dout, lse, delta, dq,
         *common_strides, *_strides3(dout), *_strides3(dq),
         n_heads, group, n_q, n_k, qk_scale, softmax_scale,
-        **constants, **blocks,
     )
+    _launch("dq", _diff_attn_bwd_dq_kernel, query_grid, dq_args, constants, q, n_q, n_k)
     return dq, dk, dv, r2
 
 
