@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 ALLOWED = {
     "diff_transformer": (),  # the package itself: empty
     "diff_transformer.fileio": (),
-    "kernels": ("kernels",),
+    "kernels": ("kernels", "diff_transformer.fileio"),
     "diff_transformer.compat": (),
     "diff_transformer.distributed": ("diff_transformer.compat",),
     "data": ("data", "diff_transformer.fileio"),

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from diff_transformer.fileio import atomic_write_text
+
 AUTOTUNE_ENV = "DIFF_ATTN_AUTOTUNE"
 CACHE_DIR_ENV = "DIFF_ATTN_CACHE_DIR"
 CACHE_FILE_NAME = "diff_attn_configs.json"
@@ -332,16 +334,8 @@ class ConfigCache:
         entries = self._read()
         entries[key] = config.as_list()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f"{self.path.name}.tmp.{os.getpid()}")
-        try:
-            with open(tmp, "w") as f:
-                json.dump(entries, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)  # readers see the old file or the new one, never half of one
-        finally:
-            if tmp.exists():
-                tmp.unlink()
+        # readers see the old file or the new one, never half of one
+        atomic_write_text(str(self.path), json.dumps(entries, indent=1, sort_keys=True))
         self._entries = entries
 
 
