@@ -1,13 +1,14 @@
 """The memory estimate (``training.accounting``) against the measured peak, for the memory switches, in one run.
 
-    python benchmarks/memory_plan.py [--model tiny] [--seq 512] [--micro-batch 4] [--max-procs 2] [--out benchmarks/results]
+    python benchmarks/memory_plan.py [--model tiny] [--seq 512] [--micro-batch 4] [--max-procs 2] [--out DIR]
 
 Each setting is a real training setup (``Trainer.setup`` and three steps of ``fit``: megatron-core model, DDP,
-optimizer, schedules; no validation, no checkpoints), one process per rank (torchrun for TP, DP and PP). The
-measured figure is the peak of bytes torch allocated on the device from before the model is built to the end of
-the third step (``accounting.PeakMemory``: CUDA allocator statistics on a GPU; on a CPU glibc's in-use heap bytes,
-sampled every millisecond), on the rank where it is highest; "persistent" is what is still allocated at the end
-(weights, gradient buffers, optimizer state). Writes ``<out>/memory_plan_<machine>_<date>.md``.
+optimizer, schedules; no validation, no checkpoints), one process per rank (torchrun for TP, DP and PP; settings
+with more processes than ``--max-procs``, e.g. the number of GPUs, are skipped). The measured figure is the peak of
+bytes allocated from before the model is built to the end of the third step (``accounting.PeakMemory``: CUDA
+allocator statistics on a GPU; on a CPU glibc's in-use heap bytes, sampled every millisecond), on the rank where it
+is highest; "persistent" is what is still allocated at the end (weights, gradient buffers, optimizer state). Writes
+``<out>/memory_plan_<machine>_<date>.md`` (default out: benchmarks/results).
 """
 
 from __future__ import annotations
