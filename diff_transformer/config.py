@@ -52,6 +52,10 @@ class ParallelConfig:
     pp: int = 1
     distributed_optimizer: bool = False
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
+    sequence_parallel: bool = False  # shard norms, residuals and their activations over the sequence (needs tp >= 2)
+    overlap_grad_reduce: bool = False  # reduce gradients bucket by bucket during the backward pass
+    overlap_param_gather: bool = False  # gather updated parameters during the next forward (distributed optimizer)
+    ddp_bucket_size: Optional[int] = None  # parameters per communication bucket; None: megatron's max(4e7, 1e6 dp)
 
 
 @dataclass
@@ -76,6 +80,10 @@ class TrainerConfig:
     eval_iters: int = 10
     log_interval: int = 1
     precision: str = "auto"  # auto (fp32 on CPU, bf16 on GPU) | fp32 | bf16
+    recompute: str = "none"  # activation recomputation: none | selective (core attention) | full (whole layers)
+    recompute_method: str = "uniform"  # full: uniform (every layer, in groups) | block (the first N of each stage)
+    recompute_layers: Optional[int] = None  # full: layers per group (uniform, default 1) or N (block, default all)
+    gpu_memory_gib: Optional[float] = None  # memory plan budget per device; None: the GPU's memory (no check on CPU)
 
 
 @dataclass
@@ -176,6 +184,8 @@ def register_configs() -> None:
 
 PRECISIONS = ("auto", "fp32", "bf16")
 DECAYS = ("linear", "cosine", "constant")
+RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
 
 
 def _divisors(n: int) -> str:
@@ -240,6 +250,10 @@ def validate(cfg: Any, world_size: int) -> None:
         raise ValueError(f"trainer.max_steps={t.max_steps} must be at least 1")
     if t.precision not in PRECISIONS:
         raise ValueError(f"trainer.precision={t.precision!r} is unknown; use one of {', '.join(PRECISIONS)}")
+    validate_recompute(t, m.num_layers // p.pp)
+    if t.gpu_memory_gib is not None and t.gpu_memory_gib <= 0:
+        raise ValueError(f"trainer.gpu_memory_gib={t.gpu_memory_gib} must be positive (or null: the GPU's memory)")
+    validate_parallel_switches(p, m.seq_length, dp)
     if o.decay not in DECAYS:
         raise ValueError(f"optim.decay={o.decay!r} is unknown; use one of {', '.join(DECAYS)}")
     if not (o.lr > 0 and 0 <= o.min_lr <= o.lr):
@@ -283,6 +297,60 @@ def validate_attention_kind(m: ModelConfig) -> None:
             f"model.lambda_init={m.lambda_init} makes the output multiplier (1 - lambda_init) of "
             f"model.attention={m.attention} zero or negative; to fix DIFF's λ at 1 use model.lambda_learnable=false"
         )
+
+
+def validate_recompute(t: Any, layers_per_stage: int) -> None:
+    """``trainer.recompute*``: a known mode and method, and a layer count that fits one pipeline stage."""
+    if t.recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"trainer.recompute={t.recompute!r} is unknown; use one of {', '.join(RECOMPUTE_MODES)}")
+    if t.recompute_method not in RECOMPUTE_METHODS:
+        raise ValueError(
+            f"trainer.recompute_method={t.recompute_method!r} is unknown; use one of {', '.join(RECOMPUTE_METHODS)}"
+        )
+    n = t.recompute_layers
+    if n is None:
+        return
+    if t.recompute != "full":
+        raise ValueError(
+            f"trainer.recompute_layers={n} applies to trainer.recompute=full only (it is {t.recompute!r}); "
+            "leave it null"
+        )
+    if t.recompute_method == "uniform" and (n < 1 or layers_per_stage % n):
+        raise ValueError(
+            f"trainer.recompute_layers={n} must divide the {layers_per_stage} layers of a pipeline stage "
+            f"(trainer.recompute_method=uniform recomputes them in groups of N); use {_divisors(layers_per_stage)}"
+        )
+    if t.recompute_method == "block" and not 0 <= n <= layers_per_stage:
+        raise ValueError(
+            f"trainer.recompute_layers={n} must lie in [0, {layers_per_stage}] (the layers of a pipeline stage) "
+            "with trainer.recompute_method=block"
+        )
+
+
+def validate_parallel_switches(p: Any, seq_length: int, dp: int) -> None:
+    """Sequence parallelism and overlapped data-parallel communication."""
+    if p.sequence_parallel and p.tp < 2:
+        raise ValueError(
+            f"parallel.sequence_parallel=true needs tensor parallelism (parallel.tp={p.tp}); set parallel.tp >= 2 "
+            "or turn it off"
+        )
+    if p.sequence_parallel and seq_length % p.tp:
+        raise ValueError(
+            f"parallel.sequence_parallel=true splits the sequence over tensor-parallel ranks: model.seq_length="
+            f"{seq_length} is not divisible by parallel.tp={p.tp}"
+        )
+    if p.overlap_param_gather and not p.distributed_optimizer:
+        raise ValueError(
+            "parallel.overlap_param_gather=true overlaps the distributed optimizer's parameter all-gather; set "
+            "parallel.distributed_optimizer=true or turn it off"
+        )
+    if p.overlap_param_gather and not p.overlap_grad_reduce:
+        raise ValueError(
+            "parallel.overlap_param_gather=true needs parallel.overlap_grad_reduce=true (megatron-core overlaps the "
+            "parameter all-gather only together with the gradient reduce-scatter)"
+        )
+    if p.ddp_bucket_size is not None and p.ddp_bucket_size < 1:
+        raise ValueError(f"parallel.ddp_bucket_size={p.ddp_bucket_size} must be a positive number of parameters")
 
 
 # Config keys that name files or directories; relative values are taken from the directory the user launched from.

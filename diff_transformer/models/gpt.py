@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, List, Optional, Tuple
+import importlib.util
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -26,11 +27,42 @@ def resolve_precision(precision: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
 
 
-def transformer_config(cfg: Any, dtype: torch.dtype = torch.float32, perform_init: bool = True) -> TransformerConfig:
+# Backends whose kernel keeps no attention map and recomputes it in its backward: selective recomputation of the core
+# attention would only run the kernel's forward a second time, so it is left off for them.
+FUSED_ATTENTION_BACKENDS = ("triton", "flash_attn")
+
+
+def recompute_settings(cfg: Any) -> Dict[str, Any]:
+    """TransformerConfig fields for ``trainer.recompute``: megatron-core's selective recomputation of the core
+    attention (DIFF's whole differential core: both maps, λ and the sub-layer norm) or full recomputation of whole
+    layers (``uniform``: every layer of a stage, in groups of N; ``block``: the first N layers of each stage)."""
+    t = cfg.trainer
+    mode = t.recompute
+    if mode == "selective" and cfg.model.attention_backend not in FUSED_ATTENTION_BACKENDS:
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    if mode == "full":
+        layers_per_stage = cfg.model.num_layers // cfg.parallel.pp
+        n = t.recompute_layers
+        if n is None:
+            n = 1 if t.recompute_method == "uniform" else layers_per_stage
+        return {"recompute_granularity": "full", "recompute_method": t.recompute_method, "recompute_num_layers": n}
+    return {}
+
+
+def gradient_accumulation_fusion_available() -> bool:
+    """megatron-core accumulates weight gradients straight into the fp32 main gradient with APEX's CUDA extension
+    ``fused_weight_gradient_mlp_cuda``; without it (or without CUDA) the plain matmul-then-add path runs."""
+    return torch.cuda.is_available() and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def transformer_config(
+    cfg: Any, dtype: torch.dtype = torch.float32, perform_init: bool = True, grad_accumulation_fusion: bool = False
+) -> TransformerConfig:
     """The megatron-core TransformerConfig of the model; the attention kinds differ only in the head layout of
     SelfAttention (``layer_specs.attention_heads``) and in their layer spec.
 
     DIFF and its baseline use 2H query heads and 2Hkv key/value heads of size d; DIFF pairs them up.
+    ``grad_accumulation_fusion`` needs megatron-core DDP's fp32 ``main_grad`` (the trainer's model), and APEX.
     """
     m, p = cfg.model, cfg.parallel
     bf16 = dtype == torch.bfloat16
@@ -53,7 +85,8 @@ def transformer_config(cfg: Any, dtype: torch.dtype = torch.float32, perform_ini
         init_method_std=m.init_std,
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
-        sequence_parallel=False,
+        # refused at TP=1 by config validation; a saved config rebuilt at TP=1 (checkpoint convert) drops it
+        sequence_parallel=bool(getattr(p, "sequence_parallel", False)) and p.tp > 1,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=bf16,
@@ -64,16 +97,20 @@ def transformer_config(cfg: Any, dtype: torch.dtype = torch.float32, perform_ini
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=grad_accumulation_fusion,
         persist_layer_norm=False,
         batch_p2p_sync=False,
         finalize_model_grads_func=finalize_model_grads,
+        **recompute_settings(cfg),
     )
 
 
-def build_model_chunk(cfg: Any, vocab_size: int, dtype: torch.dtype = torch.float32, perform_init: bool = True) -> GPTModel:
+def build_model_chunk(
+    cfg: Any, vocab_size: int, dtype: torch.dtype = torch.float32, perform_init: bool = True,
+    grad_accumulation_fusion: bool = False,
+) -> GPTModel:
     """This rank's pipeline stage of the model. ``vocab_size`` is the padded model vocabulary."""
-    config = transformer_config(cfg, dtype, perform_init)
+    config = transformer_config(cfg, dtype, perform_init, grad_accumulation_fusion)
     if perform_init:
         torch.manual_seed(cfg.seed)
     layer_spec = layer_spec_for(cfg.model, seed=cfg.seed)
@@ -97,16 +134,21 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens=None, pg_colle
     """megatron-core's finalize_model_grads, then the TP sum of gradients of TP-replicated parameters.
 
     λ vectors and the sub-layer norm weight are replicated on TP ranks, but each rank's gradient only covers its
-    own heads; megatron-core reduces such gradients only for sequence-parallel norms, so we sum them here.
+    own heads; megatron-core reduces such gradients only for sequence-parallel norms, so we sum them here. The core
+    attention sees the whole sequence (its heads are split, not the sequence), so with sequence parallelism these
+    gradients are still partial over heads and still need exactly this one sum; a parameter that is also marked
+    ``sequence_parallel`` has had it from megatron-core already and is skipped, so none is summed twice.
     """
     megatron_finalize_model_grads(model, num_tokens=num_tokens, pg_collection=pg_collection, **kwargs)
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return
+    summed_by_megatron = bool(model[0].config.sequence_parallel)
     grads = [
         p.main_grad if hasattr(p, "main_grad") else p.grad
         for chunk in model
         for p in chunk.parameters()
         if getattr(p, TP_REPLICATED_ATTR, False) and p.requires_grad
+        and not (summed_by_megatron and getattr(p, "sequence_parallel", False))
     ]
     grads = [g for g in grads if g is not None]
     if not grads:

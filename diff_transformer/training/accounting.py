@@ -1,32 +1,336 @@
-"""FLOP, MFU and memory accounting: what the loop logs (MFU, memory) and prints before training (memory per GPU)."""
+"""FLOP, MFU and memory accounting: what the loop logs (MFU, memory), the estimate of memory per GPU it prints
+before training, and the memory plan that refuses a launch which cannot fit, naming the switches that would make it
+fit (recomputation, sequence parallelism, the distributed optimizer, micro-batch size, TP, PP)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+import copy
+import os
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from diff_transformer.models.layer_specs import attention_heads, head_dim
+from diff_transformer.models.attention import SIGNED_MASK_BUCKETS
+from diff_transformer.models.gpt import (
+    FUSED_ATTENTION_BACKENDS,
+    attention_parameters_per_layer,
+    head_dim,
+    num_kv_heads,
+)
+from diff_transformer.models.layer_specs import attention_heads
 
 
-def estimate_memory_per_gpu(cfg: Any, params_on_rank: int, dtype: torch.dtype, dp: int) -> Dict[str, float]:
-    """Rough GiB per GPU: weights, fp32 gradients, optimizer state (sharded with the distributed optimizer), and
-    activations without recomputation (Korthikanti et al. 2022, ~34·s·b·h bytes a layer with fused attention)."""
-    w = 2 if dtype == torch.bfloat16 else 4
-    main = 4 if dtype == torch.bfloat16 else 0  # fp32 master copy
-    optim_bytes = (main + 8) / (dp if cfg.parallel.distributed_optimizer else 1)
-    gib = 1024**3
-    s, b, h = cfg.model.seq_length, cfg.trainer.micro_batch_size, cfg.model.hidden_size
-    layers_on_rank = cfg.model.num_layers // cfg.parallel.pp
-    act = 34 * s * b * h * layers_on_rank / cfg.parallel.tp * (cfg.parallel.pp if cfg.parallel.pp > 1 else 1)
-    out = {
-        "weights": params_on_rank * w / gib,
-        "grads": params_on_rank * 4 / gib,
-        "optimizer": params_on_rank * optim_bytes / gib,
-        "activations": act / gib,
+GIB = 2**30
+# Share of a device's memory the plan lets the estimate fill: the CUDA context, NCCL's buffers, the allocator's
+# fragmentation and the transient tensors of the backward pass take the rest.
+USABLE_MEMORY_FRACTION = 0.9
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Parameters per rank (analytic, so that the plan needs no model)
+# ------------------------------------------------------------------------------------------------------------------
+def layer_parameters(model: Any, tp: int) -> int:
+    """Parameters of one transformer layer on one TP rank: projections and MLP split over TP; the two norms and the
+    attention kind's replicated parameters (DIFF's λ vectors and sub-layer norm, ``vanilla_subln``'s norm,
+    ``signed_mask``'s logits) whole on every rank."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    attention = attention_parameters_per_layer(model)
+    replicated = attention_replicated_parameters(model)
+    split = (attention - replicated) + h * 2 * f + f * h
+    return split // tp + replicated + 2 * h
+
+
+def attention_replicated_parameters(model: Any) -> int:
+    """The attention parameters of one layer that every TP rank holds whole."""
+    query_heads, _, d = attention_heads(model)
+    if model.attention == "diff":
+        return (4 * d if model.lambda_learnable else 0) + (2 * d if model.sublayer_norm else 0)
+    if model.attention == "vanilla_subln":
+        return d
+    if model.attention == "signed_mask":
+        return query_heads * SIGNED_MASK_BUCKETS
+    return 0
+
+
+def parameters_per_stage(cfg: Any, padded_vocab: int) -> Dict[str, int]:
+    """Parameters on one rank of the first and of the last pipeline stage (the same rank when pp = 1): the first
+    holds the embedding, the last the final norm and the output layer (with tied embeddings, its own copy of the
+    embedding when pp > 1)."""
+    m, p = cfg.model, cfg.parallel
+    layers = (m.num_layers // p.pp) * layer_parameters(m, p.tp)
+    embedding = padded_vocab * m.hidden_size // p.tp
+    output = 0 if (m.share_embeddings and p.pp == 1) else embedding
+    if p.pp == 1:
+        whole = layers + embedding + m.hidden_size + output
+        return {"first": whole, "last": whole}
+    return {"first": layers + embedding, "last": layers + m.hidden_size + output}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Activations: what the backward pass needs, per micro-batch, per layer, on one rank
+# ------------------------------------------------------------------------------------------------------------------
+def core_attention_bytes_per_token(model: Any, backend: str, device: str, a: int) -> Tuple[float, bool]:
+    """(bytes per token the core attention keeps beyond its output, whether it keeps its inputs q, k, v among them):
+    what selective recomputation drops (it keeps the inputs itself). ``a``: bytes of an activation element.
+
+    - maps: ``eager`` keeps fp32 softmax maps of s keys per head (DIFF: A1, A2 and A1 − λA2 over H heads; the
+      baseline one over 2H); ``sdpa`` on a CPU runs torch's math path for DIFF (V is 2d wide, q/k d), which keeps
+      both maps and contiguous copies of its inputs instead of the inputs; fused kernels (sdpa's on a GPU,
+      ``flash_attn``, ``triton``) keep none;
+    - DIFF's differential core also keeps its two outputs (kernel paths), O2 in fp32 for λ's gradient, and the
+      sub-layer norm's input (on a CPU also its normalised input: torch's CPU rms_norm is not fused).
+    """
+    h_heads, d, s = model.num_heads, head_dim(model), model.seq_length
+    hq = 2 * h_heads * d  # query width = output width (DIFF: H heads of 2d)
+    diff = model.attention == "diff"
+    cpu = device == "cpu"
+    keeps_inputs = True
+    if backend == "eager":
+        maps = 3 * h_heads * s * 4 if diff else 2 * h_heads * s * 4
+        copies = 3 * hq * 4 if a == 2 else 0  # q, k, v cast to fp32
+    elif backend == "sdpa" and diff and cpu:
+        maps = 2 * h_heads * s * a
+        copies = 2 * 2 * hq * a  # per map: contiguous q and k halves (hq/2 each) and the 2d-wide V (hq)
+        keeps_inputs = False
+    else:
+        maps, copies = 0, 0
+    if not diff:
+        return maps + copies, keeps_inputs
+    outputs = {"sdpa": 0 if cpu else 2 * hq * a, "flash_attn": 2 * hq * a, "triton": hq * a}.get(backend, 0)
+    lambda_grad = hq * 4 if backend != "triton" else 0  # O2 in fp32, which λ's gradient needs
+    norm = 0
+    if model.sublayer_norm:
+        norm = (0 if backend == "triton" else hq * a) + (hq * a if cpu else 0)
+    return maps + copies + outputs + lambda_grad + norm, keeps_inputs
+
+
+def activation_bytes_per_layer(cfg: Any, a: int, device: str) -> Dict[str, float]:
+    """Bytes one layer keeps for its backward for one micro-batch on one rank: ``full`` without recomputation,
+    ``selective`` with the core attention recomputed (its inputs kept, its internals dropped), ``core`` the
+    internals that recomputation brings back for one layer at a time, ``input`` the layer's input (all that full
+    recomputation keeps), ``working`` the largest gradient its backward allocates."""
+    m, p = cfg.model, cfg.parallel
+    tokens = m.seq_length * cfg.trainer.micro_batch_size
+    h, f, d = m.hidden_size, m.ffn_hidden_size, head_dim(m)
+    hq, hkv = 2 * m.num_heads * d, 2 * num_kv_heads(m) * d
+    seq_split = p.tp if p.sequence_parallel else 1
+    # each RMSNorm keeps its input and its output (the next linear's input); torch's CPU rms_norm also x·rstd
+    norms = 2 * (3 if device == "cpu" else 2) * h * a / seq_split
+    # SwiGLU: fc1's output (2f), its linear half plus offset, silu, and their product (fc2's input)
+    mlp = 5 * f * a / p.tp
+    out = hq * a / p.tp  # the core attention's output: linear_proj's input
+    # q, k, v: the QKV output (V stays a view of it) and q and k after RoPE
+    inputs = (2 * hq + 3 * hkv) * a / p.tp
+    core, keeps_inputs = core_attention_bytes_per_token(m, m.attention_backend, device, a)
+    core /= p.tp
+    return {
+        "full": tokens * (norms + mlp + out + core + (inputs if keeps_inputs else 0)),
+        "selective": tokens * (norms + mlp + out + inputs),
+        "core": tokens * core,
+        "input": tokens * h * a / seq_split,
+        "working": tokens * 2 * f * a / p.tp,  # the gradient of fc1's output, the largest in a layer's backward
     }
-    out["total"] = sum(out.values())
+
+
+def logits_bytes(cfg: Any, padded_vocab: int, a: int) -> float:
+    """The last stage's cross entropy keeps fp32 softmax over its vocabulary shard (computed in place of the logits in
+    fp32; from a bf16 copy that is alive at the same time in bf16)."""
+    tokens = cfg.model.seq_length * cfg.trainer.micro_batch_size
+    return tokens * padded_vocab / cfg.parallel.tp * (4 + (a if a != 4 else 0))
+
+
+def activation_bytes_per_stage(cfg: Any, a: int, device: str, in_flight: int) -> Tuple[float, float]:
+    """(stored, transient) activation bytes of a pipeline stage with ``in_flight`` micro-batches between their
+    forward and backward (1F1B: up to pp on the first stage). ``stored`` is what the forward passes keep under
+    ``trainer.recompute``; ``transient`` what recomputation brings back during the backward, once per stage (one
+    layer's core attention, or one group of fully recomputed layers)."""
+    t = cfg.trainer
+    layers = cfg.model.num_layers // cfg.parallel.pp
+    per = activation_bytes_per_layer(cfg, a, device)
+    if t.recompute == "selective" and cfg.model.attention_backend not in FUSED_ATTENTION_BACKENDS:
+        # one layer's core attention, recomputed after its MLP's backward (which frees about as much as the core's
+        # own gradients then need)
+        return in_flight * layers * per["selective"], per["core"]
+    if t.recompute == "full":
+        n = t.recompute_layers
+        recomputed = per["full"] + per["working"]  # a layer brought back, and its backward's largest gradient
+        if t.recompute_method == "uniform":
+            n = n or 1
+            return in_flight * (layers // n) * per["input"], (n - 1) * per["full"] + recomputed
+        n = layers if n is None else n
+        # block recomputes the first n layers of the stage, whose backward comes after the later layers' has freed
+        # theirs
+        transient = max(0.0, recomputed - (layers - n) * per["full"]) if n else 0.0
+        return in_flight * (n * per["input"] + (layers - n) * per["full"]), transient
+    return in_flight * layers * per["full"], 0.0
+
+
+def estimate_memory_per_gpu(
+    cfg: Any, dtype: torch.dtype, world_size: int, padded_vocab: int, device: Optional[str] = None
+) -> Dict[str, float]:
+    """GiB per device on its most loaded rank: weights, fp32 gradient buffer, optimizer state (fp32 main copy in
+    bf16 and Adam's two moments; split over data-parallel ranks by the distributed optimizer), activations (see
+    :func:`activation_bytes_per_stage`; 1F1B keeps pp micro-batches in flight on the first stage, one on the last)
+    and the last stage's logits. The peak comes either at the end of a forward pass (everything stored, and the
+    logits) or during the backward (everything stored, and what recomputation brings back, once the logits are
+    freed): ``activations`` holds the stored part plus whatever the recomputed part exceeds the logits by.
+
+    ``device``: ``cuda`` or ``cpu`` (default: this machine's), for the few kernels whose saved tensors differ."""
+    p, t = cfg.parallel, cfg.trainer
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    a = 2 if dtype == torch.bfloat16 else 4
+    dp = world_size // (p.tp * p.pp)
+    main = 4 if dtype == torch.bfloat16 else 0
+    optim_bytes = (main + 8) / (dp if p.distributed_optimizer else 1)
+    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    params = parameters_per_stage(cfg, padded_vocab)
+    stages = [(params["first"], min(p.pp, microbatches), 0.0 if p.pp > 1 else logits_bytes(cfg, padded_vocab, a))]
+    if p.pp > 1:
+        stages.append((params["last"], 1, logits_bytes(cfg, padded_vocab, a)))
+    best = None
+    for n, in_flight, logits in stages:
+        stored, transient = activation_bytes_per_stage(cfg, a, device, in_flight)
+        out = {
+            "weights": n * a / GIB,
+            "grads": n * 4 / GIB,
+            "optimizer": n * optim_bytes / GIB,
+            "activations": (stored + max(0.0, transient - logits)) / GIB,
+            "logits": logits / GIB,
+        }
+        out["total"] = sum(out.values())
+        if best is None or out["total"] > best["total"]:
+            best = out
+    return best
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The memory plan: refuse a launch that cannot fit, naming the switches that would make it fit
+# ------------------------------------------------------------------------------------------------------------------
+def _with(cfg: Any, **changes: Any) -> Any:
+    """A copy of ``cfg`` with ``changes`` (``"group.key": value``) applied."""
+    new = copy.deepcopy(cfg)
+    for dotted, value in changes.items():
+        group, key = dotted.split(".")
+        setattr(getattr(new, group), key, value)
+    return new
+
+
+def _divides(n: int, m: int) -> bool:
+    return m > 0 and n % m == 0
+
+
+def memory_switches(cfg: Any, world_size: int) -> List[Dict[str, Any]]:
+    """The switches that lower memory and apply to ``cfg`` at this world size, cheapest first, each as
+    ``{"group.key": value}`` overrides (a switch that needs another carries both)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.trainer
+    dp = world_size // (p.tp * p.pp)
+    out: List[Dict[str, Any]] = []
+    if not p.distributed_optimizer and dp > 1:
+        out.append({"parallel.distributed_optimizer": True})
+    if p.tp > 1 and not p.sequence_parallel and _divides(m.seq_length, p.tp):
+        out.append({"parallel.sequence_parallel": True})
+    if t.recompute == "none" and m.attention_backend not in FUSED_ATTENTION_BACKENDS:
+        out.append({"trainer.recompute": "selective"})
+    if t.recompute != "full":
+        out.append(
+            {"trainer.recompute": "full", "trainer.recompute_method": "uniform", "trainer.recompute_layers": None}
+        )
+    mbs = t.micro_batch_size // 2
+    while mbs >= 1:
+        if _divides(t.global_batch_size, mbs * dp):
+            out.append({"trainer.micro_batch_size": mbs})
+        mbs //= 2
+    tp = p.tp * 2
+    if (_divides(m.num_heads, tp) and _divides(num_kv_heads(m), tp) and _divides(world_size, tp * p.pp)
+            and _divides(t.global_batch_size, t.micro_batch_size * (world_size // (tp * p.pp)))):
+        # with sequence parallelism, which more TP makes worth its while
+        out.append({"parallel.tp": tp, **({"parallel.sequence_parallel": True} if _divides(m.seq_length, tp) else {})})
+    pp = p.pp * 2
+    if (_divides(m.num_layers, pp) and _divides(world_size, p.tp * pp)
+            and _divides(t.global_batch_size, t.micro_batch_size * (world_size // (p.tp * pp)))):
+        out.append({"parallel.pp": pp})
     return out
+
+
+def _describe(changes: Dict[str, Any]) -> str:
+    def value(v):
+        return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+    shown = {k: v for k, v in changes.items() if not (k.startswith("trainer.recompute_") and v in (None, "uniform"))}
+    return " ".join(f"{k}={value(v)}" for k, v in shown.items())
+
+
+def device_memory_gib(cfg: Any) -> Optional[float]:
+    """The plan's budget: ``trainer.gpu_memory_gib``, else this process's GPU's total memory, else None (CPU)."""
+    if cfg.trainer.gpu_memory_gib is not None:
+        return float(cfg.trainer.gpu_memory_gib)
+    if torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        return torch.cuda.get_device_properties(index).total_memory / GIB
+    return None
+
+
+def memory_plan_problem(
+    cfg: Any, dtype: torch.dtype, world_size: int, padded_vocab: int, budget_gib: float,
+    device: Optional[str] = None,
+) -> Optional[str]:
+    """None when the estimate of ``cfg`` fits the usable share of ``budget_gib``; otherwise what exceeds it, with each
+    switch that alone would make it fit and its estimate, or else the first combination (cheapest switches first)
+    that does."""
+    estimate = estimate_memory_per_gpu(cfg, dtype, world_size, padded_vocab, device)
+    usable = USABLE_MEMORY_FRACTION * budget_gib
+    if estimate["total"] <= usable:
+        return None
+
+    def total(changes: Dict[str, Any]) -> float:
+        return estimate_memory_per_gpu(_with(cfg, **changes), dtype, world_size, padded_vocab, device)["total"]
+
+    parts = ", ".join(f"{k} {estimate[k]:.1f}" for k in ("weights", "grads", "optimizer", "activations", "logits"))
+    head = (
+        f"estimated memory per GPU {estimate['total']:.1f} GiB ({parts}) exceeds the {usable:.1f} GiB usable of "
+        f"{budget_gib:g} GiB ({USABLE_MEMORY_FRACTION:.0%}; trainer.gpu_memory_gib sets the budget)"
+    )
+    switches = memory_switches(cfg, world_size)
+    fitting, smaller_batch_named = [], False
+    for changes in switches:
+        gib = total(changes)
+        if gib > usable:
+            continue
+        if "trainer.micro_batch_size" in changes:  # the largest micro-batch that fits is enough to name
+            if smaller_batch_named:
+                continue
+            smaller_batch_named = True
+        fitting.append(f"{_describe(changes)} ({gib:.1f} GiB)")
+    if fitting:
+        return f"{head}; each of these fits: " + ", ".join(fitting)
+    combined: Dict[str, Any] = {}
+    steps: Dict[str, str] = {}  # by the switch's first key: full recompute replaces selective, a smaller micro-batch
+    for changes in switches:
+        combined.update(changes)
+        gib = total(combined)
+        steps.pop(next(iter(changes)), None)
+        steps[next(iter(changes))] = f"{_describe(changes)} ({gib:.1f} GiB)"
+        if gib <= usable:
+            return f"{head}; no single switch fits, these together do (each estimate with those before it): " + (
+                ", ".join(steps.values())
+            )
+    tried = ", ".join(steps.values()) or "none apply"
+    return (
+        f"{head}; not even all switches together fit at {world_size} GPUs ({tried}): launch more GPUs (for more "
+        "tensor or pipeline parallelism) or train a smaller model"
+    )
+
+
+def check_memory_plan(cfg: Any, dtype: torch.dtype, world_size: int, padded_vocab: int) -> Optional[Dict[str, float]]:
+    """Before any process group starts: raise ValueError (see :func:`memory_plan_problem`) when the estimate exceeds
+    the budget of :func:`device_memory_gib`; returns the estimate, or None when there is no budget (CPU)."""
+    budget = device_memory_gib(cfg)
+    if budget is None:
+        return None
+    problem = memory_plan_problem(cfg, dtype, world_size, padded_vocab, budget)
+    if problem:
+        raise ValueError(problem)
+    return estimate_memory_per_gpu(cfg, dtype, world_size, padded_vocab)
 
 
 def attention_maps(model: Any) -> Tuple[int, int, int, int]:
@@ -100,3 +404,88 @@ def memory_gib() -> float:
     import psutil
 
     return psutil.Process().memory_info().rss / 2**30
+
+
+class PeakMemory:
+    """The peak of bytes allocated on this process's device while the block runs, above what was allocated when it
+    started, and what is still allocated at its end: ``torch.cuda`` allocator statistics on a GPU. A CPU keeps no
+    such statistics; ``cpu_method`` picks one of two stand-ins:
+
+    - ``profiler``: the running sum of every allocation and free that torch's profiler records. Exact, but only for
+      this thread: a tensor that a collective frees on one of gloo's threads looks alive forever, so use it where
+      nothing is reduced (one process, the model alone);
+    - ``heap``: glibc's in-use heap bytes (``mallinfo2``: arenas and mmapped chunks, every thread, everything the
+      process allocates, tensors by far the largest part), sampled every millisecond by a background thread, so a
+      peak shorter than that can be missed. For multi-process runs.
+
+        with PeakMemory() as peak:
+            loss.backward()
+        peak.bytes, peak.end_bytes
+    """
+
+    def __init__(self, cpu_method: str = "profiler"):
+        if cpu_method not in ("profiler", "heap"):
+            raise ValueError(f"cpu_method={cpu_method!r}; use profiler or heap")
+        self.cpu_method = cpu_method
+
+    def __enter__(self) -> "PeakMemory":
+        self.bytes = self.end_bytes = 0
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            self._start = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        elif self.cpu_method == "heap":
+            import threading
+
+            self._start = self._peak = _heap_in_use()
+            self._stop = threading.Event()
+            self._sampler = threading.Thread(target=self._sample, daemon=True)
+            self._sampler.start()
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._profile.__enter__()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self._peak = max(self._peak, _heap_in_use())
+
+    def __exit__(self, *exc) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            self.bytes = torch.cuda.max_memory_allocated() - self._start
+            self.end_bytes = torch.cuda.memory_allocated() - self._start
+            return
+        if self.cpu_method == "heap":
+            self._stop.set()
+            self._sampler.join()
+            end = _heap_in_use()
+            self.bytes, self.end_bytes = max(self._peak, end) - self._start, end - self._start
+            return
+        self._profile.__exit__(*exc)
+        events = [
+            e for e in self._profile.profiler.kineto_results.events()
+            if e.name() == "[memory]" and e.device_type().name == "CPU"
+        ]
+        running = peak = 0
+        for event in sorted(events, key=lambda e: e.start_ns()):
+            running += event.nbytes()
+            peak = max(peak, running)
+        self.bytes, self.end_bytes = peak, running
+
+
+def _heap_in_use() -> int:
+    """Bytes glibc's malloc has handed out and not taken back: in-use arena chunks plus mmapped chunks."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+        )]
+
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd

@@ -369,6 +369,7 @@ class CheckpointManager:
         from megatron.core import dist_checkpointing
 
         compat.fork_checkpoint_results_queue()
+        self.trainer.finish_param_sync()  # parameters updated by the last step, on every rank
         state = _sharded_state_dict(self.trainer, is_loading=False, optimizer=True, rng=True)
         # the background writer is forked after the state is staged in host memory, so later steps cannot change it
         request = dist_checkpointing.save(state, tmp, async_sharded_save=self.config.async_save)

@@ -21,9 +21,11 @@ from omegaconf import OmegaConf
 from diff_transformer.config import padded_vocab_size, validate
 from diff_transformer.fileio import atomic_write_json
 from diff_transformer.models.gpt import (
+    FUSED_ATTENTION_BACKENDS,
     attention_parameters_per_layer,
     build_model_chunk,
     count_parameters,
+    gradient_accumulation_fusion_available,
     lambda_values,
     resolve_precision,
     v2_baseline,
@@ -31,6 +33,7 @@ from diff_transformer.models.gpt import (
 from diff_transformer.models.layer_specs import variant_label
 from diff_transformer import distributed
 from diff_transformer.training.accounting import (
+    check_memory_plan,
     estimate_memory_per_gpu,
     memory_gib,
     model_flops_per_token,
@@ -114,6 +117,11 @@ class Trainer:
         self.tokenizer = load_tokenizer(prepared.tokenizer_dir)
         vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
         check_vocab(vocab, self.tokenizer)
+        self.dtype = resolve_precision(cfg.trainer.precision)
+        if self.dtype == torch.bfloat16 and not torch.cuda.is_available():
+            raise ValueError("trainer.precision=bf16 needs a GPU; use fp32 (or auto) on CPU")
+        self.padded_vocab = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp)
+        check_memory_plan(cfg, self.dtype, world, self.padded_vocab)  # refuses a launch that cannot fit
 
         distributed.init_distributed(cfg.parallel.backend, cfg.parallel.tp, cfg.parallel.pp, cfg.seed)
         from megatron.core import parallel_state
@@ -125,10 +133,6 @@ class Trainer:
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
         setup_console_logging(self.run_dir, self.rank, cfg.logging.level)
 
-        self.dtype = resolve_precision(cfg.trainer.precision)
-        if self.dtype == torch.bfloat16 and not torch.cuda.is_available():
-            raise ValueError("trainer.precision=bf16 needs a GPU; use fp32 (or auto) on CPU")
-        self.padded_vocab = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp)
         self.model = [self._build_model()]
         self.optimizer, self.scheduler = self._build_optimizer()
 
@@ -165,15 +169,29 @@ class Trainer:
     def _build_model(self):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        chunk = build_model_chunk(self.cfg, self.padded_vocab, self.dtype)
+        p = self.cfg.parallel
+        chunk = build_model_chunk(
+            self.cfg, self.padded_vocab, self.dtype, grad_accumulation_fusion=gradient_accumulation_fusion_available()
+        )
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=self.cfg.parallel.distributed_optimizer,
+            overlap_grad_reduce=p.overlap_grad_reduce,
+            overlap_param_gather=p.overlap_param_gather,
+            use_distributed_optimizer=p.distributed_optimizer,
+            bucket_size=p.ddp_bucket_size,
         )
-        return DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk)
+        model = DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk)
+        # megatron-core's schedules call these (its training loop's conventions): with overlapped reduction,
+        # gradients of all but the last micro-batch accumulate without communication, and the last micro-batch's
+        # backward hooks start each bucket's reduction as soon as its gradients are ready (the pipeline schedules
+        # start any remaining ones through grad_sync_func); finalize_model_grads waits for them. The parameter
+        # all-gather of overlap_param_gather is started by forward pre-hooks that DDP registers itself.
+        if p.overlap_grad_reduce:
+            chunk.config.no_sync_func = model.no_sync
+            chunk.config.grad_sync_func = model.start_grad_sync
+        return model
 
     def _build_optimizer(self):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -192,6 +210,7 @@ class Trainer:
             bf16=self.dtype == torch.bfloat16,
             params_dtype=self.dtype,
             use_distributed_optimizer=self.cfg.parallel.distributed_optimizer,
+            overlap_param_gather=self.cfg.parallel.overlap_param_gather,
         )
         optimizer = get_megatron_optimizer(opt_config, self.model)
         decay_style = {"linear": "linear", "cosine": "cosine", "constant": "constant"}[o.decay]
@@ -231,7 +250,7 @@ class Trainer:
         )
         self.num_parameters = int(totals[0] - replicated * (cfg.parallel.tp - 1))
         self.num_non_embedding_parameters = int(totals[1] - replicated * (cfg.parallel.tp - 1))
-        mem = estimate_memory_per_gpu(cfg, params_rank, self.dtype, self.dp_size)
+        mem = estimate_memory_per_gpu(cfg, self.dtype, torch.distributed.get_world_size(), self.padded_vocab)
         if self.rank != 0:
             return
         logger.info("resolved config:\n%s", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
@@ -249,8 +268,26 @@ class Trainer:
             f"{self.tokens_per_step:,}", str(self.dtype).replace("torch.", ""),
         )
         logger.info(
-            "estimated memory per GPU: %.2f GiB (weights %.2f, grads %.2f, optimizer %.2f, activations %.2f)",
-            mem["total"], mem["weights"], mem["grads"], mem["optimizer"], mem["activations"],
+            "estimated memory per GPU: %.2f GiB (weights %.2f, grads %.2f, optimizer %.2f, activations %.2f, "
+            "logits %.2f); %s",
+            mem["total"], mem["weights"], mem["grads"], mem["optimizer"], mem["activations"], mem["logits"],
+            self._memory_switches_line(),
+        )
+        if cfg.trainer.recompute == "selective" and cfg.model.attention_backend in FUSED_ATTENTION_BACKENDS:
+            logger.info(
+                "trainer.recompute=selective: nothing to recompute with model.attention_backend=%s, whose kernel "
+                "keeps no attention map and recomputes it in its own backward", cfg.model.attention_backend,
+            )
+
+    def _memory_switches_line(self) -> str:
+        p, t = self.cfg.parallel, self.cfg.trainer
+        recompute = t.recompute
+        if recompute == "full":
+            recompute += f" ({t.recompute_method}, {t.recompute_layers or 'default'} layers)"
+        return (
+            f"recompute {recompute}, sequence parallel {'on' if p.sequence_parallel else 'off'}, distributed "
+            f"optimizer {'on' if p.distributed_optimizer else 'off'}, overlapped grad reduce "
+            f"{'on' if p.overlap_grad_reduce else 'off'}, param gather {'on' if p.overlap_param_gather else 'off'}"
         )
 
     def _log_v2_baseline(self) -> None:
@@ -409,6 +446,16 @@ class Trainer:
             chunk.train()
         return float(sum(losses) / len(losses))
 
+    def finish_param_sync(self) -> None:
+        """With parallel.overlap_param_gather the distributed optimizer's updated parameters reach the other
+        data-parallel ranks during the next forward pass (its pre-hooks), so between a step and that forward a rank
+        holds stale copies of the shards it does not own; gather them now, before anything reads the weights
+        (a checkpoint, logged λ). A no-op otherwise."""
+        if not self.cfg.parallel.overlap_param_gather:
+            return
+        for chunk in self.model:
+            chunk.start_param_sync(force_sync=True)
+
     def lambdas(self) -> List[float]:
         """Per-layer λ of the whole model, gathered over pipeline stages."""
         from megatron.core import parallel_state
@@ -523,7 +570,8 @@ class Trainer:
         if self._peak_flops:
             world = torch.distributed.get_world_size()
             record["mfu"] = self._flops_per_token * tokens_per_s / (world * self._peak_flops)
-        if self.cfg.model.attention == "diff":
+        if self.cfg.model.attention == "diff" and self._reads_weights_this_step():
+            self.finish_param_sync()
             record["lambda"] = self.lambdas()
         if t.eval_interval > 0 and (self.step % t.eval_interval == 0 or self.step == t.max_steps):
             record["val_loss"] = self.evaluate()
@@ -533,6 +581,14 @@ class Trainer:
                 self.step, out["skipped"], self.bad_steps.consecutive, self.skipped_steps,
             )
         return record
+
+    def _reads_weights_this_step(self) -> bool:
+        """Every step, unless parallel.overlap_param_gather defers the parameter all-gather to the next forward: then
+        only on logging steps (and the last), which gather the parameters early, so that the overlap is kept."""
+        t = self.cfg.trainer
+        if not self.cfg.parallel.overlap_param_gather:
+            return True
+        return self.step % t.log_interval == 0 or self.step == t.max_steps
 
     def _log_step(self, writer: MetricsWriter, record: Dict[str, Any]) -> None:
         t = self.cfg.trainer

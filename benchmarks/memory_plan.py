@@ -1,0 +1,165 @@
+"""The memory estimate (``training.accounting``) against the measured peak, for the memory switches, in one run.
+
+    python benchmarks/memory_plan.py [--model tiny] [--seq 512] [--micro-batch 4] [--max-procs 2] [--out DIR]
+
+Each setting is a real training setup (``Trainer.setup`` and three steps of ``fit``: megatron-core model, DDP,
+optimizer, schedules; no validation, no checkpoints), one process per rank (torchrun for TP, DP and PP; settings
+with more processes than ``--max-procs``, e.g. the number of GPUs, are skipped). The measured figure is the peak of
+bytes allocated from before the model is built to the end of the third step (``accounting.PeakMemory``: CUDA
+allocator statistics on a GPU; on a CPU glibc's in-use heap bytes, sampled every millisecond), on the rank where it
+is highest; "persistent" is what is still allocated at the end (weights, gradient buffers, optimizer state). Writes
+``<out>/memory_plan_<machine>_<date>.md`` (default out: benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.train_runs import free_port, train_env  # noqa: E402
+
+# (name, processes, overrides): each switch against the run without it
+SETTINGS = [
+    ("DIFF sdpa", 1, []),
+    ("DIFF sdpa, recompute selective", 1, ["trainer.recompute=selective"]),
+    ("DIFF sdpa, recompute full (uniform, 1)", 1, ["trainer.recompute=full"]),
+    ("DIFF sdpa, recompute full (block, 2 of 4)", 1,
+     ["trainer.recompute=full", "trainer.recompute_method=block", "trainer.recompute_layers=2"]),
+    ("DIFF eager", 1, ["model.attention_backend=eager"]),
+    ("DIFF eager, recompute selective", 1, ["model.attention_backend=eager", "trainer.recompute=selective"]),
+    ("baseline sdpa", 1, ["model.attention=vanilla"]),
+    ("baseline sdpa, recompute full", 1, ["model.attention=vanilla", "trainer.recompute=full"]),
+    ("DIFF sdpa, TP=2", 2, ["parallel.tp=2"]),
+    ("DIFF sdpa, TP=2, sequence parallel", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    ("DIFF sdpa, PP=2", 2, ["parallel.pp=2"]),
+    ("DIFF sdpa, DP=2", 2, []),
+    ("DIFF sdpa, DP=2, distributed optimizer, overlap", 2,
+     ["parallel.distributed_optimizer=true", "parallel.overlap_grad_reduce=true",
+      "parallel.overlap_param_gather=true"]),
+]
+
+
+def machine_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name().replace(" ", "-")
+    return f"cpu-{os.cpu_count()}core"
+
+
+def worker(out_dir: str, overrides) -> None:
+    """One rank: set up and train three steps under PeakMemory; write this rank's measurement and estimate."""
+    from hydra import compose, initialize_config_dir
+
+    from diff_transformer.config import register_configs, to_object
+    from diff_transformer.training.accounting import GIB, PeakMemory, estimate_memory_per_gpu
+    from diff_transformer.training.trainer import Trainer
+    from diff_transformer.distributed import destroy_distributed
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = to_object(compose("config", overrides=list(overrides)))
+    trainer = Trainer(cfg, os.path.join(out_dir, "run"))
+    try:
+        with PeakMemory(cpu_method="heap") as peak:  # every thread: collectives free tensors on gloo's
+            trainer.setup()
+            trainer.fit()
+        world = torch.distributed.get_world_size()
+        estimate = estimate_memory_per_gpu(cfg, trainer.dtype, world, trainer.padded_vocab)
+        rank = torch.distributed.get_rank()
+    finally:
+        destroy_distributed()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"peak": peak.bytes / GIB, "end": peak.end_bytes / GIB, "estimate": estimate}, f)
+
+
+def measure(nproc: int, overrides, work: Path) -> dict:
+    work.mkdir(parents=True)
+    script = [str(Path(__file__).resolve()), "--worker", str(work), "--", *overrides]
+    if nproc == 1:
+        cmd = [sys.executable, *script]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", *script]
+    proc = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(overrides)} failed:\n{proc.stderr[-4000:]}")
+    ranks = [json.loads(p.read_text()) for p in sorted(work.glob("rank*.json"))]
+    worst = max(ranks, key=lambda r: r["peak"])
+    return {"peak": worst["peak"], "end": max(r["end"] for r in ranks), "estimate": worst["estimate"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--max-procs", type=int, default=2, help="skip settings needing more processes (GPUs)")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.overrides)
+        return 0
+
+    common = [
+        f"model={args.model}", f"model.seq_length={args.seq}", f"trainer.micro_batch_size={args.micro_batch}",
+        f"trainer.global_batch_size={4 * args.micro_batch}", "trainer.max_steps=3", "optim.warmup_steps=1",
+        "trainer.eval_interval=0", "trainer.log_interval=1", "logging.wandb.mode=disabled",
+        "checkpoint.interval=0", "checkpoint.save_at_end=false", *args.overrides,
+    ]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, nproc, overrides) in enumerate(SETTINGS):
+            if nproc > args.max_procs:
+                continue
+            r = measure(nproc, common + overrides, Path(tmp) / str(i))
+            e = r["estimate"]
+            persistent = e["weights"] + e["grads"] + e["optimizer"]
+            rows.append((name, nproc, e, persistent, r))
+            print(f"{name:50} estimate {e['total'] * 1024:8.1f} MiB  measured {r['peak'] * 1024:8.1f} MiB  "
+                  f"ratio {e['total'] / r['peak']:.2f}", flush=True)
+    lines = [
+        f"# Memory estimate vs measured peak, `{args.model}` model, {machine_name()}, {datetime.date.today()}",
+        "",
+        f"Command: `python benchmarks/memory_plan.py --model {args.model} --seq {args.seq} --micro-batch "
+        f"{args.micro_batch}` (sequence {args.seq}, micro-batch {args.micro_batch}, 4 micro-batches per step and "
+        f"rank, fp32 on CPU / bf16 on GPU; three steps). Estimate: `training.accounting.estimate_memory_per_gpu`; "
+        f"measured: the peak of bytes allocated from before the model was built to the end of step 3 (GPU: CUDA "
+        f"allocator statistics; CPU: glibc's in-use heap, sampled every millisecond), on the rank where it is "
+        f"highest; persistent: still allocated at the end. Machine: "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}.",
+        "",
+        "| setting | processes | estimate MiB (weights+grads+optimizer / activations / logits) | measured peak MiB "
+        "| estimate / measured | persistent: estimate / measured MiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, nproc, e, persistent, r in rows:
+        lines.append(
+            f"| {name} | {nproc} | {e['total'] * 1024:.1f} ({persistent * 1024:.1f} / {e['activations'] * 1024:.1f} / "
+            f"{e['logits'] * 1024:.1f}) | {r['peak'] * 1024:.1f} | {e['total'] / r['peak']:.2f} | "
+            f"{persistent * 1024:.1f} / {r['end'] * 1024:.1f} |"
+        )
+    report = "\n".join(lines) + "\n"
+    print(report)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"memory_plan_{machine_name()}_{datetime.date.today()}.md"
+    path.write_text(report)
+    print(f"written: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
