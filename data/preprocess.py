@@ -369,8 +369,12 @@ class _Segment:
             "documents": self.documents, "tokens": self.tokens, "skipped": dict(sorted(self.skipped.items()))})
 
     def discard(self) -> None:
+        """Remove what this segment wrote: staging files, and a pair renamed into place that no `.json` vouches for."""
         self.out.close()
-        for path in (indexed.bin_path(self.staging), indexed.idx_path(self.staging)):
+        paths = [indexed.bin_path(self.staging), indexed.idx_path(self.staging)]
+        if not os.path.exists(self.prefix + ".json"):
+            paths += [indexed.bin_path(self.prefix), indexed.idx_path(self.prefix)]
+        for path in paths:
             if os.path.exists(path):
                 os.remove(path)
 

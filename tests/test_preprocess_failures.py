@@ -82,18 +82,21 @@ def test_tokenizer_failure_stops_the_run_and_a_rerun_is_identical(corpus, tmp_pa
     assert _same_shard(out, corpus["root"] / "clean" / "s")
 
 
-def test_writer_failure_keeps_the_committed_segments_and_resumes_after_them(corpus, tmp_path, monkeypatch):
-    """A full disk while committing the second segment: the first stays, the second leaves nothing behind."""
-    write_index = indexed.write_index
+@pytest.mark.parametrize("fault", ["index", "record"])
+def test_writer_failure_keeps_the_committed_segments_and_resumes_after_them(corpus, tmp_path, monkeypatch, fault):
+    """A full disk while committing the second segment (writing its .idx, or its .json once its .bin/.idx are in
+    place): the first segment stays, the second leaves nothing behind."""
+    module, name = (indexed, "write_index") if fault == "index" else (preprocess, "_write_json_atomic")
+    original = getattr(module, name)
     calls = []
 
-    def disk_full_on_second_index(*args, **kwargs):
+    def disk_full_on_second_call(*args, **kwargs):
         calls.append(args[0])
         if len(calls) == 2:
             raise OSError(28, "No space left on device")
-        return write_index(*args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(indexed, "write_index", disk_full_on_second_index)
+    monkeypatch.setattr(module, name, disk_full_on_second_call)
     out = tmp_path / "run" / "s"
     inputs = corpus["inputs"][1:]
     with pytest.raises(RuntimeError, match=r"writing .*second\.jsonl\.zst, records \d+ to \d+ .*No space left") as raised:
