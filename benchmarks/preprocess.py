@@ -1,13 +1,20 @@
-"""Preprocessing throughput: the full pipeline (read JSON Lines, tokenize, write .bin/.idx, merge, manifest) against
-sentencepiece's own batch encode of the same documents, with the same number of processes, in one run.
+"""Preprocessing throughput: the full pipeline (read, tokenize, write .bin/.idx, merge, manifest) against
+sentencepiece's own batch encode of the same documents, with the same number of processes, in one run, for the two
+shapes corpora ship in.
 
-    .venv/bin/python benchmarks/preprocess.py --workers 1 2 --files 4 --copies 2 --repeats 3
+    .venv/bin/python benchmarks/preprocess.py --workers 1 2 --shapes large small --copies 2 --small-files 32 --repeats 3
 
 The corpus is the bundled one, cut into web-page-sized documents (~`--doc-chars` characters at paragraph breaks) and
-repeated `--copies` times over `--files` uncompressed .jsonl files. Both sides start their own process pool inside
-the timed region. Reported: median and best tokens/s over `--repeats` runs, alternating the two so that load from
-other processes on the machine hits both alike; ratio = pipeline / sentencepiece (target >= 0.8). The load average
-is printed too: on a shared machine the best run is the closer estimate of uncontended speed.
+repeated `--copies` times. Shapes:
+
+- `large`: one `.jsonl.zst` file holding every document (a Wikipedia or Pile shard: a single compressed stream);
+- `small`: `--small-files` uncompressed `.jsonl` files (a directory of many shards).
+
+Both sides start their own process pool inside the timed region. Reported: median and best tokens/s over `--repeats`
+runs, alternating the two so that load from other processes on the machine hits both alike; ratio = pipeline /
+sentencepiece (target >= 0.8). The load average is printed too: on a shared machine the best run is the closer
+estimate of uncontended speed. CPU ratio = sentencepiece CPU seconds / pipeline CPU seconds (all processes, medians):
+the work each side does, which load from other processes changes less than it changes wall time.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import json
 import multiprocessing
 import os
 import platform
+import resource
 import statistics
 import sys
 import tempfile
@@ -60,6 +68,43 @@ def web_sized_documents(doc_chars: int) -> list[str]:
     return documents
 
 
+def _jsonl(documents: list[str]) -> bytes:
+    return "".join(json.dumps({"text": doc, "url": "bundled"}) + "\n" for doc in documents).encode()
+
+
+def write_shape(shape: str, documents: list[str], directory: str, small_files: int) -> tuple[list[str], list[str]]:
+    """The input files of one shape and its documents in the order the pipeline reads them."""
+    os.makedirs(directory)
+    if shape == "large":
+        import zstandard
+
+        path = os.path.join(directory, "wiki.jsonl.zst")
+        with open(path, "wb") as out:
+            out.write(zstandard.ZstdCompressor(level=3).compress(_jsonl(documents)))
+        return [path], documents
+    files, ordered = [], []
+    for f in range(small_files):
+        path = os.path.join(directory, f"part{f:03d}.jsonl")
+        with open(path, "wb") as out:
+            out.write(_jsonl(documents[f::small_files]))
+        files.append(path)
+        ordered.extend(documents[f::small_files])
+    return files, ordered
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (pool workers are joined when their pool closes)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def timed(run, *args) -> tuple[int, float, float]:
+    """Tokens, wall seconds and CPU seconds of one run."""
+    cpu = _cpu_seconds()
+    tokens, seconds = run(*args)
+    return tokens, seconds, _cpu_seconds() - cpu
+
+
 def raw_sentencepiece(model_path: str, documents: list[str], workers: int, chunk_docs: int) -> tuple[int, float]:
     started = time.perf_counter()
     # Chunks small enough to balance the processes, as large as the pipeline's otherwise.
@@ -84,7 +129,8 @@ def pipeline(files: list[str], tokenizer_dir: str, out_dir: str, workers: int, c
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--files", type=int, default=4)
+    parser.add_argument("--shapes", nargs="+", choices=("large", "small"), default=["large", "small"])
+    parser.add_argument("--small-files", type=int, default=32, help="files of the `small` shape")
     parser.add_argument("--copies", type=int, default=2, help="times the corpus is repeated")
     parser.add_argument("--doc-chars", type=int, default=3000)
     parser.add_argument("--chunk-docs", type=int, default=1024)
@@ -96,36 +142,38 @@ def main() -> None:
         tokenizer_dir = os.path.join(scratch, "tokenizer")
         train_tokenizer([str(BUNDLED_CORPUS)], tokenizer_dir, args.vocab_size)
         documents = web_sized_documents(args.doc_chars) * args.copies
-        files = []
-        for f in range(args.files):
-            path = os.path.join(scratch, f"part{f:03d}.jsonl")
-            with open(path, "w", encoding="utf-8") as stream:
-                for doc in documents[f::args.files]:
-                    stream.write(json.dumps({"text": doc, "url": "bundled"}) + "\n")
-            files.append(path)
-        ordered = [doc for f in range(args.files) for doc in documents[f::args.files]]
-        megabytes = sum(os.path.getsize(p) for p in files) / 1e6
-        print(f"# preprocessing throughput: {len(documents)} documents, {megabytes:.1f} MB JSON Lines in "
-              f"{args.files} files, vocab {args.vocab_size}")
+        print(f"# preprocessing throughput: {len(documents)} documents, {len(_jsonl(documents)) / 1e6:.1f} MB of "
+              f"JSON Lines, vocab {args.vocab_size}")
         print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores visible, "
-              f"python {platform.python_version()}\n")
+              f"python {platform.python_version()}")
         print(f"# load average before: {os.getloadavg()[0]:.1f}\n")
-        print("| processes | sentencepiece tok/s (median / best) | pipeline tok/s (median / best) | ratio (median / best) |")
-        print("|---:|---:|---:|---:|")
-        for workers in args.workers:
-            raw_rates, pipe_rates = [], []
-            for _ in range(args.repeats):
-                raw_tokens, raw_seconds = raw_sentencepiece(os.path.join(tokenizer_dir, MODEL_FILE), ordered,
-                                                            workers, args.chunk_docs)
-                pipe_tokens, pipe_seconds = pipeline(files, tokenizer_dir, scratch, workers, args.chunk_docs)
-                if raw_tokens != pipe_tokens:
-                    raise RuntimeError(f"token counts differ: sentencepiece {raw_tokens}, pipeline {pipe_tokens}")
-                raw_rates.append(raw_tokens / raw_seconds)
-                pipe_rates.append(pipe_tokens / pipe_seconds)
-            raw, pipe = statistics.median(raw_rates), statistics.median(pipe_rates)
-            raw_best, pipe_best = max(raw_rates), max(pipe_rates)
-            print(f"| {workers} | {raw / 1e6:.2f} M / {raw_best / 1e6:.2f} M | {pipe / 1e6:.2f} M / {pipe_best / 1e6:.2f} M "
-                  f"| {pipe / raw:.2f} / {pipe_best / raw_best:.2f} |", flush=True)
+        print("| input | processes | sentencepiece tok/s (median / best) | pipeline tok/s (median / best) "
+              "| ratio (median / best) | CPU ratio |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for shape in args.shapes:
+            files, ordered = write_shape(shape, documents, os.path.join(scratch, shape), args.small_files)
+            megabytes = sum(os.path.getsize(p) for p in files) / 1e6
+            label = "1 .jsonl.zst" if shape == "large" else f"{len(files)} .jsonl"
+            label = f"{label} ({megabytes:.1f} MB)"
+            for workers in args.workers:
+                raw_rates, pipe_rates, raw_cpu, pipe_cpu = [], [], [], []
+                for _ in range(args.repeats):
+                    raw_tokens, raw_seconds, raw_cpu_seconds = timed(
+                        raw_sentencepiece, os.path.join(tokenizer_dir, MODEL_FILE), ordered, workers, args.chunk_docs)
+                    pipe_tokens, pipe_seconds, pipe_cpu_seconds = timed(
+                        pipeline, files, tokenizer_dir, scratch, workers, args.chunk_docs)
+                    if raw_tokens != pipe_tokens:
+                        raise RuntimeError(f"token counts differ: sentencepiece {raw_tokens}, pipeline {pipe_tokens}")
+                    raw_rates.append(raw_tokens / raw_seconds)
+                    pipe_rates.append(pipe_tokens / pipe_seconds)
+                    raw_cpu.append(raw_cpu_seconds)
+                    pipe_cpu.append(pipe_cpu_seconds)
+                raw, pipe = statistics.median(raw_rates), statistics.median(pipe_rates)
+                raw_best, pipe_best = max(raw_rates), max(pipe_rates)
+                cpu_ratio = statistics.median(raw_cpu) / statistics.median(pipe_cpu)
+                print(f"| {label} | {workers} | {raw / 1e6:.2f} M / {raw_best / 1e6:.2f} M "
+                      f"| {pipe / 1e6:.2f} M / {pipe_best / 1e6:.2f} M | {pipe / raw:.2f} / {pipe_best / raw_best:.2f} "
+                      f"| {cpu_ratio:.2f} |", flush=True)
         print(f"\n# load average after: {os.getloadavg()[0]:.1f}")
 
 

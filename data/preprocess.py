@@ -4,17 +4,27 @@
         [--preset NAME] [--txt-mode file|blank_line] [--unit-mb 256] [--chunk-docs 1024]
 
 Each document becomes one sequence followed by the end-of-document token. The inputs are cut into work units (a
-file; a byte range of a large uncompressed JSON Lines file; a run of row groups of a parquet file) that N worker
-processes tokenize in parallel, streaming, each into checkpointed segment shards under `PREFIX.parts/` that appear
-atomically when done. The segments are then concatenated in input order. An interrupted run, rerun, reuses the
-finished units and segments, so the result is byte-identical to an uninterrupted run; `PREFIX.manifest.json` records inputs (sizes, sha256), the tokenizer
+file; a byte range of a large uncompressed JSON Lines file; a run of row groups of a parquet file). One pipeline
+carries every unit, in input order: this process reads each unit as a stream and cuts it into chunks of documents
+(JSON Lines stay raw bytes, parsed where they are tokenized); N worker processes tokenize the chunks; this process
+writes the results back in order into checkpointed segment shards under `PREFIX.parts/` that appear atomically when
+done. So a single compressed file keeps every worker busy, and the output is the same for any N. The segments are
+then concatenated in input order. An interrupted run, rerun, reuses the finished units and segments, so the result
+is byte-identical to an uninterrupted run; `PREFIX.manifest.json` records inputs (sizes, sha256), the tokenizer
 hash, the options, document and token counts and the records skipped per reason. Rerunning on unchanged inputs (same
 sizes and modification times, same tokenizer and options) is a no-op.
+
+A record that cannot be read (bad JSON, no text, not UTF-8, the unreadable rest of a truncated file) is skipped and
+counted. A failure to tokenize or to write stops the run with a PreprocessError naming the file and the records;
+nothing uncommitted is left behind, so a rerun redoes that unit from its last committed segment.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
+import functools
 import hashlib
 import itertools
 import json
@@ -24,17 +34,26 @@ import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
 from data import indexed, readers
 from data.locking import file_lock
 from data.tokenizer import Tokenizer, file_sha256, load_tokenizer
+from diff_transformer.fileio import atomic_write_json
 
 MANIFEST_VERSION = 1
 MIB = 1 << 20
+# What reading a file raises when its rest cannot be read (truncated gzip/zstd, unreadable parquet).
+READ_ERRORS = (OSError, EOFError, ValueError)
+# The commit point of every unit, segment and manifest `.json`; the kill-and-resume tests wrap this name.
+_write_json_atomic = atomic_write_json
+
+
+class PreprocessError(RuntimeError):
+    """Tokenizing or writing a chunk failed; the message names the file and the records of the chunk."""
 
 
 @dataclass(frozen=True)
@@ -54,9 +73,12 @@ class WorkUnit:
         key = json.dumps([asdict(self), fingerprint], sort_keys=True)
         return f"{self.index:06d}-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
 
-    @property
-    def work_bytes(self) -> int:
-        return self.end - self.start if self.kind == "bytes" else self.input_bytes
+    def describe(self) -> str:
+        if self.kind == "bytes":
+            return f"{self.path} (bytes {self.start} to {self.end})"
+        if self.kind == "row_groups":
+            return f"{self.path} (row groups {self.start} to {self.end})"
+        return self.path
 
 
 @dataclass(frozen=True)
@@ -70,6 +92,25 @@ class Options:
 
     def fingerprint(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """How a run proceeds: none of it changes the output bytes."""
+
+    workers: int = 1
+    unit_bytes: int = 256 * MIB  # cut uncompressed JSON Lines and parquet files into units of about this size
+    chunk_docs: int = 1024  # documents tokenized as one batch
+    chunk_bytes: int = 1 * MIB  # text tokenized as one batch: small enough that N workers finish together
+    segment_tokens: int = 64_000_000  # checkpoint a unit every this many tokens
+    keep_parts: bool = False
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "unit_bytes", "chunk_docs", "chunk_bytes", "segment_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer of at least 1")
 
 
 def plan_units(files: Sequence[str], unit_bytes: int) -> list[WorkUnit]:
@@ -99,23 +140,29 @@ def plan_units(files: Sequence[str], unit_bytes: int) -> list[WorkUnit]:
     return units
 
 
-def _iter_unit_records(unit: WorkUnit, text_field: str, txt_mode: str) -> Iterator[readers.Record]:
-    if unit.kind == "file":
-        yield from readers.iter_records(unit.path, text_field, txt_mode)
-    elif unit.kind == "row_groups":
-        import pyarrow.parquet as pq
+# ---- Reading: a unit's records, cut into chunks (this process) ----
 
-        parquet = pq.ParquetFile(unit.path)
-        if text_field not in parquet.schema_arrow.names:
-            for group in range(unit.start, unit.end):
-                for _ in range(parquet.metadata.row_group(group).num_rows):
-                    yield readers.Skipped("missing_text_field")
-            return
-        for group in range(unit.start, unit.end):
-            for value in parquet.read_row_group(group, columns=[text_field]).column(0).to_pylist():
-                yield readers.parquet_value(value)
-    else:
-        yield from readers.iter_jsonl_lines(_read_line_range(unit.path, unit.start, unit.end), text_field)
+
+@dataclass(frozen=True)
+class Unreadable:
+    """The end of a unit whose file could not be read to its end."""
+
+    error: str
+
+
+def _unit_records(unit: WorkUnit, options: Options) -> Iterator[Union[bytes, readers.Record]]:
+    """The unit's records in order: raw JSON lines (blank lines are no records), else the readers' records."""
+    if readers.file_format(unit.path) == "jsonl":
+        lines = _read_line_range(unit.path, unit.start, unit.end) if unit.kind == "bytes" else _read_lines(unit.path)
+        return (line for line in lines if line.strip())
+    if unit.kind == "file":
+        return readers.iter_records(unit.path, options.text_field, options.txt_mode)
+    return _iter_row_groups(unit, options.text_field)
+
+
+def _read_lines(path: str) -> Iterator[bytes]:
+    with readers.open_binary(path) as stream:
+        yield from stream
 
 
 def _read_line_range(path: str, start: int, end: int) -> Iterator[bytes]:
@@ -134,34 +181,280 @@ def _read_line_range(path: str, start: int, end: int) -> Iterator[bytes]:
             position += len(line)
 
 
-# One tokenizer per worker process, loaded once by the pool initializer.
-_worker_tokenizer: Optional[Tokenizer] = None
-_worker_report: Optional[Callable[[int, int], None]] = None
+def _iter_row_groups(unit: WorkUnit, text_field: str) -> Iterator[readers.Record]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(unit.path)
+    if text_field not in parquet.schema_arrow.names:
+        for group in range(unit.start, unit.end):
+            for _ in range(parquet.metadata.row_group(group).num_rows):
+                yield readers.Skipped("missing_text_field")
+        return
+    for group in range(unit.start, unit.end):
+        for value in parquet.read_row_group(group, columns=[text_field]).column(0).to_pylist():
+            yield readers.parquet_value(value)
 
 
-def _init_worker(tokenizer_path: str, reports) -> None:
-    global _worker_tokenizer, _worker_report
-    _worker_tokenizer = load_tokenizer(tokenizer_path)
-    if reports is not None:
-        _worker_report = lambda documents, tokens: reports.put((documents, tokens))  # noqa: E731
-
-
-def _drain(reports, bar: "_ProgressBar", wait: float) -> None:
-    """Apply the workers' chunk reports to the bar, waiting up to `wait` seconds for the first."""
-    import queue
-
+def _until_unreadable(records: Iterator) -> Iterator:
+    """The records, then Unreadable if reading stops early. Only the reader runs inside this `try`: a failure to
+    tokenize or write is no bad record."""
     try:
-        bar.chunk(*reports.get(timeout=wait) if wait else reports.get_nowait())
-        while True:
-            bar.chunk(*reports.get_nowait())
-    except queue.Empty:
-        pass
+        yield from records
+    except READ_ERRORS as err:
+        yield Unreadable(f"{type(err).__name__}: {err}")
+
+
+@dataclass
+class Chunk:
+    """Consecutive records of one unit, tokenized as one batch: raw JSON lines (parsed by the process that encodes
+    them) or the texts a reader already decoded (parquet, txt)."""
+
+    unit: WorkUnit
+    records_start: int  # index, within the unit, of the first record
+    records: int = 0
+    lines: list[bytes] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    skipped: Counter = field(default_factory=Counter)  # records the reader already found bad
+    text_bytes: int = 0
+    last: bool = False  # the unit's last chunk
+    unreadable: Optional[str] = None  # on the last chunk: why the rest of the file could not be read
+
+    def add(self, record: Union[bytes, readers.Record]) -> None:
+        self.records += 1
+        if isinstance(record, readers.Skipped):
+            self.skipped[record.reason] += 1
+        elif isinstance(record, bytes):
+            self.lines.append(record)
+            self.text_bytes += len(record)
+        else:
+            self.texts.append(record)
+            self.text_bytes += len(record)
+
+    def full(self, settings: RunSettings) -> bool:
+        return len(self.lines) + len(self.texts) >= settings.chunk_docs or self.text_bytes >= settings.chunk_bytes
+
+    def payload(self) -> tuple[bytes, list[str]]:
+        """What a worker needs: one bytes object for JSON lines, so that sending it costs no work per document."""
+        return b"".join(self.lines), self.texts
+
+    def where(self) -> str:
+        return f"{self.unit.describe()}, records {self.records_start} to {self.records_start + self.records - 1}"
+
+
+def read_chunks(unit: WorkUnit, options: Options, settings: RunSettings, resume_after: int) -> Iterator[Chunk]:
+    """The unit's records after the first `resume_after` (committed before an interruption), in chunks of at most
+    `chunk_docs` documents or `chunk_bytes` of text; the last chunk has `last` set."""
+    chunk = Chunk(unit, resume_after)
+    for position, record in enumerate(_until_unreadable(_unit_records(unit, options))):
+        if isinstance(record, Unreadable):
+            chunk.unreadable = record.error
+            break
+        if position < resume_after:
+            continue  # tokenized into an earlier segment before an interruption
+        chunk.add(record)
+        if chunk.full(settings):
+            yield chunk
+            chunk = Chunk(unit, chunk.records_start + chunk.records)
+    chunk.last = True
+    yield chunk
+
+
+# ---- Encoding: a chunk to token arrays (worker processes, or this one) ----
+
+
+@dataclass
+class Encoded:
+    """A chunk's documents as tokens: `sizes` per document (end-of-document token included), `tokens` flat."""
+
+    sizes: np.ndarray
+    tokens: np.ndarray
+    skipped: dict[str, int]  # records found bad while parsing JSON lines
+
+
+def encode_chunk(tokenizer: Tokenizer, dtype: type, text_field: str, lines: bytes, texts: list[str]) -> Encoded:
+    skipped: Counter = Counter()
+    if lines:
+        texts = []
+        for record in readers.iter_jsonl_lines(lines.split(b"\n"), text_field):
+            if isinstance(record, readers.Skipped):
+                skipped[record.reason] += 1
+            else:
+                texts.append(record)
+    encoded = tokenizer.encode_batch(texts, append_eod=True) if texts else []
+    sizes = np.fromiter(map(len, encoded), dtype=np.int32, count=len(encoded))
+    tokens = np.fromiter(itertools.chain.from_iterable(encoded), dtype=dtype, count=int(sizes.sum(dtype=np.int64)))
+    return Encoded(sizes, tokens, dict(skipped))
+
+
+# One encoder per worker process, made once by the pool initializer.
+_worker_encode: Optional[Callable[[bytes, list[str]], Encoded]] = None
+
+
+def _init_worker(tokenizer_path: str, dtype: str, text_field: str) -> None:
+    global _worker_encode
+    _worker_encode = functools.partial(encode_chunk, load_tokenizer(tokenizer_path), np.dtype(dtype).type, text_field)
+
+
+def _encode_in_worker(lines: bytes, texts: list[str]) -> Encoded:
+    return _worker_encode(lines, texts)
+
+
+def _hash_input(path: str) -> tuple[str, str]:
+    return path, file_sha256(path)
+
+
+# ---- Writing: encoded chunks, in order, into committed segments (this process) ----
+
+
+def segment_prefix(parts_dir: str, part_name: str, segment: int) -> str:
+    return os.path.join(parts_dir, f"{part_name}.s{segment:05d}")
+
+
+def _finished_segments(parts_dir: str, part_name: str) -> list[dict]:
+    """The unit's checkpointed segments, in order, up to the first missing or damaged one."""
+    segments = []
+    while True:
+        prefix = segment_prefix(parts_dir, part_name, len(segments))
+        try:
+            with open(prefix + ".json") as stream:
+                stats = json.load(stream)
+            index = indexed.verify_shard(prefix, allow_empty=True)
+        except (OSError, json.JSONDecodeError, indexed.ShardError):
+            return segments
+        if index.num_tokens != stats["tokens"] or index.num_documents != stats["documents"]:
+            return segments
+        segments.append(stats)
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as stream:
+        os.fsync(stream.fileno())
+
+
+def _commit_shard(staging: str, prefix: str) -> None:
+    """Rename a written `.bin/.idx` pair into place, flushed to disk first so that a crash cannot leave a renamed but
+    empty file. The directory is flushed by the `.json` commit that follows (which is what vouches for the pair)."""
+    for path in (indexed.bin_path(staging), indexed.idx_path(staging)):
+        _fsync_file(path)
+    os.replace(indexed.bin_path(staging), indexed.bin_path(prefix))
+    os.replace(indexed.idx_path(staging), indexed.idx_path(prefix))
+
+
+class _Segment:
+    """The segment being written: tokens streamed to a staging file, lengths kept for its index."""
+
+    def __init__(self, prefix: str, number: int, records_start: int) -> None:
+        self.prefix = prefix
+        self.number = number
+        self.records_start = records_start
+        self.staging = f"{prefix}.tmp{os.getpid()}"
+        self.out = open(indexed.bin_path(self.staging), "wb")
+        self.lengths: list[np.ndarray] = []
+        self.documents = self.tokens = 0
+        self.skipped: Counter = Counter()
+
+    def append(self, encoded: Encoded) -> None:
+        self.out.write(encoded.tokens.tobytes())
+        self.lengths.append(encoded.sizes)
+        self.documents += len(encoded.sizes)
+        self.tokens += len(encoded.tokens)
+
+    def commit(self, dtype: type, records_end: int) -> None:
+        self.out.close()
+        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, dtype=np.int32)
+        indexed.write_index(indexed.idx_path(self.staging), dtype, lengths, np.arange(len(lengths) + 1))
+        _commit_shard(self.staging, self.prefix)
+        _write_json_atomic(self.prefix + ".json", {
+            "segment": self.number, "records_start": self.records_start, "records_end": records_end,
+            "documents": self.documents, "tokens": self.tokens, "skipped": dict(sorted(self.skipped.items()))})
+
+    def discard(self) -> None:
+        """Remove what this segment wrote: staging files, and a pair renamed into place that no `.json` vouches for."""
+        self.out.close()
+        paths = [indexed.bin_path(self.staging), indexed.idx_path(self.staging)]
+        if not os.path.exists(self.prefix + ".json"):
+            paths += [indexed.bin_path(self.prefix), indexed.idx_path(self.prefix)]
+        for path in paths:
+            if os.path.exists(path):
+                os.remove(path)
+
+
+class _UnitWriter:
+    """Writes one unit's encoded chunks, in order: a segment is committed every `segment_tokens` tokens (renamed
+    into place, then its `.json` written) and the unit at its end (`part_name.json`, last, marks it complete).
+
+    A unit interrupted midway resumes after its last committed segment: the records before it are read again (a
+    compressed stream cannot seek) but not tokenized again.
+    """
+
+    def __init__(self, unit: WorkUnit, parts_dir: str, part_name: str, dtype: type, segment_tokens: int) -> None:
+        self.unit = unit
+        self.parts_dir = parts_dir
+        self.part_name = part_name
+        self.dtype = dtype
+        self.segment_tokens = segment_tokens
+        self.resumed = _finished_segments(parts_dir, part_name)
+        self.segments = [stats["segment"] for stats in self.resumed]
+        self.records = self.resumed[-1]["records_end"] if self.resumed else 0
+        self.documents = sum(stats["documents"] for stats in self.resumed)
+        self.tokens = sum(stats["tokens"] for stats in self.resumed)
+        self.skipped: Counter = Counter()
+        for stats in self.resumed:
+            self.skipped.update(stats["skipped"])
+        self.segment: Optional[_Segment] = None
+
+    def add(self, chunk: Chunk, encoded: Encoded) -> None:
+        segment = self._open_segment()
+        segment.append(encoded)
+        segment.skipped.update(chunk.skipped)
+        segment.skipped.update(encoded.skipped)
+        self.skipped.update(chunk.skipped)
+        self.skipped.update(encoded.skipped)
+        self.records += chunk.records
+        self.documents += len(encoded.sizes)
+        self.tokens += len(encoded.tokens)
+        if segment.tokens >= self.segment_tokens:
+            self._commit_segment()
+
+    def finish(self, unreadable: Optional[str]) -> dict:
+        """Commit the last segment (one at least, so that an empty unit is visibly done) and the unit's statistics."""
+        if unreadable:
+            self.skipped[readers.UNREADABLE_REST] += 1
+            self._open_segment().skipped[readers.UNREADABLE_REST] += 1
+        if self.segment is not None or not self.segments:
+            self._open_segment()
+            self._commit_segment()
+        stats = {"unit": asdict(self.unit), "segments": self.segments, "documents": self.documents,
+                 "tokens": self.tokens, "records": self.records, "skipped": dict(sorted(self.skipped.items())),
+                 "error": unreadable, "resumed_segments": len(self.resumed)}
+        _write_json_atomic(os.path.join(self.parts_dir, self.part_name + ".json"), stats)
+        return stats
+
+    def abort(self) -> None:
+        """Remove the uncommitted segment: what stays is what a rerun may reuse."""
+        if self.segment is not None:
+            self.segment.discard()
+            self.segment = None
+
+    def _open_segment(self) -> _Segment:
+        if self.segment is None:
+            number = len(self.segments)
+            self.segment = _Segment(segment_prefix(self.parts_dir, self.part_name, number), number, self.records)
+        return self.segment
+
+    def _commit_segment(self) -> None:
+        self.segment.commit(self.dtype, self.records)
+        self.segments.append(self.segment.number)
+        self.segment = None
+
+
+# ---- The pipeline ----
 
 
 class _ProgressBar:
-    """Tokens done (with tokens/s), documents and parts, updated as each chunk of documents is encoded."""
+    """Tokens done (with tokens/s), documents and parts, updated as each chunk of documents is written."""
 
-    def __init__(self, units: Sequence[WorkUnit], finished: dict, started: float) -> None:
+    def __init__(self, units: Sequence[WorkUnit], finished: dict) -> None:
         from tqdm import tqdm
 
         self.parts_total = len(units)
@@ -189,138 +482,104 @@ class _ProgressBar:
         self.bar.close()
 
 
-def segment_prefix(parts_dir: str, part_name: str, segment: int) -> str:
-    return os.path.join(parts_dir, f"{part_name}.s{segment:05d}")
+@dataclass
+class _Pipeline:
+    """Reads the units' chunks in order, has them encoded (`encode` returns a callable that waits for the result),
+    and writes the results in the same order."""
 
+    writers: dict[int, _UnitWriter]
+    options: Options
+    settings: RunSettings
+    encode: Callable[[Chunk], Callable[[], Encoded]]
+    read_ahead: int  # chunks encoding while the writer waits for the oldest
+    bar: Optional[_ProgressBar] = None
 
-def _finished_segments(parts_dir: str, part_name: str) -> list[dict]:
-    """The unit's checkpointed segments, in order, up to the first missing or damaged one."""
-    segments = []
-    while True:
-        prefix = segment_prefix(parts_dir, part_name, len(segments))
+    def run(self) -> dict[int, dict]:
+        stats: dict[int, dict] = {}
+        in_flight: collections.deque = collections.deque()
         try:
-            with open(prefix + ".json") as stream:
-                stats = json.load(stream)
-            index = indexed.verify_shard(prefix, allow_empty=True)
-        except (OSError, json.JSONDecodeError, indexed.ShardError):
-            return segments
-        if index.num_tokens != stats["tokens"] or index.num_documents != stats["documents"]:
-            return segments
-        segments.append(stats)
+            for chunk in self._chunks():
+                in_flight.append((chunk, self.encode(chunk)))
+                if len(in_flight) > self.read_ahead:
+                    self._write(*in_flight.popleft(), stats)
+            while in_flight:
+                self._write(*in_flight.popleft(), stats)
+        except BaseException:
+            for writer in self.writers.values():
+                writer.abort()
+            raise
+        return stats
+
+    def _chunks(self) -> Iterator[Chunk]:
+        for writer in self.writers.values():
+            yield from read_chunks(writer.unit, self.options, self.settings, writer.records)
+
+    def _write(self, chunk: Chunk, result: Callable[[], Encoded], stats: dict[int, dict]) -> None:
+        try:
+            encoded = result()
+        except concurrent.futures.BrokenExecutor as err:
+            raise PreprocessError(f"tokenizing {chunk.where()} failed: a worker process died (killed, out of memory or "
+                                  f"crashed in the tokenizer) on this chunk or on one after it") from err
+        except Exception as err:
+            raise PreprocessError(f"tokenizing {chunk.where()} failed: {type(err).__name__}: {err}") from err
+        writer = self.writers[chunk.unit.index]
+        try:
+            if chunk.records:
+                writer.add(chunk, encoded)
+            if chunk.last:
+                stats[chunk.unit.index] = writer.finish(chunk.unreadable)
+        except Exception as err:
+            raise PreprocessError(f"writing {chunk.where()} to {writer.parts_dir} failed: "
+                                  f"{type(err).__name__}: {err}") from err
+        if self.bar:
+            self.bar.chunk(len(encoded.sizes), len(encoded.tokens))
+            if chunk.last:
+                self.bar.part_done()
 
 
-def tokenize_unit(unit: WorkUnit, parts_dir: str, part_name: str, options: Options, chunk_docs: int,
-                  chunk_bytes: int, segment_tokens: int, tokenizer: Optional[Tokenizer] = None,
-                  report: Optional[Callable[[int, int], None]] = None) -> dict:
-    """Tokenize one unit into segments `parts_dir/part_name.sNNNNN.{bin,idx,json}` and return its statistics (also
-    written as `part_name.json`, last, which marks the unit complete).
+def _nothing_to_encode(dtype: type) -> Encoded:
+    return Encoded(np.zeros(0, dtype=np.int32), np.zeros(0, dtype=dtype), {})
 
-    A segment is committed (renamed into place, then its `.json` written) every `segment_tokens` tokens, so a unit
-    interrupted midway resumes after its last segment: the records before it are read again (a compressed stream
-    cannot seek) but not tokenized again.
-    """
-    tokenizer = tokenizer or _worker_tokenizer
-    report = report or _worker_report
+
+def _tokenize_units(files: Sequence[str], tokenizer: Tokenizer, tokenizer_path: str, options: Options,
+                    settings: RunSettings, writers: dict[int, _UnitWriter],
+                    bar: Optional[_ProgressBar]) -> tuple[dict[int, dict], dict[str, str]]:
+    """Run the pipeline over the units to do; return their statistics and the inputs' sha256."""
     dtype = np.dtype(options.dtype).type
-    started = time.perf_counter()
-    done = _finished_segments(parts_dir, part_name)
-    resume_after = done[-1]["records_end"] if done else 0
-    segments = [stats["segment"] for stats in done]
-    skipped: Counter = Counter()
-    for stats in done:
-        skipped.update(stats["skipped"])
-    documents = sum(stats["documents"] for stats in done)
-    tokens = sum(stats["tokens"] for stats in done)
-    records = resume_after
-    error = None
+    if settings.workers == 1:
+        encode_here = functools.partial(encode_chunk, tokenizer, dtype, options.text_field)
 
-    class Segment:
-        """The segment being written: tokens streamed to a staging file, lengths kept for its index."""
+        def encode(chunk: Chunk) -> Callable[[], Encoded]:
+            return functools.partial(encode_here, *chunk.payload())
 
-        def __init__(self) -> None:
-            self.number = len(segments)
-            self.prefix = segment_prefix(parts_dir, part_name, self.number)
-            self.staging = f"{self.prefix}.tmp{os.getpid()}"
-            self.out = open(self.staging + ".bin", "wb")
-            self.lengths: list[np.ndarray] = []
-            self.records_start = records
-            self.documents = self.tokens = 0
-            self.skipped: Counter = Counter()
+        stats = _Pipeline(writers, options, settings, encode, read_ahead=0, bar=bar).run()
+        return stats, dict(_hash_input(path) for path in files)
 
-        def commit(self) -> None:
-            self.out.close()
-            lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, dtype=np.int32)
-            indexed.write_index(self.staging + ".idx", dtype, lengths, np.arange(len(lengths) + 1))
-            os.replace(self.staging + ".bin", self.prefix + ".bin")
-            os.replace(self.staging + ".idx", self.prefix + ".idx")
-            _write_json_atomic(self.prefix + ".json", {
-                "segment": self.number, "records_start": self.records_start, "records_end": records,
-                "documents": self.documents, "tokens": self.tokens, "skipped": dict(sorted(self.skipped.items()))})
-            segments.append(self.number)
-
-    segment = Segment()
-
-    def flush(texts: list[str]) -> None:
-        nonlocal documents, tokens, segment
-        encoded = tokenizer.encode_batch(texts, append_eod=True)
-        sizes = np.fromiter(map(len, encoded), dtype=np.int32, count=len(encoded))
-        flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype=dtype, count=int(sizes.sum(dtype=np.int64)))
-        segment.out.write(flat.tobytes())
-        segment.lengths.append(sizes)
-        segment.documents += len(texts)
-        segment.tokens += len(flat)
-        documents += len(texts)
-        tokens += len(flat)
-        if report is not None:
-            report(len(texts), len(flat))
-        if segment.tokens >= segment_tokens:
-            segment.commit()
-            segment = Segment()
-
-    texts: list[str] = []
-    pending_bytes = 0
+    # spawn, not fork: the caller may be a training process with threads (gloo, torch) running.
+    pool = concurrent.futures.ProcessPoolExecutor(
+        settings.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+        initargs=(tokenizer_path, options.dtype, options.text_field))
     try:
-        for position, record in enumerate(_iter_unit_records(unit, options.text_field, options.txt_mode)):
-            if position < resume_after:
-                continue  # tokenized into an earlier segment before an interruption
-            records += 1
-            if isinstance(record, readers.Skipped):
-                skipped[record.reason] += 1
-                segment.skipped[record.reason] += 1
-                continue
-            texts.append(record)
-            pending_bytes += len(record)
-            if len(texts) >= chunk_docs or pending_bytes >= chunk_bytes:
-                flush(texts)
-                texts, pending_bytes = [], 0
-    except (OSError, EOFError, ValueError) as err:  # truncated gzip/zstd, unreadable parquet: keep what was read
-        skipped[readers.UNREADABLE_REST] += 1
-        segment.skipped[readers.UNREADABLE_REST] += 1
-        error = f"{type(err).__name__}: {err}"
-    if texts:
-        flush(texts)
-    if segment.tokens or segment.skipped or not segments:
-        segment.commit()
-    else:
-        segment.out.close()
-        os.remove(segment.staging + ".bin")
-    stats = {"unit": asdict(unit), "segments": segments, "documents": documents, "tokens": tokens,
-             "records": records, "skipped": dict(sorted(skipped.items())), "error": error,
-             "resumed_segments": len(done), "seconds": round(time.perf_counter() - started, 3)}
-    _write_json_atomic(os.path.join(parts_dir, part_name + ".json"), stats)
-    return stats
+        hashes = [pool.submit(_hash_input, path) for path in files]
+
+        def encode(chunk: Chunk) -> Callable[[], Encoded]:
+            if not chunk.records:
+                return functools.partial(_nothing_to_encode, dtype)
+            try:
+                return pool.submit(_encode_in_worker, *chunk.payload()).result
+            except concurrent.futures.BrokenExecutor as err:  # a worker died: report it in order, at the oldest chunk
+                failed: concurrent.futures.Future = concurrent.futures.Future()
+                failed.set_exception(err)
+                return failed.result
+
+        # Two chunks a worker: one encoding, one queued, so that no worker waits for the reader or the writer.
+        stats = _Pipeline(writers, options, settings, encode, read_ahead=2 * settings.workers, bar=bar).run()
+        return stats, dict(future.result() for future in hashes)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _hash_input(path: str) -> tuple[str, str]:
-    return path, file_sha256(path)
-
-
-def _write_json_atomic(path: str, payload: dict) -> None:
-    staging = f"{path}.tmp{os.getpid()}"
-    with open(staging, "w") as stream:
-        json.dump(payload, stream, indent=2)
-        stream.write("\n")
-    os.replace(staging, path)
+# ---- The run ----
 
 
 def manifest_path(prefix: str) -> str:
@@ -353,6 +612,20 @@ def _is_up_to_date(prefix: str, files: Sequence[str], options: Options) -> Optio
     return manifest
 
 
+def _check_inputs(files: Sequence[str], text_field: str, txt_mode: str) -> None:
+    """Refuse bad arguments before the tokenizer loads or a worker starts."""
+    if not files:
+        raise ValueError("no input files given")
+    if not isinstance(text_field, str) or not text_field:
+        raise ValueError(f"text_field={text_field!r} must name the JSON/parquet field holding the text")
+    if txt_mode not in readers.TXT_MODES:
+        raise ValueError(f"txt_mode={txt_mode!r} is not one of {readers.TXT_MODES}")
+    for path in files:
+        readers.file_format(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"input file {path} does not exist")
+
+
 def preprocess(
     files: Sequence[str],
     tokenizer_path: str,
@@ -363,97 +636,76 @@ def preprocess(
     txt_mode: str = "file",
     unit_bytes: int = 256 * MIB,
     chunk_docs: int = 1024,
-    chunk_bytes: int = 8 * MIB,
+    chunk_bytes: int = 1 * MIB,
     segment_tokens: int = 64_000_000,
     keep_parts: bool = False,
     progress: bool = False,
 ) -> dict:
     """Tokenize `files` into `out_prefix.{bin,idx}` and return the manifest (see the module docstring)."""
-    if workers < 1:
-        raise ValueError(f"workers={workers} must be at least 1")
-    if txt_mode not in readers.TXT_MODES:
-        raise ValueError(f"txt_mode={txt_mode!r} is not one of {readers.TXT_MODES}")
+    settings = RunSettings(workers=workers, unit_bytes=unit_bytes, chunk_docs=chunk_docs, chunk_bytes=chunk_bytes,
+                           segment_tokens=segment_tokens, keep_parts=keep_parts, progress=progress)
     files = [os.path.abspath(f) for f in files]
+    _check_inputs(files, text_field, txt_mode)
     out_prefix = os.path.abspath(out_prefix)
     # Two runs writing one prefix would race on its parts and final renames: the second waits, then finds it done.
     with file_lock(out_prefix + ".lock"):
-        return _preprocess_locked(files, tokenizer_path, out_prefix, workers, text_field, txt_mode, unit_bytes,
-                                  chunk_docs, chunk_bytes, segment_tokens, keep_parts, progress)
+        return _preprocess_locked(files, tokenizer_path, out_prefix, text_field, txt_mode, settings)
 
 
-def _preprocess_locked(files, tokenizer_path, out_prefix, workers, text_field, txt_mode, unit_bytes, chunk_docs,
-                       chunk_bytes, segment_tokens, keep_parts, progress) -> dict:
+def _preprocess_locked(files: list[str], tokenizer_path: str, out_prefix: str, text_field: str, txt_mode: str,
+                       settings: RunSettings) -> dict:
     tokenizer = load_tokenizer(tokenizer_path)
-    options = Options(tokenizer.model_sha256, text_field, txt_mode, np.dtype(indexed.token_dtype(tokenizer.vocab_size)).name)
+    options = Options(tokenizer.model_sha256, text_field, txt_mode,
+                      np.dtype(indexed.token_dtype(tokenizer.vocab_size)).name)
     manifest = _is_up_to_date(out_prefix, files, options)
     if manifest is not None:
-        if progress:
+        if settings.progress:
             print(f"{out_prefix}: up to date ({manifest['totals']['documents']} documents, "
                   f"{manifest['totals']['tokens']} tokens); nothing to do", file=sys.stderr)
         return manifest
 
     started = time.perf_counter()
-    os.makedirs(os.path.dirname(out_prefix), exist_ok=True)
     parts_dir = out_prefix + ".parts"
     os.makedirs(parts_dir, exist_ok=True)
-    units = plan_units(files, unit_bytes)
+    units = plan_units(files, settings.unit_bytes)
     fingerprint = options.fingerprint()
     names = [unit.part_name(fingerprint) for unit in units]
-    stats: dict[int, dict] = {}
+    stats = _finished_parts(units, names, parts_dir)
+    reused = len(stats)
+    dtype = np.dtype(options.dtype).type
+    writers = {unit.index: _UnitWriter(unit, parts_dir, names[unit.index], dtype, settings.segment_tokens)
+               for unit in units if unit.index not in stats}
+
+    bar = _ProgressBar(units, stats) if settings.progress else None
+    try:
+        done, hashes = _tokenize_units(files, tokenizer, tokenizer_path, options, settings, writers, bar)
+    finally:
+        if bar:
+            bar.close()
+    stats.update(done)
+
+    ordered = [stats[unit.index] for unit in units]
+    _merge_parts([segment_prefix(parts_dir, name, segment) for name, part in zip(names, ordered)
+                  for segment in part["segments"]], out_prefix, dtype)
+    manifest = _build_manifest(files, units, ordered, hashes, tokenizer, options, out_prefix,
+                               seconds=time.perf_counter() - started, reused_parts=reused,
+                               resumed_segments=sum(len(writer.resumed) for writer in writers.values()))
+    _write_json_atomic(manifest_path(out_prefix), manifest)
+    if not settings.keep_parts:
+        shutil.rmtree(parts_dir, ignore_errors=True)
+    if settings.progress:
+        print(summary(manifest), file=sys.stderr)
+    return manifest
+
+
+def _finished_parts(units: Sequence[WorkUnit], names: Sequence[str], parts_dir: str) -> dict[int, dict]:
+    """The statistics of the units completed by an earlier run, by unit index."""
+    finished = {}
     for unit, name in zip(units, names):
         done = _read_finished_part(parts_dir, name)
         if done is not None:
-            stats[unit.index] = done
-    todo = [unit for unit in units if unit.index not in stats]
-    reused = len(units) - len(todo)
-
-    bar = _ProgressBar(units, stats, started) if progress else None
-    hashes: dict[str, str] = {}
-    processes = min(workers, max(len(todo), 1))
-    if processes == 1:
-        for unit in todo:
-            stats[unit.index] = tokenize_unit(unit, parts_dir, names[unit.index], options, chunk_docs, chunk_bytes,
-                                              segment_tokens, tokenizer, report=bar.chunk if bar else None)
-            if bar:
-                bar.part_done()
-        hashes = dict(_hash_input(path) for path in files)
-    else:
-        # spawn, not fork: the caller may be a training process with threads (gloo, torch) running.
-        context = multiprocessing.get_context("spawn")
-        reports = context.Queue() if bar else None
-        with context.Pool(processes, initializer=_init_worker, initargs=(tokenizer_path, reports)) as pool:
-            pending = {u.index: pool.apply_async(tokenize_unit, (u, parts_dir, names[u.index], options, chunk_docs,
-                                                                 chunk_bytes, segment_tokens))
-                       for u in sorted(todo, key=lambda u: -u.work_bytes)}  # largest first: less idle time at the end
-            hash_results = pool.map_async(_hash_input, files)
-            while pending:
-                if reports is not None:
-                    _drain(reports, bar, wait=0.2)
-                for index in [i for i, result in pending.items() if result.ready()]:
-                    stats[index] = pending.pop(index).get()  # re-raises a worker's exception here
-                    if bar:
-                        bar.part_done()
-                if reports is None and pending:
-                    next(iter(pending.values())).wait(0.2)
-            hashes = dict(hash_results.get())
-            if reports is not None:
-                _drain(reports, bar, wait=0)
-    if bar:
-        bar.close()
-
-    ordered = [stats[unit.index] for unit in units]
-    dtype = np.dtype(options.dtype).type
-    _merge_parts([segment_prefix(parts_dir, name, segment) for name, stats in zip(names, ordered)
-                  for segment in stats["segments"]], out_prefix, dtype)
-    manifest = _build_manifest(files, units, ordered, hashes, tokenizer, options, out_prefix,
-                               seconds=time.perf_counter() - started, reused_parts=reused,
-                               resumed_segments=sum(stats[u.index].get("resumed_segments", 0) for u in todo))
-    _write_json_atomic(manifest_path(out_prefix), manifest)
-    if not keep_parts:
-        shutil.rmtree(parts_dir, ignore_errors=True)
-    if progress:
-        print(summary(manifest), file=sys.stderr)
-    return manifest
+            finished[unit.index] = done
+    return finished
 
 
 def _read_finished_part(parts_dir: str, name: str) -> Optional[dict]:
@@ -474,7 +726,7 @@ def _merge_parts(segment_prefixes: Sequence[str], out_prefix: str, dtype: type) 
     """Concatenate the segments into `out_prefix.{bin,idx}`, each file renamed into place only when complete."""
     staging = f"{out_prefix}.tmp{os.getpid()}"
     lengths = []
-    with open(staging + ".bin", "wb") as out:
+    with open(indexed.bin_path(staging), "wb") as out:
         for part in segment_prefixes:
             index = indexed.read_index(indexed.idx_path(part))
             if index.dtype is not dtype:
@@ -484,12 +736,11 @@ def _merge_parts(segment_prefixes: Sequence[str], out_prefix: str, dtype: type) 
             with open(indexed.bin_path(part), "rb") as source:
                 shutil.copyfileobj(source, out, 16 * MIB)
     sequence_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int32)
-    indexed.write_index(staging + ".idx", dtype, sequence_lengths, np.arange(len(sequence_lengths) + 1))
+    indexed.write_index(indexed.idx_path(staging), dtype, sequence_lengths, np.arange(len(sequence_lengths) + 1))
     # Drop a stale manifest first: a crash between the renames must not leave an old manifest vouching for new files.
     if os.path.exists(manifest_path(out_prefix)):
         os.remove(manifest_path(out_prefix))
-    os.replace(staging + ".bin", indexed.bin_path(out_prefix))
-    os.replace(staging + ".idx", indexed.idx_path(out_prefix))
+    _commit_shard(staging, out_prefix)
 
 
 def _build_manifest(files, units, ordered_stats, hashes, tokenizer, options, out_prefix, *, seconds, reused_parts,
@@ -550,7 +801,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--input", nargs="+", required=True, help="files, globs or directories")
     parser.add_argument("--tokenizer", required=True, help="tokenizer directory or model file")
     parser.add_argument("--out", required=True, help="output prefix: writes PREFIX.bin, PREFIX.idx, PREFIX.manifest.json")
-    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (reading and writing stay here)")
     parser.add_argument("--preset", choices=sorted(readers.PRESETS), help="text field and file globs of a known corpus")
     parser.add_argument("--text-field", default=None, help="JSON/parquet field holding the text (default: text)")
     parser.add_argument("--txt-mode", choices=readers.TXT_MODES, default="file",
@@ -561,12 +812,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         help="checkpoint a unit every this many million tokens (resume granularity)")
     parser.add_argument("--keep-parts", action="store_true", help="keep PREFIX.parts/ after merging")
     args = parser.parse_args(argv)
+    try:
+        settings = RunSettings(workers=args.workers, unit_bytes=args.unit_mb * MIB, chunk_docs=args.chunk_docs,
+                               segment_tokens=int(args.segment_mtok * 1e6), keep_parts=args.keep_parts, progress=True)
+    except ValueError as err:
+        parser.error(str(err))
     preset = readers.PRESETS[args.preset] if args.preset else None
     text_field = args.text_field or (preset.text_field if preset else "text")
     files = readers.expand_inputs(args.input, preset.globs if preset else ())
-    preprocess(files, args.tokenizer, args.out, workers=args.workers, text_field=text_field, txt_mode=args.txt_mode,
-               unit_bytes=args.unit_mb * MIB, chunk_docs=args.chunk_docs, segment_tokens=int(args.segment_mtok * 1e6),
-               keep_parts=args.keep_parts, progress=True)
+    preprocess(files, args.tokenizer, args.out, text_field=text_field, txt_mode=args.txt_mode, **asdict(settings))
 
 
 if __name__ == "__main__":
