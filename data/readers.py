@@ -165,7 +165,10 @@ class _ZstdReader(io.RawIOBase):
         pieces = []
         while compressed:
             self._frame_started = True
-            pieces.append(self._frame.decompress(compressed))
+            try:
+                pieces.append(self._frame.decompress(compressed))
+            except self._zstandard.ZstdError as err:  # not an OSError: say which file, as for a truncated one
+                raise OSError(f"{self._path} holds corrupt zstd data: {err}") from err
             if not self._frame.eof:
                 break
             compressed = self._frame.unused_data  # the next frame starts here

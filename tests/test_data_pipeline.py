@@ -212,6 +212,17 @@ def test_truncated_compressed_file_keeps_what_was_read(tmp_path, tokenizer_dir, 
     assert 0 < len(decoded) < len(documents) * 20 and decoded == (documents * 20)[: len(decoded)]
 
 
+def test_corrupt_zstd_names_the_file(tmp_path):
+    import zstandard
+
+    lines = b"".join(f'{{"text": "doc {i}"}}\n'.encode() for i in range(500))
+    data = bytearray(zstandard.ZstdCompressor(write_checksum=True).compress(lines))
+    data[len(data) // 2:len(data) // 2 + 16] = b"\xff" * 16  # damaged in the middle, not cut short
+    (tmp_path / "bad.jsonl.zst").write_bytes(bytes(data))
+    with pytest.raises(OSError, match=r"bad.jsonl.zst holds corrupt zstd data"):
+        list(readers.iter_records(tmp_path / "bad.jsonl.zst"))
+
+
 def test_multi_frame_zstd_is_read_whole(tmp_path):
     import zstandard
 
