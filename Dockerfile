@@ -1,4 +1,5 @@
-# GPU image: NGC PyTorch base, the project's pinned dependency set, and flash-attn built against it.
+# GPU image: NGC PyTorch base with its own torch and Triton kept (pyproject states ranges they satisfy; the CPU
+# constraints file is not used here), the project's other pins, and flash-attn built against the image's torch.
 #   docker build -t diff-transformer .
 #   docker run --gpus all --ipc=host --ulimit memlock=-1 -v $PWD/outputs:/workspace/diff-transformer/outputs \
 #       diff-transformer torchrun --nproc_per_node=8 train.py model=1.4b
@@ -14,7 +15,8 @@ WORKDIR /workspace/diff-transformer
 COPY pyproject.toml constraints.txt README.md ./
 RUN mkdir -p diff_transformer kernels data launch \
     && touch diff_transformer/__init__.py kernels/__init__.py data/__init__.py launch/__init__.py \
-    && pip install -c constraints.txt -e ".[dev]"
+    && pip install -e ".[dev]" \
+    && python -c "import torch; assert torch.version.cuda, 'the image lost its CUDA torch'"
 
 # flash-attn compiles against the installed torch (20-40 minutes; MAX_JOBS bounds the compiler's memory).
 ARG MAX_JOBS=8

@@ -1,6 +1,7 @@
 """Training throughput of DIFF vs its mirrored baseline, and TP=2 vs TP=1 step time, in one run.
 
     python benchmarks/train_throughput.py [--model tiny] [--steps 60] [--tp 1 2] [--out benchmarks/results]
+    python benchmarks/train_throughput.py --model 830m --tp 1 --kinds diff:sdpa diff:triton vanilla:sdpa   # GPU
 
 Each configuration is a real ``train.py`` run (megatron-core schedules, DDP, optimizer; no validation, no
 checkpoints); the figure is the median over steps after the first 20% (warm-up). Ratios are only meaningful between
@@ -34,9 +35,10 @@ def machine_name() -> str:
     return f"cpu-{os.cpu_count()}core"
 
 
-def run(model: str, kind: str, tp: int, steps: int, run_dir: Path, extra) -> dict:
+def run(model: str, kind: str, tp: int, steps: int, run_dir: Path, extra, backend: str | None = None) -> dict:
     overrides = [
         f"model={model}", f"model.attention={kind}", f"parallel.tp={tp}", f"trainer.max_steps={steps}",
+        *([f"model.attention_backend={backend}"] if backend else []),
         "trainer.eval_interval=0", "trainer.log_interval=1000000", f"optim.warmup_steps={max(1, steps // 10)}",
         "trainer.micro_batch_size=8", "trainer.global_batch_size=16", "logging.wandb.mode=disabled",
         "checkpoint.interval=0", "checkpoint.save_at_end=false", f"hydra.run.dir={run_dir}", *extra,
@@ -46,12 +48,22 @@ def run(model: str, kind: str, tp: int, steps: int, run_dir: Path, extra) -> dic
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp}",
                f"--master_port={free_port()}", str(REPO / "train.py"), *overrides]
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"train.py failed ({' '.join(overrides)}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     kept = records[len(records) // 5:]
     step_time = statistics.median(r["step_time"] for r in kept)
-    return {"model": model, "attention": kind, "tp": tp, "step_time_s": step_time,
-            "tokens_per_s": records[0]["tokens_per_s"] * records[0]["step_time"] / step_time}
+    mfu = [r["mfu"] for r in kept if r.get("mfu") is not None]
+    return {"model": model, "attention": kind, "backend": backend or "default", "tp": tp, "step_time_s": step_time,
+            "tokens_per_s": records[0]["tokens_per_s"] * records[0]["step_time"] / step_time,
+            "mfu": statistics.median(mfu) if mfu else None,
+            "memory_gib": max(r.get("memory_gib") or 0.0 for r in records),
+            "first_loss": records[0]["loss"], "last_loss": records[-1]["loss"]}
+
+
+def _percent(value) -> str:
+    return "" if value is None else f"{100 * value:.1f}%"
 
 
 def main() -> int:
@@ -59,20 +71,28 @@ def main() -> int:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--kinds", nargs="+", default=["diff", "vanilla"], metavar="KIND[:BACKEND]",
+                        help="attention kinds, each optionally with its backend (diff:triton)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
     args = parser.parse_args()
 
     rows = []
+    kinds = [tuple(k.split(":", 1)) if ":" in k else (k, None) for k in args.kinds]
     with tempfile.TemporaryDirectory() as tmp:
         for tp in args.tp:
-            for kind in ("diff", "vanilla"):
-                rows.append(run(args.model, kind, tp, args.steps, Path(tmp) / f"{kind}-tp{tp}", args.overrides))
+            for kind, backend in kinds:
+                run_dir = Path(tmp) / f"{kind}-{backend}-tp{tp}"
+                rows.append(run(args.model, kind, tp, args.steps, run_dir, args.overrides, backend))
                 r = rows[-1]
-                print(f"{r['attention']:>8} tp={tp}: {r['step_time_s'] * 1e3:8.1f} ms/step  {r['tokens_per_s']:10,.0f} tok/s",
-                      flush=True)
+                mfu = f"  MFU {_percent(r['mfu'])}" if r["mfu"] is not None else ""
+                print(f"{r['attention']:>8} {r['backend']:>8} tp={tp}: {r['step_time_s'] * 1e3:8.1f} ms/step  "
+                      f"{r['tokens_per_s']:10,.0f} tok/s{mfu}  peak {r['memory_gib']:.2f} GiB  "
+                      f"loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}", flush=True)
 
-    by = {(r["attention"], r["tp"]): r for r in rows}
+    by = {}
+    for r in rows:  # the first backend of each kind stands for it in the ratios
+        by.setdefault((r["attention"], r["tp"]), r)
     lines = [
         f"# Training throughput, `{args.model}` model, {machine_name()}, {datetime.date.today()}",
         "",
@@ -81,17 +101,21 @@ def main() -> int:
         f"time after the first 20% of steps). Machine: {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, torch {torch.__version__}.",
         "",
-        "| attention | TP | ms/step | tokens/s |",
-        "|---|---|---|---|",
-        *[f"| {r['attention']} | {r['tp']} | {r['step_time_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} |" for r in rows],
+        "| attention | backend | TP | ms/step | tokens/s | MFU | peak GiB | first loss | last loss |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *[f"| {r['attention']} | {r['backend']} | {r['tp']} | {r['step_time_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} "
+          f"| {_percent(r['mfu'])} | {r['memory_gib']:.2f} "
+          f"| {r['first_loss']:.3f} | {r['last_loss']:.3f} |" for r in rows],
         "",
     ]
-    for tp in args.tp:
-        lines.append(f"- DIFF / baseline tokens/s at TP={tp}: "
-                     f"{by[('diff', tp)]['tokens_per_s'] / by[('vanilla', tp)]['tokens_per_s']:.3f}")
+    for r in rows:
+        base = by.get(("vanilla", r["tp"]))
+        if r["attention"] != "vanilla" and base is not None:
+            lines.append(f"- {r['attention']} ({r['backend']}) / vanilla ({base['backend']}) tokens/s at TP={r['tp']}: "
+                         f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}")
     for tp in args.tp:
         if tp != 1 and 1 in args.tp:
-            for kind in ("diff", "vanilla"):
+            for kind in dict.fromkeys(k for k, _ in kinds):
                 lines.append(f"- {kind}: TP={tp} step time / TP=1 step time: "
                              f"{by[(kind, tp)]['step_time_s'] / by[(kind, 1)]['step_time_s']:.3f}")
     report = "\n".join(lines) + "\n"

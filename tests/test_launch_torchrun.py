@@ -14,7 +14,7 @@ from diff_transformer.distributed import free_port
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN_SH = REPO_ROOT / "launch" / "torchrun.sh"
 SMOKE = ["experiment=smoke", "trainer.max_steps=2", "optim.warmup_steps=1", "trainer.eval_interval=0",
-         "logging.wandb.mode=disabled"]
+         "logging.wandb.mode=disabled", f"data.cache_dir={REPO_ROOT / 'data' / 'cache'}"]  # run from tmp_path
 
 pytestmark = pytest.mark.multiproc
 
@@ -25,7 +25,8 @@ def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
 
 
 def launch_env(**extra: str) -> dict:
-    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **extra}
+    # the CPU tier also on a GPU machine: two "nodes" on one host cannot share its GPU under NCCL
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **extra}
     for inherited in ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "RDZV_ENDPOINT", "RDZV_ID",
                       "SLURM_JOB_ID", "SLURM_NNODES", "SLURM_NODEID", "SLURM_JOB_NODELIST", "RANK", "WORLD_SIZE"):
         if inherited not in extra:

@@ -23,7 +23,9 @@ def train_command(run_dir, overrides, nproc: int = 1):
 
 
 def train_env():
-    return dict(os.environ, WANDB_MODE="offline", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    """The environment of a test's train.py: the CPU tier (gloo, fp32), also on a GPU machine, where several
+    processes could not share one GPU under NCCL and bit-exact comparisons assume the CPU's deterministic kernels."""
+    return dict(os.environ, WANDB_MODE="offline", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
 
 
 def run_train(run_dir, overrides, nproc: int = 1, expect_rc: int = 0, timeout: int = 300):
