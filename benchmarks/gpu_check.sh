@@ -50,6 +50,7 @@ PY
 export DIFF_ATTN_CACHE_DIR="$out/diff_attn_cache"
 
 if [ $dry_run -eq 1 ]; then
+  export TRITON_INTERPRET=1  # the fused kernel on CPU tensors
   step gpu_tests "$py" -m pytest -q -p no:cacheprovider tests/test_diff_attn_kernel.py -x
   step attention "$py" benchmarks/attention.py --smoke
   step train_throughput "$py" benchmarks/train_throughput.py --model debug --steps 6 --tp 1 --out "$out" \
