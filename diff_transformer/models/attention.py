@@ -88,7 +88,8 @@ def eager_attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float) -> tor
 
 
 class _CoreAttentionBase(MegatronModule):
-    """Shared constructor of megatron-core's core-attention protocol."""
+    """Shared constructor of megatron-core's core-attention protocol (megatron passes its arguments by keyword;
+    subclasses add their own keywords and hand the protocol's on as ``**protocol``)."""
 
     def __init__(
         self,
@@ -133,22 +134,15 @@ class DifferentialCoreAttention(_CoreAttentionBase):
         config: TransformerConfig,
         layer_number: int,
         attn_mask_type: AttnMaskType,
-        attention_type: str = "self",
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
-        pg_collection=None,
-        backend: str = "sdpa",
+        *,
         lambda_init: Optional[float] = None,
         sublayer_norm: bool = True,
         lambda_std: float = 0.1,
         norm_eps: float = 1e-5,
         lambda_learnable: bool = True,
+        **protocol,
     ):
-        super().__init__(
-            config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
-            cp_comm_type, pg_collection, backend,
-        )
+        super().__init__(config, layer_number, attn_mask_type, **protocol)
         d = self.head_dim
         self.lambda_init = lambda_init if lambda_init is not None else lambda_init_for_layer(layer_number)
         self.lambda_learnable = lambda_learnable
@@ -301,19 +295,12 @@ class VanillaSublnCoreAttention(VanillaCoreAttention):
         config: TransformerConfig,
         layer_number: int,
         attn_mask_type: AttnMaskType,
-        attention_type: str = "self",
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
-        pg_collection=None,
-        backend: str = "sdpa",
+        *,
         lambda_init: Optional[float] = None,
         norm_eps: float = 1e-5,
+        **protocol,
     ):
-        super().__init__(
-            config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
-            cp_comm_type, pg_collection, backend,
-        )
+        super().__init__(config, layer_number, attn_mask_type, **protocol)
         self.lambda_init = lambda_init if lambda_init is not None else lambda_init_for_layer(layer_number)
         self.sublayer_norm = torch.nn.RMSNorm(
             self.head_dim, eps=norm_eps, elementwise_affine=True, dtype=config.params_dtype
@@ -391,15 +378,13 @@ class _MapControlCoreAttention(_CoreAttentionBase):
 
     SUPPORTED_BACKENDS = ("eager", "sdpa")
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type="self", attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, backend="sdpa"):
-        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
-                         cp_comm_type, pg_collection, backend)
+    def __init__(self, config, layer_number, attn_mask_type, **protocol):
+        super().__init__(config, layer_number, attn_mask_type, **protocol)
         # This rank's heads are the tp_rank-th slice of all heads (None outside a SelfAttention: rank 0).
-        self.tp_rank = get_pg_rank(getattr(pg_collection, "tp", None))
-        if backend not in self.SUPPORTED_BACKENDS:
+        self.tp_rank = get_pg_rank(getattr(protocol.get("pg_collection"), "tp", None))
+        if self.backend not in self.SUPPORTED_BACKENDS:
             raise ValueError(
-                f"model.attention_backend={backend} has no {type(self).__name__} (no fused kernel transforms the map); "
+                f"model.attention_backend={self.backend} has no {type(self).__name__} (no fused kernel transforms the map); "
                 "use sdpa (blockwise) or eager"
             )
 
@@ -424,10 +409,8 @@ class TopKCoreAttention(_MapControlCoreAttention):
     """Softmax attention where each query keeps only its k largest causal scores (the sparsity control):
     softmax(topk_k(Q·Kᵀ·s + causal mask))·V, scores outside the k largest set to −inf before the softmax."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type="self", attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, backend="sdpa", topk: int = 32):
-        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
-                         cp_comm_type, pg_collection, backend)
+    def __init__(self, config, layer_number, attn_mask_type, *, topk: int = 32, **protocol):
+        super().__init__(config, layer_number, attn_mask_type, **protocol)
         if topk < 1:
             raise ValueError(f"model.topk={topk} must be >= 1")
         self.topk = topk
@@ -461,10 +444,8 @@ class SignedMaskCoreAttention(_MapControlCoreAttention):
     summed over the TP group like DIFF's λ.
     """
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type="self", attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, backend="sdpa", max_distance: int = 2048):
-        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
-                         cp_comm_type, pg_collection, backend)
+    def __init__(self, config, layer_number, attn_mask_type, *, max_distance: int = 2048, **protocol):
+        super().__init__(config, layer_number, attn_mask_type, **protocol)
         self.max_distance = max_distance
         self.mask_logits = torch.nn.Parameter(
             torch.full((config.num_attention_heads, SIGNED_MASK_BUCKETS), SIGNED_MASK_INIT, dtype=torch.float32)
