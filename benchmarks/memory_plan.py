@@ -28,6 +28,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.reports import machine_name, write_report  # noqa: E402
+
 from tests.train_runs import free_port, train_env  # noqa: E402
 
 # (name, processes, overrides): each switch against the run without it
@@ -49,12 +51,6 @@ SETTINGS = [
      ["parallel.distributed_optimizer=true", "parallel.overlap_grad_reduce=true",
       "parallel.overlap_param_gather=true"]),
 ]
-
-
-def machine_name() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name().replace(" ", "-")
-    return f"cpu-{os.cpu_count()}core"
 
 
 def worker(out_dir: str, overrides) -> None:
@@ -151,13 +147,7 @@ def main() -> int:
             f"{e['logits'] * 1024:.1f}) | {r['peak'] * 1024:.1f} | {e['total'] / r['peak']:.2f} | "
             f"{persistent * 1024:.1f} / {r['end'] * 1024:.1f} |"
         )
-    report = "\n".join(lines) + "\n"
-    print(report)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"memory_plan_{machine_name()}_{datetime.date.today()}.md"
-    path.write_text(report)
-    print(f"written: {path}")
+    write_report("\n".join(lines) + "\n", args.out, "memory_plan")
     return 0
 
 

@@ -26,13 +26,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.reports import machine_name, write_report  # noqa: E402
+
 from tests.train_runs import free_port  # noqa: E402
-
-
-def machine_name() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name().replace(" ", "-")
-    return f"cpu-{os.cpu_count()}core"
 
 
 def run(model: str, kind: str, tp: int, steps: int, run_dir: Path, extra, backend: str | None = None) -> dict:
@@ -118,13 +114,7 @@ def main() -> int:
             for kind in dict.fromkeys(k for k, _ in kinds):
                 lines.append(f"- {kind}: TP={tp} step time / TP=1 step time: "
                              f"{by[(kind, tp)]['step_time_s'] / by[(kind, 1)]['step_time_s']:.3f}")
-    report = "\n".join(lines) + "\n"
-    print(report)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"train_throughput_{machine_name()}_{datetime.date.today()}.md"
-    path.write_text(report)
-    print(f"written: {path}")
+    write_report("\n".join(lines) + "\n", args.out, "train_throughput")
     return 0
 
 
