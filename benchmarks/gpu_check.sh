@@ -25,12 +25,13 @@ mkdir -p "$out" benchmarks/results
 py="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 status=0
-step() {  # name, command...: run, log to $out/<name>.log, remember a failure, go on with the next step
-  local name="$1"; shift
-  echo "=== $name: $*"
+step() {  # name, seconds, command...: run under a time limit, log to $out/<name>.log, remember a failure, go on
+  local name="$1" limit="$2"; shift 2
+  echo "=== $name (limit ${limit} s): $*"
   local start=$SECONDS
-  "$@" > "$out/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
+  [ $rc -eq 124 ] && echo "    TIMED OUT after $limit s"
   echo "    exit $rc after $((SECONDS - start)) s (log: $out/$name.log)"
   tail -n 5 "$out/$name.log" | sed 's/^/    /'
   [ $rc -eq 0 ] || status=1
@@ -47,19 +48,34 @@ import megatron.core, hydra, omegaconf, torch, triton
 print(f"torch {torch.__version__}, triton {triton.__version__}, megatron-core {megatron.core.__version__}, "
       f"CUDA {torch.cuda.is_available()}: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}")
 PY
-export DIFF_ATTN_CACHE_DIR="$out/diff_attn_cache"
+export DIFF_ATTN_CACHE_DIR="${TMPDIR:-/tmp}/gpu_check_diff_attn_cache"  # outside $out: only logs come back
+work="$(mktemp -d)"
+# train.py on the GPU (NCCL world of one, bf16): 10 steps with a checkpoint at step 5 and 10, then an automatic resume
+# to step 16, for the default backend and the fused kernel.
+smoke() {
+  local backend="$1" steps="$2"
+  "$py" train.py experiment=smoke model.attention_backend="$backend" trainer.max_steps="$steps" trainer.eval_interval=5 \
+    checkpoint.interval=5 hydra.run.dir="$work/smoke-$backend"
+}
+smoke_resume() { smoke "$1" 10 && smoke "$1" 16 && tail -n 3 "$work/smoke-$1/metrics.jsonl"; }
+export -f smoke smoke_resume  # steps run under timeout, in a child bash
+export py work
 
 if [ $dry_run -eq 1 ]; then
   export TRITON_INTERPRET=1  # the fused kernel on CPU tensors
-  step gpu_tests "$py" -m pytest -q -p no:cacheprovider tests/test_diff_attn_kernel.py -x
-  step attention "$py" benchmarks/attention.py --smoke
-  step train_throughput "$py" benchmarks/train_throughput.py --model debug --steps 6 --tp 1 --out "$out" \
+  step smoke_sdpa 300 bash -c 'smoke_resume sdpa'
+  step gpu_tests 300 "$py" -m pytest -q -p no:cacheprovider tests/test_diff_attn_kernel.py -x
+  step attention 300 "$py" benchmarks/attention.py --smoke
+  step train_throughput 300 "$py" benchmarks/train_throughput.py --model debug --steps 6 --tp 1 --out "$out" \
     --kinds diff:sdpa diff:triton vanilla:sdpa
 else
-  step gpu_tests "$py" -m pytest -q -p no:cacheprovider -m gpu --timeout 240
-  step attention "$py" benchmarks/attention.py --seq-lens 2048 4096 8192 16384 --head-dim 128 --tokens 16384
-  step train_throughput "$py" benchmarks/train_throughput.py trainer.micro_batch_size=4 trainer.global_batch_size=8 \
-    model.seq_length=2048 --model 830m --steps 30 --tp 1 --kinds diff:sdpa diff:triton vanilla:sdpa
+  step smoke_sdpa 60 bash -c 'smoke_resume sdpa'
+  step smoke_triton 60 bash -c 'smoke_resume triton'
+  step gpu_tests 110 "$py" -m pytest -q -p no:cacheprovider -m gpu --timeout 60 -rA --durations=0
+  step attention 80 "$py" benchmarks/attention.py --seq-lens 2048 4096 8192 16384 --head-dim 128 --tokens 16384
+  step train_throughput 150 "$py" benchmarks/train_throughput.py trainer.micro_batch_size=4 \
+    trainer.global_batch_size=8 model.seq_length=2048 --model 830m --steps 20 --tp 1 --out "$out" \
+    --kinds diff:sdpa diff:triton vanilla:sdpa
 fi
 
 echo

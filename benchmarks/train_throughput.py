@@ -45,8 +45,11 @@ def run(model: str, kind: str, tp: int, steps: int, run_dir: Path, extra, backen
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp}",
                f"--master_port={free_port()}", str(REPO / "train.py"), *overrides]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"train.py failed ({' '.join(overrides)}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    if proc.returncode != 0:  # report it and go on with the next configuration: one failure hides no other result
+        print(f"train.py failed with exit {proc.returncode} ({' '.join(overrides)}):\n{proc.stdout[-3000:]}\n"
+              f"{proc.stderr[-6000:]}", flush=True)
+        return {"model": model, "attention": kind, "backend": backend or "default", "tp": tp,
+                "failed": f"exit {proc.returncode}"}
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     kept = records[len(records) // 5:]
     step_time = statistics.median(r["step_time"] for r in kept)
@@ -81,11 +84,16 @@ def main() -> int:
                 run_dir = Path(tmp) / f"{kind}-{backend}-tp{tp}"
                 rows.append(run(args.model, kind, tp, args.steps, run_dir, args.overrides, backend))
                 r = rows[-1]
+                if "failed" in r:
+                    print(f"{r['attention']:>8} {r['backend']:>8} tp={tp}: FAILED ({r['failed']})", flush=True)
+                    continue
                 mfu = f"  MFU {_percent(r['mfu'])}" if r["mfu"] is not None else ""
                 print(f"{r['attention']:>8} {r['backend']:>8} tp={tp}: {r['step_time_s'] * 1e3:8.1f} ms/step  "
                       f"{r['tokens_per_s']:10,.0f} tok/s{mfu}  peak {r['memory_gib']:.2f} GiB  "
                       f"loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}", flush=True)
 
+    failed = [r for r in rows if "failed" in r]
+    rows = [r for r in rows if "failed" not in r]
     by = {}
     for r in rows:  # the first backend of each kind stands for it in the ratios
         by.setdefault((r["attention"], r["tp"]), r)
@@ -102,6 +110,7 @@ def main() -> int:
         *[f"| {r['attention']} | {r['backend']} | {r['tp']} | {r['step_time_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} "
           f"| {_percent(r['mfu'])} | {r['memory_gib']:.2f} "
           f"| {r['first_loss']:.3f} | {r['last_loss']:.3f} |" for r in rows],
+        *[f"| {r['attention']} | {r['backend']} | {r['tp']} | failed: {r['failed']} | | | | | |" for r in failed],
         "",
     ]
     for r in rows:
@@ -112,10 +121,12 @@ def main() -> int:
     for tp in args.tp:
         if tp != 1 and 1 in args.tp:
             for kind in dict.fromkeys(k for k, _ in kinds):
+                if (kind, tp) not in by or (kind, 1) not in by:
+                    continue
                 lines.append(f"- {kind}: TP={tp} step time / TP=1 step time: "
                              f"{by[(kind, tp)]['step_time_s'] / by[(kind, 1)]['step_time_s']:.3f}")
     write_report("\n".join(lines) + "\n", args.out, "train_throughput")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
