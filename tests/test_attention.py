@@ -135,7 +135,8 @@ def test_lambda_reparameterisation_and_init():
 def _run(module, q, k, v):
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
     out = module(q, k, v, None, attn_mask_type=AttnMaskType.causal)
-    grad_out = torch.randn_like(out, generator=torch.Generator().manual_seed(3))
+    generator = torch.Generator(device=out.device).manual_seed(3)  # fp32 draws, so every dtype gets the same
+    grad_out = torch.randn(out.shape, generator=generator, device=out.device).to(out.dtype)
     out.backward(grad_out)
     return out.detach(), [t.grad for t in (q, k, v)], [p.grad.clone() for p in module.parameters()]
 

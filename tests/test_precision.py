@@ -1,8 +1,10 @@
-"""bf16 the megatron way: weights and activations in bf16, λ and the λ·A2 subtraction in fp32, every norm's weight
-in the activations' dtype (no "Mismatch dtype between input and weight" fallback)."""
+"""bf16 the megatron way: every weight and activation in bf16 (the optimizer keeps fp32 main weights), λ and the λ·A2
+subtraction computed in fp32, every norm's weight in the activations' dtype (no "Mismatch dtype between input and
+weight" fallback)."""
 
 import warnings
 
+import pytest
 import torch
 
 from diff_transformer.models.attention import DifferentialCoreAttention
@@ -11,14 +13,20 @@ from diff_transformer.models.norms import RMSNorm
 from tests.test_config import compose_cfg
 
 
-def test_a_bf16_model_keeps_lambda_in_fp32_and_norms_in_bf16(megatron_single_process):
-    cfg = compose_cfg("model=debug", "model.vocab_size=256")
+@pytest.mark.parametrize("kind", ["diff", "signed_mask"])
+def test_a_bf16_model_has_only_bf16_weights_and_computes_lambda_in_fp32(megatron_single_process, kind):
+    """megatron-core's mixed-precision optimizer maps its checkpointed state to the model's bf16 weights only: one
+    fp32 weight in a bf16 model (λ once was) breaks the first checkpoint save on a GPU."""
+    cfg = compose_cfg("model=debug", "model.vocab_size=256", f"model.attention={kind}")
     model = build_model_chunk(cfg, 256, torch.bfloat16)
+    assert {name: p.dtype for name, p in model.named_parameters() if p.dtype != torch.bfloat16} == {}
     norms = [m for m in model.modules() if isinstance(m, (RMSNorm, torch.nn.RMSNorm))]
-    assert len(norms) == 2 * 2 + 1 + 2  # per layer: input and pre-MLP; the final norm; DIFF's sub-layer norms
+    # per layer: input and pre-MLP; the final norm; DIFF's sub-layer norms
+    assert len(norms) == 2 * 2 + 1 + (2 if kind == "diff" else 0)
     assert {m.weight.dtype for m in norms} == {torch.bfloat16}
-    lambdas = [p for m in model.modules() if isinstance(m, DifferentialCoreAttention) for p in m.lambda_parameters()]
-    assert lambdas and {p.dtype for p in lambdas} == {torch.float32}
+    if kind == "diff":
+        attn = [m for m in model.modules() if isinstance(m, DifferentialCoreAttention)]
+        assert attn and all(m.lambda_full().dtype == torch.float32 for m in attn)
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(16).expand(2, 16)
     with warnings.catch_warnings(record=True) as caught:

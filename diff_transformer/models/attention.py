@@ -148,10 +148,13 @@ class DifferentialCoreAttention(_CoreAttentionBase):
         self.lambda_learnable = lambda_learnable
         self.output_scale = 1.0 - (self.lambda_init if lambda_learnable else lambda_init_for_layer(layer_number))
         if lambda_learnable:
-            self.lambda_q1 = torch.nn.Parameter(torch.empty(d, dtype=torch.float32))
-            self.lambda_k1 = torch.nn.Parameter(torch.empty(d, dtype=torch.float32))
-            self.lambda_q2 = torch.nn.Parameter(torch.empty(d, dtype=torch.float32))
-            self.lambda_k2 = torch.nn.Parameter(torch.empty(d, dtype=torch.float32))
+            # In the model's dtype like every other weight (the mixed-precision optimizer keeps the fp32 main copy, and
+            # megatron-core's optimizer checkpoint maps state to parameters assuming no fp32 weight in a bf16 model);
+            # λ itself is computed from them in fp32 (`lambda_full`).
+            self.lambda_q1 = torch.nn.Parameter(torch.empty(d, dtype=config.params_dtype))
+            self.lambda_k1 = torch.nn.Parameter(torch.empty(d, dtype=config.params_dtype))
+            self.lambda_q2 = torch.nn.Parameter(torch.empty(d, dtype=config.params_dtype))
+            self.lambda_k2 = torch.nn.Parameter(torch.empty(d, dtype=config.params_dtype))
         self.sublayer_norm = (
             torch.nn.RMSNorm(2 * d, eps=norm_eps, elementwise_affine=True, dtype=config.params_dtype)
             if sublayer_norm
@@ -448,7 +451,7 @@ class SignedMaskCoreAttention(_MapControlCoreAttention):
         super().__init__(config, layer_number, attn_mask_type, **protocol)
         self.max_distance = max_distance
         self.mask_logits = torch.nn.Parameter(
-            torch.full((config.num_attention_heads, SIGNED_MASK_BUCKETS), SIGNED_MASK_INIT, dtype=torch.float32)
+            torch.full((config.num_attention_heads, SIGNED_MASK_BUCKETS), SIGNED_MASK_INIT, dtype=config.params_dtype)
         )
         setattr(self.mask_logits, TP_REPLICATED_ATTR, True)
 
