@@ -100,8 +100,9 @@ def main() -> int:
     lines = [
         f"# Training throughput, `{args.model}` model, {machine_name()}, {datetime.date.today()}",
         "",
-        f"Command: `python benchmarks/train_throughput.py --model {args.model} --steps {args.steps} --tp "
-        f"{' '.join(map(str, args.tp))}` (micro-batch 8, global batch 16, fp32 on CPU / auto on GPU; median step "
+        f"Command: `python benchmarks/train_throughput.py {' '.join(args.overrides) + ' ' if args.overrides else ''}"
+        f"--model {args.model} --steps {args.steps} --tp {' '.join(map(str, args.tp))} --kinds {' '.join(args.kinds)}` "
+        f"(micro-batch 8 and global batch 16 unless overridden; fp32 on CPU, bf16 on GPU; median step "
         f"time after the first 20% of steps). Machine: {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, torch {torch.__version__}.",
         "",

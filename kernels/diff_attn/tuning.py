@@ -45,6 +45,10 @@ SHARED_MEMORY_FALLBACK = 99 * 1024  # sm_86, sm_89, sm_120 and anything unknown
 TABLE_SHARED_MEMORY_MARGIN = 0.10
 # Most 32-bit tile values one thread may hold (by `tile_values_per_thread`) before ptxas spills badly (of 255).
 MAX_TILE_VALUES_PER_THREAD = 192
+# dK/dV spills in every config; on an H200 (benchmarks/results/kernel_tuning_NVIDIA-H200_2026-11-26.md) its fastest
+# V1 d=128 configs sat at 216 and 240 by the estimate (2.96 and 3.29 ms against 9.6 ms for the old entry at 102), so
+# autotuning times dK/dV candidates up to this limit.
+MAX_TILE_VALUES_PER_THREAD_DKDV = 256
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +189,8 @@ def fits(problem: KernelProblem, config: BlockConfig, shared_memory_limit: int) 
     """Whether `config` fits the device's shared memory and (by the estimate) its registers without heavy spilling."""
     values = tile_values_per_thread(problem.kernel, config, padded_dim(problem.head_dim),
                                     padded_dim(problem.value_dim), problem.shared_k, problem.dtype_bytes)
-    return problem_shared_memory(problem, config) <= shared_memory_limit and values <= MAX_TILE_VALUES_PER_THREAD
+    limit = MAX_TILE_VALUES_PER_THREAD_DKDV if problem.kernel == "dkdv" else MAX_TILE_VALUES_PER_THREAD
+    return problem_shared_memory(problem, config) <= shared_memory_limit and values <= limit
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -201,15 +206,16 @@ def _entries(**by_kernel):
 # Chosen from sm_90 compiles of candidates (Triton 3.6, registers from ptxas -v; configs_sm90.md lists them): the
 # largest tiles that leave TABLE_SHARED_MEMORY_MARGIN of the shared memory free in bf16/fp16 and spill no registers
 # in forward, preprocess and dQ. dK/dV spilled in nearly every config compiled (its resident dK1, dK2, dV and K1,
-# K2, V tiles are as wide as a 4d-wide attention's); its entries are those that spilled least (0 to 84 bytes). Not
-# timed on a GPU yet: DIFF_ATTN_AUTOTUNE=1 times the alternatives. fp32 (TF32) configs are shrunk by
-# `fit_to_device` where needed.
+# K2, V tiles are as wide as a 4d-wide attention's). Hopper's V1 d=128 entries were timed on an H200 at N=4096
+# (benchmarks/kernel_tuning.py): dK/dV is the fastest candidate; forward and dQ the fastest that leave the margin
+# (their fastest, at 3 stages, leave less: 10% and 18% faster there); the other entries are not timed yet:
+# DIFF_ATTN_AUTOTUNE=1 times the alternatives. fp32 (TF32) configs are shrunk by `fit_to_device` where needed.
 DEFAULT_CONFIGS = {
     # Hopper (H100, H200): 227 KiB shared memory.
     (9, 64, 128): _entries(forward=(128, 64, 8, 3), preprocess=(128, 64, 8, 3), dkdv=(16, 128, 8, 3),
                            dq=(128, 64, 8, 3)),  # V1 d <= 64
-    (9, 128, 256): _entries(forward=(64, 32, 8, 3), preprocess=(128, 32, 8, 3), dkdv=(16, 32, 8, 3),
-                            dq=(128, 32, 8, 2)),  # V1 d = 96, 128
+    (9, 128, 256): _entries(forward=(64, 64, 8, 2), preprocess=(128, 32, 8, 3), dkdv=(32, 64, 8, 3),
+                            dq=(128, 32, 8, 2)),  # V1 d = 96, 128 (timed on an H200)
     (9, 64, 64): _entries(forward=(128, 64, 8, 3), preprocess=(128, 64, 8, 3), dkdv=(16, 128, 8, 3),
                           dq=(128, 64, 8, 3)),  # V2 d <= 64
     (9, 128, 128): _entries(forward=(128, 32, 8, 3), preprocess=(128, 64, 8, 3), dkdv=(16, 128, 8, 3),
