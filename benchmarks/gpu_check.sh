@@ -71,7 +71,7 @@ if [ $dry_run -eq 1 ]; then
 else
   step smoke_sdpa 60 bash -c 'smoke_resume sdpa'
   step smoke_triton 60 bash -c 'smoke_resume triton'
-  step gpu_tests 110 "$py" -m pytest -q -p no:cacheprovider -m gpu --timeout 60 -rA --durations=0
+  step gpu_tests 240 "$py" -m pytest -q -p no:cacheprovider -m gpu --timeout 120 -rA --durations=0
   step attention 80 "$py" benchmarks/attention.py --seq-lens 2048 4096 8192 16384 --head-dim 128 --tokens 16384
   step train_throughput 150 "$py" benchmarks/train_throughput.py trainer.micro_batch_size=4 \
     trainer.global_batch_size=8 model.seq_length=2048 --model 830m --steps 20 --tp 1 --out "$out" \
