@@ -24,7 +24,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--format", required=True, help="hf: a Hugging Face transformers directory")
     parser.add_argument("--out", required=True, help="the directory to write (replaced if it exists)")
     parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one the run trained with)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one the run trained with; none: write no tokenizer)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:

@@ -55,8 +55,9 @@ def import_transformers():
 
 def export_hf(checkpoint: str, out_dir: str, dtype: str = "float32", tokenizer_dir: Optional[str] = None) -> Dict[str, Any]:
     """Write checkpoint ``checkpoint`` as a transformers directory ``out_dir`` (replaced atomically if it exists).
-    ValueError for what cannot be exported (an attention kind with no transformers architecture, a tokenizer that
-    does not fit the model)."""
+    ``tokenizer_dir``: None for the tokenizer the run trained with, ``"none"`` for no tokenizer files. ValueError
+    for what cannot be exported (an attention kind with no transformers architecture, a tokenizer that does not fit
+    the model)."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}")
     path = resolve_checkpoint_path(checkpoint)
@@ -65,7 +66,7 @@ def export_hf(checkpoint: str, out_dir: str, dtype: str = "float32", tokenizer_d
     if refusal:
         raise ValueError(refusal)
     transformers = import_transformers()
-    tokenizer = load_tokenizer(tokenizer_dir or prepare(cfg.data).tokenizer_dir)
+    tokenizer = None if tokenizer_dir == "none" else load_tokenizer(tokenizer_dir or prepare(cfg.data).tokenizer_dir)
 
     init_distributed("gloo", tp=1, pp=1, seed=0)  # a world of one: the checkpoint reshards to TP=1, PP=1
     try:
@@ -74,13 +75,15 @@ def export_hf(checkpoint: str, out_dir: str, dtype: str = "float32", tokenizer_d
     finally:
         destroy_distributed()
     vocab = sd["embedding.word_embeddings.weight"].shape[0]
-    if tokenizer.vocab_size > vocab:
+    if tokenizer is not None and tokenizer.vocab_size > vocab:
         raise ValueError(
             f"the tokenizer at {tokenizer.path} has {tokenizer.vocab_size} tokens, more than the model's {vocab}: "
             "give the tokenizer the model was trained with (--tokenizer)"
         )
     hf_sd = to_hf_state_dict(cfg.model, sd, state["step"], cfg.trainer.max_steps)
-    special = {"bos": tokenizer.bos, "eos": tokenizer.eod, "pad": getattr(tokenizer, "_pad", None)}
+    special = {"bos": None, "eos": None, "pad": None}
+    if tokenizer is not None:
+        special = {"bos": tokenizer.bos, "eos": tokenizer.eod, "pad": getattr(tokenizer, "_pad", None)}
 
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
@@ -88,7 +91,8 @@ def export_hf(checkpoint: str, out_dir: str, dtype: str = "float32", tokenizer_d
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", dir=parent)
     try:
         _save_model(transformers, cfg.model, hf_sd, vocab, special, DTYPES[dtype], staging)
-        _save_tokenizer(transformers, tokenizer, cfg.model.seq_length, staging)
+        if tokenizer is not None:
+            _save_tokenizer(transformers, tokenizer, cfg.model.seq_length, staging)
         info = {
             "checkpoint": path,
             "step": state["step"],
@@ -96,8 +100,10 @@ def export_hf(checkpoint: str, out_dir: str, dtype: str = "float32", tokenizer_d
             "architecture": architecture(state["config"]["model"]),
             "dtype": dtype,
             "vocab_size": vocab,
-            "tokenizer": {"source": tokenizer.path, "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos,
-                          "eos_id": tokenizer.eod, "adds_bos": False, "adds_eos": False},
+            "tokenizer": None if tokenizer is None else {
+                "source": tokenizer.path, "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos,
+                "eos_id": tokenizer.eod, "adds_bos": False, "adds_eos": False,
+            },
             "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "transformers": transformers.__version__,
         }

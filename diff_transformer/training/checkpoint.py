@@ -44,6 +44,8 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 # Model settings that may differ between the run that saved and the run that loads: same parameters, same math.
 MODEL_KEYS_FREE_TO_CHANGE = ("attention_backend",)
+# ... and those a run that starts from a checkpoint's weights may change too: same tensors, another context or label.
+WEIGHTS_KEYS_FREE_TO_CHANGE = MODEL_KEYS_FREE_TO_CHANGE + ("name", "seq_length", "init_std")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -183,11 +185,13 @@ def ensure_free_space(root: str, needed_bytes: int) -> None:
 # ------------------------------------------------------------------------------------------------------------------
 # Config compatibility
 # ------------------------------------------------------------------------------------------------------------------
-def model_config_differences(saved: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
+def model_config_differences(
+    saved: Dict[str, Any], current: Dict[str, Any], free: Tuple[str, ...] = MODEL_KEYS_FREE_TO_CHANGE
+) -> List[str]:
     """``model.<key>: checkpoint X, config Y`` for every model setting that changes the parameters or the math."""
     diffs = []
     for key in sorted(set(saved) | set(current)):
-        if key in MODEL_KEYS_FREE_TO_CHANGE:
+        if key in free:
             continue
         if key == "dex" and "dex" not in (saved.get("attention"), current.get("attention")):
             continue  # read by model.attention=dex only (and absent from checkpoints older than it)
@@ -196,8 +200,11 @@ def model_config_differences(saved: Dict[str, Any], current: Dict[str, Any]) -> 
     return diffs
 
 
-def check_model_compatible(path: str, saved_model: Dict[str, Any], current_model: Dict[str, Any]) -> None:
-    diffs = model_config_differences(saved_model, current_model)
+def check_model_compatible(
+    path: str, saved_model: Dict[str, Any], current_model: Dict[str, Any],
+    free: Tuple[str, ...] = MODEL_KEYS_FREE_TO_CHANGE,
+) -> None:
+    diffs = model_config_differences(saved_model, current_model, free)
     if diffs:
         raise ValueError(
             f"checkpoint {path} was saved with a different model config; differing keys: " + "; ".join(diffs)
@@ -207,7 +214,7 @@ def check_model_compatible(path: str, saved_model: Dict[str, Any], current_model
 def check_weights_compatible(path: str, saved_model: Dict[str, Any], current_model: Dict[str, Any]) -> None:
     """``checkpoint.load_weights_only``: the same model, or (DEX) the softmax-attention model DEX adapts."""
     if current_model.get("attention") != "dex" or saved_model.get("attention") == "dex":
-        check_model_compatible(path, saved_model, current_model)
+        check_model_compatible(path, saved_model, current_model, WEIGHTS_KEYS_FREE_TO_CHANGE)
         return
     saved_kind = saved_model.get("attention")
     if saved_kind in DIFFERENTIAL_KINDS:
@@ -222,7 +229,7 @@ def check_weights_compatible(path: str, saved_model: Dict[str, Any], current_mod
         )
     base = {k: v for k, v in current_model.items() if k not in ("attention", "dex", "lambda_init")}
     saved = {k: v for k, v in saved_model.items() if k not in ("attention", "dex", "lambda_init")}
-    check_model_compatible(path, saved, base)
+    check_model_compatible(path, saved, base, WEIGHTS_KEYS_FREE_TO_CHANGE)
 
 
 def load_model_weights(chunk: torch.nn.Module, path: str, saved_model: Dict[str, Any]) -> None:
