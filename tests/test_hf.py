@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from diff_transformer.training.checkpoint import read_trainer_state, resolve_checkpoint_path
-from tests.train_runs import REPO, read_metrics, run_train, train_env
+from tests.train_runs import REPO, read_metrics, run_train, train_command, train_env
 
 SMOKE = ["experiment=smoke", "trainer.max_steps=6", "optim.warmup_steps=1", "trainer.eval_interval=0",
          "trainer.micro_batch_size=2", "trainer.global_batch_size=4"]
@@ -60,12 +60,26 @@ def corpus_text(chars: int = 20000) -> str:
     return text[:chars]
 
 
+def run_all(commands):
+    """Run the commands two at a time (the CI machine has two cores); fail on the first that does not exit 0."""
+    pending = list(commands)
+    while pending:
+        batch, pending = pending[:2], pending[2:]
+        procs = [subprocess.Popen(cmd, cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for cmd in batch]
+        for cmd, proc in zip(batch, procs):
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, f"{cmd} exited {proc.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    for name, (overrides, nproc) in RUNS.items():
-        run_train(root / name, SMOKE + overrides, nproc=nproc)
-        cli("diff_transformer.export", root / name, "--format", "hf", "--out", root / f"{name}_hf")
+    run_all([train_command(root / name, SMOKE + overrides, nproc) for name, (overrides, nproc) in RUNS.items()
+             if nproc == 1])
+    run_train(root / "diff_tp2", SMOKE + RUNS["diff_tp2"][0], nproc=2)
+    run_all([[sys.executable, "-m", "diff_transformer.export", str(root / name), "--format", "hf", "--out",
+              str(root / f"{name}_hf")] for name in RUNS])
     return root
 
 
