@@ -184,9 +184,9 @@ def test_import_then_export_gives_back_the_same_weights(imported):
 
 
 @pytest.mark.multiproc
-def test_imported_checkpoint_adapts_with_dex_at_tp2(imported, tmp_path):
+def test_imported_checkpoint_adapts_with_dex_at_tp2(imported, tmp_path, megatron_single_process):
     """load_weights_only at TP=2 from the TP=1 import; DEX calibrates over both ranks' heads and saves W_D under
-    each head's global index."""
+    each head's global index; the adapted model exports as a Llama with W_D folded into o_proj."""
     from megatron.core import dist_checkpointing
 
     from diff_transformer.import_hf import overrides_for
@@ -206,6 +206,15 @@ def test_imported_checkpoint_adapts_with_dex_at_tp2(imported, tmp_path):
     w_d = sorted(k.rsplit(".w_d.", 1)[1] for k in saved if k.startswith("decoder.") and ".w_d." in k)
     assert w_d == sorted(f"layer_{layer}.head_{h}" for layer, hs in enumerate(heads, 1) for h in hs)
     assert all(r["loss"] == r["loss"] for r in read_metrics(tmp_path))
+
+    cli("diff_transformer.export", tmp_path, "--format", "hf", "--out", tmp_path / "hf")
+    chunk, cfg, _ = framework_model(tmp_path)
+    assert any(p.abs().max() > 0 for name, p in chunk.named_parameters() if ".w_d." in name)  # adapted, not the base
+    tokens = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = chunk(tokens, torch.arange(64)[None].expand_as(tokens), None)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)(tokens).logits
+    assert (ours - theirs).abs().max().item() < 1e-4
 
 
 # ------------------------------------------------------------------------------------------------------------------
