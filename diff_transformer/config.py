@@ -17,8 +17,26 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from data.config import DataConfig
-from diff_transformer.models.attention import BACKENDS
+from diff_transformer.models.attention import BACKENDS, DEX_ANNEAL_SCHEDULES
 from diff_transformer.models.layer_specs import ABLATION_KEY_DEFAULTS, ATTENTION_KINDS, num_kv_heads
+
+
+DEX_SELECTIONS = ("calibrate", "all", "none", "list")
+
+
+@dataclass
+class DexConfig:
+    """``model.dex``: DEX (model.attention=dex), differential attention added to a pretrained softmax model."""
+
+    select: str = "calibrate"  # calibrate | all | none | list: how the heads that get W_D are chosen
+    # per layer, the global indices (0 .. 2H-1) of the softmax heads that get W_D; select=list reads it, the other
+    # modes fill it in before the model is built (recorded in config.yaml and checkpoints; a resumed run reuses it)
+    heads: Optional[List[List[int]]] = None
+    head_fraction: float = 0.5  # calibrate: the share of each layer's heads selected (rounded up)
+    calibration_samples: int = 64  # calibrate: sequences of the training data the criterion is measured on
+    lambda_anneal_steps: Optional[int] = None  # steps over which λ moves from λ_init to its learned value (None: all)
+    lambda_anneal: str = "linear"  # linear | cosine
+    train_base: bool = False  # false: only W_D and λ train; true: the whole model
 
 
 @dataclass
@@ -44,6 +62,7 @@ class ModelConfig:
     sublayer_norm: bool = True  # DIFF's per-head RMSNorm (ablation: false)
     topk: Optional[int] = None  # topk: scores each query keeps (None: 32)
     make_vocab_size_divisible_by: int = 128
+    dex: DexConfig = field(default_factory=DexConfig)  # read by model.attention=dex only
 
 
 @dataclass
@@ -292,11 +311,50 @@ def validate_attention_kind(m: ModelConfig) -> None:
             )
     if m.topk is not None and m.topk < 1:
         raise ValueError(f"model.topk={m.topk} must be >= 1 (scores kept per query; >= model.seq_length keeps all)")
+    validate_dex(m)
     if m.lambda_init is not None and m.lambda_init >= 1 and (m.attention != "diff" or m.lambda_learnable):
         raise ValueError(
             f"model.lambda_init={m.lambda_init} makes the output multiplier (1 - lambda_init) of "
             f"model.attention={m.attention} zero or negative; to fix DIFF's λ at 1 use model.lambda_learnable=false"
         )
+
+
+def validate_dex(m: Any) -> None:
+    """``model.dex.*``: read by model.attention=dex only; a selection that names existing heads of every layer."""
+    dex, defaults = m.dex, DexConfig()
+    if m.attention != "dex":
+        for key in DexConfig.__dataclass_fields__:
+            if getattr(dex, key) != getattr(defaults, key):
+                raise ValueError(f"model.dex.{key} applies to model.attention=dex only (it is {m.attention}); leave it unset")
+        return
+    if dex.select not in DEX_SELECTIONS:
+        raise ValueError(f"model.dex.select={dex.select!r} is unknown; use one of {', '.join(DEX_SELECTIONS)}")
+    if not 0 < dex.head_fraction <= 1:
+        raise ValueError(f"model.dex.head_fraction={dex.head_fraction} must lie in (0, 1]")
+    if dex.calibration_samples < 1:
+        raise ValueError(f"model.dex.calibration_samples={dex.calibration_samples} must be >= 1")
+    if dex.lambda_anneal not in DEX_ANNEAL_SCHEDULES:
+        raise ValueError(
+            f"model.dex.lambda_anneal={dex.lambda_anneal!r} is unknown; use one of {', '.join(DEX_ANNEAL_SCHEDULES)}"
+        )
+    if dex.lambda_anneal_steps is not None and dex.lambda_anneal_steps < 0:
+        raise ValueError(f"model.dex.lambda_anneal_steps={dex.lambda_anneal_steps} must be >= 0 (or null: the whole run)")
+    if dex.heads is None:
+        if dex.select == "list":
+            raise ValueError("model.dex.select=list needs model.dex.heads, one list of head indices per layer")
+        return
+    heads = 2 * m.num_heads
+    if len(dex.heads) != m.num_layers:
+        raise ValueError(
+            f"model.dex.heads has {len(dex.heads)} lists for model.num_layers={m.num_layers}; give one per layer"
+        )
+    for layer, selected in enumerate(dex.heads, start=1):
+        bad = [h for h in selected if not 0 <= h < heads]
+        if bad or len(set(selected)) != len(selected):
+            raise ValueError(
+                f"model.dex.heads for layer {layer} is {list(selected)}: give distinct head indices in 0..{heads - 1} "
+                f"(the {heads} softmax heads of model.num_heads={m.num_heads})"
+            )
 
 
 def validate_recompute(t: Any, layers_per_stage: int) -> None:

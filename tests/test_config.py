@@ -180,7 +180,7 @@ def test_experiment_presets_compose():
         (["model.attention=diff_v2", "model.lambda_learnable=false"], 1,
          r"model.lambda_learnable=false does not apply to model.attention=diff_v2 \(only to diff\)"),
         (["model.attention=diff_v2", "model.lambda_init=0.8"], 1,
-         r"model.lambda_init=0.8 does not apply to model.attention=diff_v2 \(only to diff, vanilla_subln\)"),
+         r"model.lambda_init=0.8 does not apply to model.attention=diff_v2 \(only to diff, vanilla_subln, dex\)"),
         (["model.attention=vanilla_wide", "model.sublayer_norm=false"], 1,
          r"model.sublayer_norm=false does not apply to model.attention=vanilla_wide \(only to diff\)"),
         (["model.attention=signed_mask", "model.topk=8"], 1, r"model.topk=8 does not apply to model.attention=signed_mask"),

@@ -26,10 +26,17 @@ ALLOWED = {
         "diff_transformer.distributed", "diff_transformer.fileio", "data",
     ),
     "diff_transformer.analysis": ("diff_transformer.analysis",),
+    # Hugging Face interchange: reads and writes checkpoints, so above training
+    "diff_transformer.hf": (
+        "diff_transformer.hf", "diff_transformer.training", "diff_transformer.models", "diff_transformer.config",
+        "diff_transformer.compat", "diff_transformer.distributed", "diff_transformer.fileio", "data",
+    ),
     # command-line entry points over the libraries
     "diff_transformer.checkpoint": ("diff_transformer.training",),
     "diff_transformer.compare": ("diff_transformer.analysis",),
     "diff_transformer.quickstart": ("diff_transformer.analysis", "diff_transformer.fileio"),
+    "diff_transformer.export": ("diff_transformer.hf",),
+    "diff_transformer.import_hf": ("diff_transformer.hf",),
     "launch": ("launch", "diff_transformer.config"),
     "train": ("diff_transformer.config", "diff_transformer.distributed", "diff_transformer.training"),
 }
@@ -93,9 +100,31 @@ def test_lower_layers_never_import_higher_ones():
     assert violations == []
 
 
+# Optional heavy dependencies and the only modules that may import them (inside functions, at export/import time):
+# training never loads them.
+OPTIONAL_IMPORTERS = {"transformers": ("diff_transformer.hf.export",), "safetensors": ("diff_transformer.hf.importer",)}
+
+
+def test_transformers_is_imported_only_by_the_export_and_import_code():
+    violations = []
+    for path in source_files():
+        module = module_name(path)
+        for line, target in imported_modules(path):
+            top = target.split(".")[0]
+            if top in OPTIONAL_IMPORTERS and module not in OPTIONAL_IMPORTERS[top]:
+                violations.append(f"{path.relative_to(REPO)}:{line} imports {target}")
+    assert violations == []
+
+
+def test_training_does_not_load_transformers():
+    code = "import sys, train, diff_transformer.training.trainer; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "False", out.stderr[-3000:]
+
+
 @pytest.mark.parametrize("package", ["diff_transformer.fileio", "kernels", "data", "diff_transformer.compat",
                                      "diff_transformer.distributed", "diff_transformer.models",
-                                     "diff_transformer.analysis"])
+                                     "diff_transformer.analysis", "diff_transformer.hf"])
 def test_each_package_imports_alone_without_higher_layers(package):
     """Import every module of ``package`` in a fresh interpreter; no module of a layer above it gets loaded."""
     root = REPO / package.replace(".", "/")

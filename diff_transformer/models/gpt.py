@@ -15,7 +15,13 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from diff_transformer.distributed import all_reduce_tensor
-from diff_transformer.models.attention import SIGNED_MASK_BUCKETS, TP_REPLICATED_ATTR, DifferentialCoreAttention
+from diff_transformer.models.attention import (
+    SIGNED_MASK_BUCKETS,
+    TP_REPLICATED_ATTR,
+    DexCoreAttention,
+    DifferentialCoreAttention,
+    dex_anneal_fraction,
+)
 from diff_transformer.models.layer_specs import head_dim  # noqa: F401  (re-exported: accounting reads it here)
 from diff_transformer.models.layer_specs import attention_heads, layer_spec_for, num_kv_heads
 from diff_transformer.models.norms import RMSNorm
@@ -169,9 +175,42 @@ def diff_attention_modules(model_chunks) -> List[DifferentialCoreAttention]:
 
 @torch.no_grad()
 def lambda_values(model_chunks) -> List[float]:
-    """Per-layer λ of this rank's DIFF layers, in layer order (empty for the baseline)."""
-    mods = sorted(diff_attention_modules(model_chunks), key=lambda m: m.layer_number)
+    """Per-layer λ of this rank's DIFF (or DEX) layers, in layer order (empty for the baseline)."""
+    mods = sorted(diff_attention_modules(model_chunks) + dex_attention_modules(model_chunks), key=lambda m: m.layer_number)
     return [float(m.lambda_full()) for m in mods]
+
+
+def dex_attention_modules(model_chunks) -> List[DexCoreAttention]:
+    return [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, DexCoreAttention)]
+
+
+def dex_parameter_keys(chunk: torch.nn.Module) -> List[str]:
+    """State-dict keys of the parameters DEX adds to a pretrained model (W_D of the selected heads, λ vectors)."""
+    return [
+        f"{name}.{own}" if name else own
+        for name, module in chunk.named_modules()
+        if isinstance(module, DexCoreAttention)
+        for own in module.own_parameter_names()
+    ]
+
+
+def freeze_all_but_dex(chunk: torch.nn.Module) -> int:
+    """model.dex.train_base=false: only DEX's own parameters train. Returns how many parameters stay trainable."""
+    own = set(dex_parameter_keys(chunk))
+    trainable = 0
+    for name, p in chunk.named_parameters():
+        p.requires_grad_(name in own)
+        trainable += p.numel() if name in own else 0
+    return trainable
+
+
+def set_dex_anneal(model_chunks, dex_cfg, step: int, max_steps: int) -> float:
+    """Set every DEX layer's λ annealing fraction for the optimizer step about to run (``step`` steps done)."""
+    steps = dex_cfg.lambda_anneal_steps if dex_cfg.lambda_anneal_steps is not None else max_steps
+    fraction = dex_anneal_fraction(step, steps, dex_cfg.lambda_anneal)
+    for m in dex_attention_modules(model_chunks):
+        m.set_anneal_fraction(fraction)
+    return fraction
 
 
 def count_parameters(model_chunks, exclude_embeddings: bool = False) -> int:
@@ -205,7 +244,17 @@ def attention_parameters_per_layer(model: Any) -> int:
         count += d
     elif model.attention == "signed_mask":
         count += query_heads * SIGNED_MASK_BUCKETS
+    elif model.attention == "dex":  # λ vectors; W_D (d² per selected head) differs by layer: see dex_parameters
+        count += 4 * d
     return count
+
+
+def dex_parameters(model: Any) -> int:
+    """Parameters of DEX's W_D matrices over all layers (d² per selected head); 0 before the selection is made."""
+    if model.attention != "dex" or model.dex.heads is None:
+        return 0
+    d = attention_heads(model)[2]
+    return sum(len(h) for h in model.dex.heads) * d * d
 
 
 def v2_baseline(model: Any) -> Tuple[Optional[Any], str]:

@@ -15,6 +15,7 @@ For DIFF's H differential heads of size d (hidden E = 2H·d by default) and Hkv 
 | `vanilla_wide`  | H x 2d             | Hkv      | softmax (the head-count control)                          |
 | `topk`          | 2H x d             | 2Hkv     | softmax over each query's k largest scores                |
 | `signed_mask`   | 2H x d             | 2Hkv     | softmax map times a learnable signed per-distance gate    |
+| `dex`           | 2H x d             | 2Hkv     | softmax; O − λ·O·W_D on selected heads (DEX adaptation)   |
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, get_tr
 
 from diff_transformer.models.attention import (
     BACKENDS,
+    DexCoreAttention,
     DifferentialCoreAttention,
     DiffV2CoreAttention,
     DiffV2SelfAttention,
@@ -112,6 +114,15 @@ def signed_mask_layer_spec(model_cfg, seed: int = 0) -> ModuleSpec:
     )
 
 
+def dex_layer_spec(model_cfg, seed: int = 0) -> ModuleSpec:
+    return _with_core_attention(
+        seed, DexCoreAttention,
+        backend=model_cfg.attention_backend,
+        heads_per_layer=None if model_cfg.dex.heads is None else [list(h) for h in model_cfg.dex.heads],
+        lambda_init=model_cfg.lambda_init,
+    )
+
+
 def head_dim(model_cfg) -> int:
     """d: the size of DIFF's query/key heads (its value heads are 2d)."""
     return model_cfg.head_dim if model_cfg.head_dim is not None else model_cfg.hidden_size // (2 * model_cfg.num_heads)
@@ -156,7 +167,10 @@ ATTENTION_KINDS: Dict[str, AttentionKind] = {
     "vanilla_wide": AttentionKind(vanilla_layer_spec, _wide_heads, ("eager", "sdpa", "flash_attn")),
     "topk": AttentionKind(topk_layer_spec, _paired_heads, ("eager", "sdpa"), ("topk",)),
     "signed_mask": AttentionKind(signed_mask_layer_spec, _paired_heads, ("eager", "sdpa")),
+    "dex": AttentionKind(dex_layer_spec, _paired_heads, ("eager", "sdpa", "flash_attn"), ("lambda_init",)),
 }
+# Kinds whose attention is already differential: DEX adapts only softmax attention (vanilla, or DEX itself).
+DIFFERENTIAL_KINDS = ("diff", "diff_v2")
 
 # Every ablation key with the value that means "not set"; a kind that does not read a key refuses any other value.
 ABLATION_KEY_DEFAULTS = {"lambda_init": None, "lambda_learnable": True, "sublayer_norm": True, "topk": None}

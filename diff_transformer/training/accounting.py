@@ -49,6 +49,8 @@ def attention_replicated_parameters(model: Any) -> int:
         return d
     if model.attention == "signed_mask":
         return query_heads * SIGNED_MASK_BUCKETS
+    if model.attention == "dex":  # λ vectors (W_D, d² per selected head, lives with its head: negligible here)
+        return 4 * d
     return 0
 
 

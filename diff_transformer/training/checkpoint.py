@@ -31,6 +31,7 @@ from diff_transformer import compat
 from diff_transformer.config import CheckpointConfig
 from diff_transformer.fileio import atomic_write_json, atomic_write_text, fsync_dir
 from diff_transformer.distributed import barrier, broadcast_object
+from diff_transformer.models.layer_specs import DIFFERENTIAL_KINDS
 
 logger = logging.getLogger("diff_transformer")
 
@@ -43,6 +44,8 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 # Model settings that may differ between the run that saved and the run that loads: same parameters, same math.
 MODEL_KEYS_FREE_TO_CHANGE = ("attention_backend",)
+# ... and those a run that starts from a checkpoint's weights may change too: same tensors, another context or label.
+WEIGHTS_KEYS_FREE_TO_CHANGE = MODEL_KEYS_FREE_TO_CHANGE + ("name", "seq_length", "init_std")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -182,22 +185,68 @@ def ensure_free_space(root: str, needed_bytes: int) -> None:
 # ------------------------------------------------------------------------------------------------------------------
 # Config compatibility
 # ------------------------------------------------------------------------------------------------------------------
-def model_config_differences(saved: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
+def model_config_differences(
+    saved: Dict[str, Any], current: Dict[str, Any], free: Tuple[str, ...] = MODEL_KEYS_FREE_TO_CHANGE
+) -> List[str]:
     """``model.<key>: checkpoint X, config Y`` for every model setting that changes the parameters or the math."""
     diffs = []
     for key in sorted(set(saved) | set(current)):
-        if key in MODEL_KEYS_FREE_TO_CHANGE:
+        if key in free:
             continue
+        if key == "dex" and "dex" not in (saved.get("attention"), current.get("attention")):
+            continue  # read by model.attention=dex only (and absent from checkpoints older than it)
         if saved.get(key) != current.get(key):
             diffs.append(f"model.{key}: checkpoint {saved.get(key)!r}, config {current.get(key)!r}")
     return diffs
 
 
-def check_model_compatible(path: str, saved_model: Dict[str, Any], current_model: Dict[str, Any]) -> None:
-    diffs = model_config_differences(saved_model, current_model)
+def check_model_compatible(
+    path: str, saved_model: Dict[str, Any], current_model: Dict[str, Any],
+    free: Tuple[str, ...] = MODEL_KEYS_FREE_TO_CHANGE,
+) -> None:
+    diffs = model_config_differences(saved_model, current_model, free)
     if diffs:
         raise ValueError(
             f"checkpoint {path} was saved with a different model config; differing keys: " + "; ".join(diffs)
+        )
+
+
+def check_weights_compatible(path: str, saved_model: Dict[str, Any], current_model: Dict[str, Any]) -> None:
+    """``checkpoint.load_weights_only``: the same model, or (DEX) the softmax-attention model DEX adapts."""
+    if current_model.get("attention") != "dex" or saved_model.get("attention") == "dex":
+        check_model_compatible(path, saved_model, current_model, WEIGHTS_KEYS_FREE_TO_CHANGE)
+        return
+    saved_kind = saved_model.get("attention")
+    if saved_kind in DIFFERENTIAL_KINDS:
+        raise ValueError(
+            f"checkpoint {path} is already differential (model.attention={saved_kind}); DEX adds differential "
+            "attention to a softmax-attention model: start from a model.attention=vanilla checkpoint"
+        )
+    if saved_kind != "vanilla":
+        raise ValueError(
+            f"checkpoint {path} has model.attention={saved_kind}; DEX adapts model.attention=vanilla checkpoints "
+            "(trained here or imported with python -m diff_transformer.import_hf)"
+        )
+    base = {k: v for k, v in current_model.items() if k not in ("attention", "dex", "lambda_init")}
+    saved = {k: v for k, v in saved_model.items() if k not in ("attention", "dex", "lambda_init")}
+    check_model_compatible(path, saved, base, WEIGHTS_KEYS_FREE_TO_CHANGE)
+
+
+def load_model_weights(chunk: torch.nn.Module, path: str, saved_model: Dict[str, Any]) -> None:
+    """Load the model weights of checkpoint ``path`` into ``chunk`` (this rank's stage, any TP/PP layout). Loading
+    a softmax-attention checkpoint into a DEX model leaves the parameters DEX adds at their initial values (W_D
+    zero); any other missing or unexpected tensor is an error."""
+    from megatron.core import dist_checkpointing
+
+    from diff_transformer.models.gpt import dex_parameter_keys
+
+    new = set(dex_parameter_keys(chunk)) if saved_model.get("attention") != "dex" else set()
+    sharded = {k: v for k, v in chunk.sharded_state_dict().items() if k not in new}
+    loaded = dist_checkpointing.load({"model": sharded}, path)
+    missing, unexpected = chunk.load_state_dict(loaded["model"], strict=False)
+    if set(missing) != new or unexpected:
+        raise RuntimeError(
+            f"checkpoint {path}: tensors missing {sorted(set(missing) - new)}, unexpected {sorted(unexpected)}"
         )
 
 
@@ -427,25 +476,27 @@ class CheckpointManager:
         from megatron.core import dist_checkpointing
 
         saved = read_trainer_state(path)
+        if weights_only:
+            load_model_weights(_model_chunks(self.trainer)[0], path, saved["config"]["model"])
+            barrier()
+            return saved
+        check_resumable(path, saved, self.trainer.cfg)
         current_layout = _layout(self.trainer)
-        if not weights_only:
-            check_resumable(path, saved, self.trainer.cfg)
         same_layout = all(saved["layout"][k] == current_layout[k] for k in ("tp", "pp", "dp"))
-        with_rng = not weights_only and same_layout
-        state = _sharded_state_dict(self.trainer, is_loading=True, optimizer=not weights_only, rng=with_rng)
+        with_rng = same_layout
+        state = _sharded_state_dict(self.trainer, is_loading=True, optimizer=True, rng=with_rng)
         loaded = dist_checkpointing.load(state, path)
         _model_chunks(self.trainer)[0].load_state_dict(loaded["model"], strict=True)
-        if not weights_only:
-            with compat.adam_step_left_out_of_param_copies(self.trainer.optimizer):
-                self.trainer.optimizer.load_state_dict(loaded["optimizer"])
-            compat.unshare_adam_step_tensors(self.trainer.optimizer)
-            self.trainer.scheduler.load_state_dict(loaded["opt_param_scheduler"])
-            if with_rng:
-                set_rng_state(loaded["rng_state"])
-            else:
-                logger.warning(
-                    "layout changed (saved tp=%d pp=%d dp=%d, now tp=%d pp=%d dp=%d): RNG states restart from the seed",
-                    *(saved["layout"][k] for k in ("tp", "pp", "dp")), *(current_layout[k] for k in ("tp", "pp", "dp")),
-                )
+        with compat.adam_step_left_out_of_param_copies(self.trainer.optimizer):
+            self.trainer.optimizer.load_state_dict(loaded["optimizer"])
+        compat.unshare_adam_step_tensors(self.trainer.optimizer)
+        self.trainer.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        if with_rng:
+            set_rng_state(loaded["rng_state"])
+        else:
+            logger.warning(
+                "layout changed (saved tp=%d pp=%d dp=%d, now tp=%d pp=%d dp=%d): RNG states restart from the seed",
+                *(saved["layout"][k] for k in ("tp", "pp", "dp")), *(current_layout[k] for k in ("tp", "pp", "dp")),
+            )
         barrier()
         return saved

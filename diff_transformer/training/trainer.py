@@ -25,9 +25,12 @@ from diff_transformer.models.gpt import (
     attention_parameters_per_layer,
     build_model_chunk,
     count_parameters,
+    dex_parameters,
+    freeze_all_but_dex,
     gradient_accumulation_fusion_available,
     lambda_values,
     resolve_precision,
+    set_dex_anneal,
     v2_baseline,
 )
 from diff_transformer.models.layer_specs import variant_label
@@ -43,6 +46,7 @@ from diff_transformer.training.checkpoint import (
     CheckpointManager,
     check_model_compatible,
     check_resumable,
+    check_weights_compatible,
     checkpoints_dir,
     directory_bytes,
     ensure_free_space,
@@ -133,9 +137,6 @@ class Trainer:
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
         setup_console_logging(self.run_dir, self.rank, cfg.logging.level)
 
-        self.model = [self._build_model()]
-        self.optimizer, self.scheduler = self._build_optimizer()
-
         gbs, mbs = cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size
         self.num_microbatches = gbs // (mbs * self.dp_size)
         self.tokens_per_step = gbs * cfg.model.seq_length
@@ -153,6 +154,10 @@ class Trainer:
             eod_mask_loss=cfg.data.eod_mask_loss,
         )
         self.prepared = prepared
+        if cfg.model.attention == "dex":
+            self._resolve_dex_heads()
+        self.model = [self._build_model()]
+        self.optimizer, self.scheduler = self._build_optimizer()
         self._log_setup()
         self._setup_checkpoints()
 
@@ -162,9 +167,24 @@ class Trainer:
         self.run_dir = distributed.broadcast_object(own, src=0)
         if self.rank == 0:
             os.makedirs(self.run_dir, exist_ok=True)
-            OmegaConf.save(OmegaConf.structured(self.cfg), os.path.join(self.run_dir, "config.yaml"))
+            self._save_resolved_config()
         elif os.path.realpath(own) != os.path.realpath(self.run_dir):
             shutil.rmtree(own, ignore_errors=True)  # holds only Hydra's copy of the same config
+
+    def _save_resolved_config(self) -> None:
+        OmegaConf.save(OmegaConf.structured(self.cfg), os.path.join(self.run_dir, "config.yaml"))
+
+    def _resolve_dex_heads(self) -> None:
+        """DEX: choose the heads that get W_D (calibration, all, none, or the checkpoint a resumed run continues)
+        before the model is built, and record the choice in config.yaml."""
+        from diff_transformer.training.dex import resolve_dex_heads
+
+        root = checkpoints_dir(self.cfg, self.run_dir)
+        resume = distributed.broadcast_object(self._resume_candidate(root) if self.rank == 0 else None, src=0)
+        how = resolve_dex_heads(self, resume)
+        if self.rank == 0:
+            self._save_resolved_config()
+            logger.info("DEX heads per layer (from %s): %s", how, self.cfg.model.dex.heads)
 
     def _build_model(self):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -173,6 +193,8 @@ class Trainer:
         chunk = build_model_chunk(
             self.cfg, self.padded_vocab, self.dtype, grad_accumulation_fusion=gradient_accumulation_fusion_available()
         )
+        if self.cfg.model.attention == "dex" and not self.cfg.model.dex.train_base:
+            freeze_all_but_dex(chunk)  # before DDP and the optimizer, which then hold only the trainable ones
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
         ddp_config = DistributedDataParallelConfig(
@@ -262,6 +284,14 @@ class Trainer:
         )
         if cfg.model.attention == "diff_v2":
             self._log_v2_baseline()
+        if cfg.model.attention == "dex":
+            logger.info(
+                "DEX: %s W_D parameters on %d heads, λ annealed over %s steps (%s); %s",
+                f"{dex_parameters(cfg.model):,}", sum(len(h) for h in cfg.model.dex.heads),
+                cfg.model.dex.lambda_anneal_steps if cfg.model.dex.lambda_anneal_steps is not None else cfg.trainer.max_steps,
+                cfg.model.dex.lambda_anneal,
+                "the whole model trains" if cfg.model.dex.train_base else "only W_D and λ train (model.dex.train_base=false)",
+            )
         logger.info(
             "layout: tp=%d pp=%d dp=%d, %d micro-batches of %d per step, %s tokens per step, dtype %s",
             cfg.parallel.tp, cfg.parallel.pp, self.dp_size, self.num_microbatches, cfg.trainer.micro_batch_size,
@@ -340,16 +370,21 @@ class Trainer:
             if self.rank == 0:
                 logger.info("started from the weights of %s", weights)
 
+    def _resume_candidate(self, root: str) -> Optional[str]:
+        """The checkpoint ``checkpoint.resume`` names (auto: the latest under ``root``), or None. Rank 0 only."""
+        c = self.cfg.checkpoint
+        if c.resume == "auto":
+            return latest_checkpoint(root)
+        if c.resume != "none":
+            return resolve_checkpoint_path(c.resume)
+        return None
+
     def _checkpoint_to_load(self):
         """(checkpoint to resume, checkpoint to take weights from); at most one is set. Rank 0 only."""
         c = self.cfg.checkpoint
         current_model = OmegaConf.to_container(OmegaConf.structured(self.cfg.model))
         remove_partial_saves(self.checkpoint_root)
-        resume = None
-        if c.resume == "auto":
-            resume = latest_checkpoint(self.checkpoint_root)
-        elif c.resume != "none":
-            resume = resolve_checkpoint_path(c.resume)
+        resume = self._resume_candidate(self.checkpoint_root)
         if resume:
             saved = read_trainer_state(resume)
             check_model_compatible(resume, saved["config"]["model"], current_model)
@@ -357,7 +392,7 @@ class Trainer:
             return resume, None
         if c.load_weights_only:
             weights = resolve_checkpoint_path(c.load_weights_only)
-            check_model_compatible(weights, read_trainer_state(weights)["config"]["model"], current_model)
+            check_weights_compatible(weights, read_trainer_state(weights)["config"]["model"], current_model)
             return None, weights
         return None, None
 
@@ -416,6 +451,7 @@ class Trainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        self._set_dex_anneal()
         loss = self._forward_backward(data_iter, forward_only=False)
         if self.step + 1 in self.cfg.failures.inject_nan_at_steps:
             loss = float("nan")
@@ -436,8 +472,14 @@ class Trainer:
             "skipped": bad_reason,
         }
 
+    def _set_dex_anneal(self) -> None:
+        """DEX: λ's annealing fraction for the state after ``self.step`` optimizer steps (a no-op for other kinds)."""
+        if self.cfg.model.attention == "dex":
+            set_dex_anneal(self.model, self.cfg.model.dex, self.step, self.cfg.trainer.max_steps)
+
     @torch.no_grad()
     def evaluate(self) -> float:
+        self._set_dex_anneal()
         for chunk in self.model:
             chunk.eval()
         it = self._loader(self.valid_ds, consumed_samples=0)
@@ -570,7 +612,7 @@ class Trainer:
         if self._peak_flops:
             world = torch.distributed.get_world_size()
             record["mfu"] = self._flops_per_token * tokens_per_s / (world * self._peak_flops)
-        if self.cfg.model.attention == "diff" and self._reads_weights_this_step():
+        if self.cfg.model.attention in ("diff", "dex") and self._reads_weights_this_step():
             self.finish_param_sync()
             record["lambda"] = self.lambdas()
         if t.eval_interval > 0 and (self.step % t.eval_interval == 0 or self.step == t.max_steps):

@@ -1,0 +1,44 @@
+"""Export a checkpoint to another format.
+
+    python -m diff_transformer.export runs/x --format hf --out hf/x                 # a run dir, checkpoints dir, latest file
+    python -m diff_transformer.export runs/x/checkpoints/step_00001000 --format hf --out hf/x --dtype bfloat16
+
+``--format hf``: a Hugging Face transformers directory (LlamaForCausalLM for vanilla, vanilla_wide and dex;
+DiffLlamaForCausalLM for diff) with its tokenizer, loadable with ``AutoModelForCausalLM.from_pretrained(DIR)``.
+Needs the ``hf`` extra (``pip install -c constraints.txt -e '.[hf]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import List, Optional
+
+FORMATS = ("hf",)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m diff_transformer.export", description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", help="a step_* checkpoint; a run or checkpoints directory, or a latest file")
+    parser.add_argument("--format", required=True, help="hf: a Hugging Face transformers directory")
+    parser.add_argument("--out", required=True, help="the directory to write (replaced if it exists)")
+    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one the run trained with; none: write no tokenizer)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        if args.format not in FORMATS:
+            raise ValueError(f"--format {args.format!r} is unknown; use one of {', '.join(FORMATS)}")
+        from diff_transformer.hf.export import export_hf
+
+        info = export_hf(args.checkpoint, args.out, dtype=args.dtype, tokenizer_dir=args.tokenizer)
+    except (ValueError, ImportError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {info['path']}: {info['architecture']} ({info['attention']}, step {info['step']}, {info['dtype']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Import a local Hugging Face Llama directory as a checkpoint of this framework.
+
+The result is a complete checkpoint directory (torch_dist tensors and ``trainer_state.json``, step 0, saved at TP=1,
+PP=1) that a run starts from with ``checkpoint.load_weights_only=DIR`` at any TP/PP, with
+``model.attention=vanilla`` (or ``dex``) and the model settings of the imported ``config.json`` (``model.*`` values
+in ``trainer_state.json``, and printed). Its tokenizer, when the directory has one (``tokenizer.model`` or
+``tokenizer.json``), is written to ``DIR/tokenizer`` for ``data.tokenizer_dir``. Only ``safetensors`` is needed,
+not ``transformers``; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Dict, Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from data.tokenizer import import_sentencepiece, load_tokenizer
+from diff_transformer import compat
+from diff_transformer.config import Config, padded_vocab_size, validate
+from diff_transformer.distributed import destroy_distributed, init_distributed
+from diff_transformer.fileio import atomic_write_json
+from diff_transformer.hf.convert import from_hf_state_dict, model_config_from_hf
+from diff_transformer.models.gpt import build_model_chunk, count_parameters
+from diff_transformer.training.checkpoint import FORMAT_VERSION, STATE_FILE
+
+logger = logging.getLogger("diff_transformer")
+
+TOKENIZER_SUBDIR = "tokenizer"
+
+
+def read_hf_weights(hf_dir: str) -> Dict[str, torch.Tensor]:
+    """Every tensor of ``model.safetensors`` (or its shards), else ``pytorch_model.bin`` (or its shards)."""
+    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        index = os.path.join(hf_dir, index_name)
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        elif os.path.isfile(os.path.join(hf_dir, single)):
+            files = [single]
+        else:
+            continue
+        weights: Dict[str, torch.Tensor] = {}
+        for name in files:
+            path = os.path.join(hf_dir, name)
+            if name.endswith(".safetensors"):
+                try:
+                    from safetensors.torch import load_file
+                except ImportError as err:
+                    raise ImportError(
+                        "reading .safetensors needs safetensors: pip install -c constraints.txt -e '.[hf]'"
+                    ) from err
+                weights.update(load_file(path))
+            else:
+                weights.update(torch.load(path, map_location="cpu", weights_only=True))
+        return weights
+    raise ValueError(f"{hf_dir} holds no weights (model.safetensors, pytorch_model.bin or their sharded indexes)")
+
+
+def import_hf(hf_dir: str, out: str, seq_length: Optional[int] = None, name: Optional[str] = None) -> Dict[str, Any]:
+    """Write the Llama model in ``hf_dir`` as a checkpoint ``out`` (replaced if it exists). ValueError naming the
+    problem for anything that is not a Llama this framework can represent."""
+    hf_dir = os.path.abspath(hf_dir)
+    config_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{hf_dir} has no config.json: not a Hugging Face model directory")
+    with open(config_path) as f:
+        hf = json.load(f)
+    model = model_config_from_hf(hf, name or os.path.basename(hf_dir.rstrip("/")), seq_length)
+    cfg: Config = OmegaConf.to_object(OmegaConf.merge(
+        OmegaConf.structured(Config),
+        {"name": "import", "model": model, "trainer": {"max_steps": 1, "global_batch_size": 1},
+         "optim": {"warmup_steps": 0}},
+    ))
+    validate(cfg, world_size=1)
+    hf_weights = {k: v.float() for k, v in read_hf_weights(hf_dir).items()}
+    padded = padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, 1)
+    sd = from_hf_state_dict(cfg.model, hf_weights, padded)
+
+    out = os.path.abspath(out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=os.path.dirname(out))
+    try:
+        tokenizer_dir = _import_tokenizer(hf_dir, os.path.join(staging, TOKENIZER_SUBDIR), cfg.model.vocab_size)
+        num_parameters = _save_checkpoint(cfg, sd, padded, staging)
+        state = {
+            "format_version": FORMAT_VERSION,
+            "step": 0,
+            "consumed_samples": 0,
+            "skipped_steps": 0,
+            "bad_steps_in_a_row": 0,
+            "recent_losses": [],
+            "wandb_run_id": None,
+            "layout": {"tp": 1, "pp": 1, "dp": 1, "world_size": 1, "distributed_optimizer": False},
+            "num_parameters": num_parameters,
+            "params_dtype": "float32",
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "save_seconds": None,
+            "imported_from": hf_dir,
+            "config": OmegaConf.to_container(OmegaConf.structured(cfg)),
+        }
+        atomic_write_json(os.path.join(staging, STATE_FILE), state)  # last: it marks the checkpoint complete
+        os.chmod(staging, 0o755)
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    tokenizer_path = os.path.join(out, TOKENIZER_SUBDIR) if tokenizer_dir else None
+    logger.info("imported %s (%s parameters) to %s", hf_dir, f"{num_parameters:,}", out)
+    return {"path": out, "model": model, "num_parameters": num_parameters, "tokenizer_dir": tokenizer_path}
+
+
+def _import_tokenizer(hf_dir: str, out_dir: str, model_vocab: int) -> Optional[str]:
+    """The directory's tokenizer as a framework tokenizer directory, or None when it has none."""
+    if os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):
+        tokenizer = import_sentencepiece(os.path.join(hf_dir, "tokenizer.model"), out_dir)
+    elif os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
+        os.makedirs(out_dir)
+        shutil.copyfile(os.path.join(hf_dir, "tokenizer.json"), os.path.join(out_dir, "tokenizer.json"))
+        tokenizer = load_tokenizer(out_dir)
+    else:
+        return None
+    if tokenizer.vocab_size > model_vocab:
+        raise ValueError(
+            f"the tokenizer of {hf_dir} has {tokenizer.vocab_size} tokens, the model's vocab_size is {model_vocab} "
+            "(vocabulary mismatch)"
+        )
+    return out_dir
+
+
+def _save_checkpoint(cfg: Config, sd: Dict[str, torch.Tensor], padded_vocab: int, out_dir: str) -> int:
+    """Build the model at TP=1, PP=1 in a world of one, load ``sd`` into it and save it with dist_checkpointing."""
+    init_distributed("gloo", tp=1, pp=1, seed=0)
+    try:
+        from megatron.core import dist_checkpointing
+
+        chunk = build_model_chunk(cfg, padded_vocab, torch.float32, perform_init=False)
+        extra = {k: v for k, v in chunk.state_dict().items() if k.endswith("_extra_state")}
+        chunk.load_state_dict({**sd, **extra}, strict=True)
+        compat.fork_checkpoint_results_queue()
+        dist_checkpointing.save({"model": chunk.sharded_state_dict()}, out_dir)
+        return count_parameters([chunk])
+    finally:
+        destroy_distributed()

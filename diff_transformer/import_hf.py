@@ -1,0 +1,48 @@
+"""Import a local Hugging Face Llama model directory as a checkpoint of this framework.
+
+    python -m diff_transformer.import_hf path/to/llama --out checkpoints/llama          # then, to train from it:
+    python train.py model.attention=vanilla ... checkpoint.load_weights_only=checkpoints/llama
+
+The model settings (sizes, heads, GQA, RoPE θ, norm eps, vocabulary, tied embeddings) come from its config.json and
+are printed as the ``model.*`` overrides a run needs; its tokenizer, if any, lands in ``OUT/tokenizer``. Reads only
+the local directory; needs ``safetensors`` (the ``hf`` extra) for .safetensors weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import List, Optional
+
+
+def overrides_for(model: dict) -> List[str]:
+    """The Hydra ``model.*`` overrides of an imported model config (unset keys left out)."""
+    return [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in model.items() if v is not None]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m diff_transformer.import_hf", description=__doc__.split("\n")[0])
+    parser.add_argument("hf_dir", help="a local directory with config.json and model.safetensors / pytorch_model.bin")
+    parser.add_argument("--out", required=True, help="the checkpoint directory to write (replaced if it exists)")
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="model.seq_length to record (default: the config's max_position_embeddings)")
+    parser.add_argument("--name", default=None, help="model.name to record (default: the directory's name)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        from diff_transformer.hf.importer import import_hf
+
+        info = import_hf(args.hf_dir, args.out, seq_length=args.seq_length, name=args.name)
+    except (ValueError, ImportError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {info['path']}: {info['num_parameters']:,} parameters")
+    print("train from it with: checkpoint.load_weights_only=" + info["path"] + " " + " ".join(overrides_for(info["model"])))
+    if info["tokenizer_dir"]:
+        print(f"its tokenizer: data.tokenizer_dir={info['tokenizer_dir']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
