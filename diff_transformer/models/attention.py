@@ -637,10 +637,10 @@ class DexCoreAttention(VanillaCoreAttention):
             setattr(p, "partition_dim", 0)
             setattr(p, "partition_stride", 1)
         self.lambda_init = lambda_init if lambda_init is not None else lambda_init_for_layer(layer_number)
-        self.lambda_q1 = torch.nn.Parameter(torch.empty(d, dtype=torch.float32))
-        self.lambda_k1 = torch.nn.Parameter(torch.empty(d, dtype=torch.float32))
-        self.lambda_q2 = torch.nn.Parameter(torch.empty(d, dtype=torch.float32))
-        self.lambda_k2 = torch.nn.Parameter(torch.empty(d, dtype=torch.float32))
+        self.lambda_q1 = torch.nn.Parameter(torch.empty(d, dtype=config.params_dtype))
+        self.lambda_k1 = torch.nn.Parameter(torch.empty(d, dtype=config.params_dtype))
+        self.lambda_q2 = torch.nn.Parameter(torch.empty(d, dtype=config.params_dtype))
+        self.lambda_k2 = torch.nn.Parameter(torch.empty(d, dtype=config.params_dtype))
         for p in self.lambda_parameters():
             if config.perform_initialization:
                 torch.nn.init.normal_(p, mean=0.0, std=lambda_std)
