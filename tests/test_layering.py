@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 ALLOWED = {
     "diff_transformer": (),  # the package itself: empty
     "diff_transformer.fileio": (),
+    "diff_transformer.attention_metrics": (),  # plain-tensor metrics: torch only
     "kernels": ("kernels", "diff_transformer.fileio"),
     "diff_transformer.compat": (),
     "diff_transformer.distributed": ("diff_transformer.compat",),
@@ -23,13 +24,22 @@ ALLOWED = {
     "diff_transformer.config": ("data.config", "diff_transformer.models"),
     "diff_transformer.training": (
         "diff_transformer.training", "diff_transformer.models", "diff_transformer.config", "diff_transformer.compat",
-        "diff_transformer.distributed", "diff_transformer.fileio", "data",
+        "diff_transformer.distributed", "diff_transformer.fileio", "data", "diff_transformer.attention_metrics",
+    ),
+    # checkpoints loaded for inference, perplexity, NIAH, the attention analysis, their figures
+    "diff_transformer.evaluation": (
+        "diff_transformer.evaluation", "diff_transformer.training", "diff_transformer.models",
+        "diff_transformer.config", "diff_transformer.distributed", "diff_transformer.fileio", "data",
+        "diff_transformer.attention_metrics",
     ),
     "diff_transformer.analysis": ("diff_transformer.analysis",),
     # command-line entry points over the libraries
     "diff_transformer.checkpoint": ("diff_transformer.training",),
     "diff_transformer.compare": ("diff_transformer.analysis",),
     "diff_transformer.quickstart": ("diff_transformer.analysis", "diff_transformer.fileio"),
+    "diff_transformer.evaluate": ("diff_transformer.evaluation", "diff_transformer.distributed"),
+    "diff_transformer.analyze": ("diff_transformer.evaluation", "diff_transformer.distributed",
+                                 "diff_transformer.evaluate"),
     "launch": ("launch", "diff_transformer.config"),
     "train": ("diff_transformer.config", "diff_transformer.distributed", "diff_transformer.training"),
 }
@@ -93,7 +103,7 @@ def test_lower_layers_never_import_higher_ones():
     assert violations == []
 
 
-@pytest.mark.parametrize("package", ["diff_transformer.fileio", "kernels", "data", "diff_transformer.compat",
+@pytest.mark.parametrize("package", ["diff_transformer.fileio", "diff_transformer.attention_metrics", "kernels", "data", "diff_transformer.compat",
                                      "diff_transformer.distributed", "diff_transformer.models",
                                      "diff_transformer.analysis"])
 def test_each_package_imports_alone_without_higher_layers(package):

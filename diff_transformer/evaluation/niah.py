@@ -50,8 +50,8 @@ class NiahConfig:
                                  f"{max_length} (model.seq_length); use --lengths up to {max_length}")
             if min_length is not None and length < min_length:
                 raise ValueError(f"niah context length {length} is too short for {self.needles} needles and "
-                                 f"{self.asked} queries with this tokenizer (at least {min_length} tokens, half of "
-                                 "them haystack); use longer --lengths or fewer --needles")
+                                 f"{self.asked} queries with this tokenizer (at least {min_length} tokens); use longer "
+                                 "--lengths or fewer --needles")
         for depth in self.depths:
             if not 0.0 <= depth <= 1.0:
                 raise ValueError(f"niah depth {depth} must lie in [0, 1]")
@@ -124,8 +124,8 @@ class NeedleFactory:
         return max(len(self.sentence(key, value)[0]) for key in self.keys)
 
     def minimum_length(self, needles: int, asked: int) -> int:
-        """A context length that holds every draw of needles and queries with at least as many haystack tokens."""
-        return 2 * (needles + asked) * self.longest_sentence()
+        """The shortest context that holds every draw of needles and queries, and one haystack token."""
+        return (needles + asked) * self.longest_sentence() + 1
 
     def sentence(self, key: str, value: str) -> Tuple[List[int], Tuple[int, int]]:
         """Tokens of "\\n<cue> <value>." and the [start, stop) of the value inside them."""

@@ -74,6 +74,7 @@ def plot_attention_allocation(results: Dict[str, Dict[str, Any]], path: Path) ->
             ax.plot([int(x) for x in layers], [allocation[x][region] for x in layers], styles[k % len(styles)],
                     color=f"C{c}", marker="o", label=f"{label}: {region}")
     ax.set_xlabel("layer")
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     ax.set_ylabel("share of attention (answer rows)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
@@ -117,6 +118,7 @@ def plot_analysis(results: Dict[str, Dict[str, Any]], path: Path) -> Path:
             ax.plot(layers, [np.nan if v is None else v for v in values], marker="o", label=label)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("layer", fontsize=8)
+        ax.xaxis.set_major_locator(_pyplot().MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     if trajectories:
         ax = flat[len(panels)]

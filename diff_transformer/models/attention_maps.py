@@ -83,7 +83,8 @@ def capture_attention(
 ):
     """Within the block, every core attention's forward first calls ``on_maps(layer_number, maps_for)``, where
     ``maps_for(rows)`` returns that layer's :class:`AttentionMaps` for the query positions ``rows`` (None: all), so
-    the callback decides how many rows to materialise at once. ``layer_number`` is the global 1-based layer number.
+    the callback decides how many rows to materialise at once (``maps_for.num_queries`` and ``maps_for.num_keys``
+    give the sizes). ``layer_number`` is the global 1-based layer number.
     Runs under ``torch.no_grad``; the hooks are removed on exit."""
     handles = []
 
@@ -95,6 +96,7 @@ def capture_attention(
             with torch.no_grad():
                 return module.attention_maps(query, key, value, attention_bias=bias, rows=rows)
 
+        maps_for.num_queries, maps_for.num_keys = query.shape[0], key.shape[0]
         on_maps(module.layer_number, maps_for)
 
     for model in models:
