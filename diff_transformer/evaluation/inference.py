@@ -248,7 +248,7 @@ def load_for_inference(run: RunInfo, attention_backend: Optional[str] = None) ->
     device = inference_device()
     dtype = resolve_precision(cfg.trainer.precision) if device.type == "cuda" else torch.float32
     padded = _saved_padded_vocab(run, cfg)
-    model = build_model_chunk(cfg, padded, dtype, perform_init=False)
+    model = build_model_chunk(cfg, padded, dtype, perform_init=False).to(device)  # on its device first, as training
     load_weights(model, run.checkpoint)
-    model.to(device).eval()
+    model.eval()
     return InferenceModel(run, model, cfg, padded)
