@@ -34,21 +34,23 @@ logger = logging.getLogger("diff_transformer")
 PROBE_SEQUENCES = 2
 ROW_BLOCK = 256
 MAX_COST_FRACTION = 0.01
-# The eager maps run at a fraction of a fused kernel's speed: the cost estimate charges their FLOPs this many times.
-EAGER_SLOWDOWN = 4.0
+# The probe's small, unfused operations (eager maps in row blocks, metric passes, a forward of two sequences) cost
+# more than their FLOP share: on the 2-core CPU the measured cost was 1.1-9x the FLOP ratio
+# (benchmarks/results/attention_diagnostics_cpu-2core_2026-11-26.md); the estimate charges 10x.
+COST_CALIBRATION = 10.0
 
 
 def estimated_cost_fraction(cfg: Any, flops_per_token: float) -> float:
-    """Probe cost / training compute between two evaluations, in FLOPs: the probe's forward (a third of the 6N per
-    token of a training step) plus its eager maps (q·kᵀ for every softmax head and the softmax and metric passes,
-    ~4·N² per head and layer, charged EAGER_SLOWDOWN times) over eval_interval steps of global_batch_size sequences."""
+    """Probe cost / training cost between two evaluations: the FLOPs of the probe's forward (a third of a training
+    token's) and of its eager maps (q·kᵀ for every softmax head and ~4 passes over each map, per layer), over the
+    FLOPs of eval_interval steps of global_batch_size sequences, times COST_CALIBRATION."""
     m, t = cfg.model, cfg.trainer
     query_heads, _, head_dim = attention_heads(m)
     n = m.seq_length
     probe = PROBE_SEQUENCES * n * flops_per_token / 3
-    maps = PROBE_SEQUENCES * m.num_layers * query_heads * (2 * n * n * head_dim + 4 * n * n) * EAGER_SLOWDOWN
-    training = t.eval_interval * t.global_batch_size * n * flops_per_token
-    return (probe + maps) / training
+    maps = PROBE_SEQUENCES * m.num_layers * query_heads * (2 * n * n * head_dim + 4 * n * n)
+    training = max(t.eval_interval, 1) * t.global_batch_size * n * flops_per_token
+    return COST_CALIBRATION * (probe + maps) / training
 
 
 def diagnostics_enabled(cfg: Any, flops_per_token: float) -> bool:
