@@ -6,7 +6,6 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,8 +34,9 @@ def runs(tmp_path_factory):
                                       "trainer.eval_interval=2", "trainer.eval_iters=1",
                                       "trainer.attention_diagnostics=on"])
     run_train(root / "vanilla", SHORT + ["model.attention=vanilla", "trainer.max_steps=2", "trainer.eval_interval=0"])
-    run_train(root / "tp2", SHORT + ["model.attention=diff", "trainer.max_steps=2", "trainer.eval_interval=0",
-                                     "parallel.tp=2"], nproc=2)
+    run_train(root / "tp2", SHORT + ["model.attention=diff", "trainer.max_steps=2", "trainer.eval_interval=2",
+                                     "trainer.eval_iters=1", "trainer.attention_diagnostics=on", "parallel.tp=2"],
+              nproc=2)
     run_tool("diff_transformer.checkpoint", "convert", root / "tp2", root / "tp2_as_tp1.pt")
     return root
 
@@ -183,6 +183,10 @@ def test_training_logs_attention_diagnostics_on_eval_steps(runs):
         assert all(s in (0.0, 0.5, 1.0) for s in r["attn/sink_rate"])  # two heads a layer, probe of 2 sequences
         assert all(finite(m) for m in r["attn/max_logit"]) and r["attn/seconds"] > 0
     assert "attn/entropy" not in records[1] and "attn/entropy" not in records[3]
+    # at TP=2 each rank holds one head of a layer: the sums over the TP group cover both
+    tp2 = {r["step"]: r for r in read_metrics(runs / "tp2")}[2]
+    assert len(tp2["attn/entropy"]) == DEBUG_LAYERS and all(0 < e <= math.log(DEBUG_SEQ) for e in tp2["attn/entropy"])
+    assert all(s in (0.0, 0.25, 0.5, 0.75, 1.0) for s in tp2["attn/sink_rate"])
     log = (runs / "diff" / "train.log").read_text()
     assert "attention diagnostics on (trainer.attention_diagnostics=on" in log
 
@@ -335,3 +339,27 @@ def test_the_command_line_prints_only_the_error(tmp_path):
     assert proc.stderr.strip().splitlines() == [f"error: {tmp_path} is not a checkpoint: give a step_* checkpoint "
                                                 "directory (holding trainer_state.json), a checkpoints directory or "
                                                 "run directory holding one, or a latest file"]
+
+
+def test_auto_diagnostics_follow_the_cost_estimate():
+    """auto: on for the quickstart (evaluations every 50 steps of 16 x 128), off for the smoke preset (every 10 steps
+    of 8 x 64: the probe is then over 1% of training); on/off force it."""
+    from omegaconf import OmegaConf
+
+    from diff_transformer.config import Config
+    from diff_transformer.training.accounting import model_flops_per_token
+    from diff_transformer.training.diagnostics import diagnostics_enabled, estimated_cost_fraction
+
+    def config(model, non_embedding, **trainer):
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), {
+            "model": OmegaConf.load(REPO / "configs" / "model" / f"{model}.yaml"),
+            "trainer": {"max_steps": 300, **trainer}}))
+        return cfg, model_flops_per_token(cfg, non_embedding, 4096)
+
+    quickstart = config("tiny", 1_329_024 - 4096 * 128, global_batch_size=16, eval_interval=50)
+    smoke = config("debug", 363_008 - 4096 * 64, global_batch_size=8, eval_interval=10)
+    assert estimated_cost_fraction(*quickstart) < 0.01 < estimated_cost_fraction(*smoke)
+    assert diagnostics_enabled(*quickstart) and not diagnostics_enabled(*smoke)
+    smoke[0].trainer.attention_diagnostics = "on"
+    quickstart[0].trainer.attention_diagnostics = "off"
+    assert diagnostics_enabled(*smoke) and not diagnostics_enabled(*quickstart)

@@ -16,10 +16,9 @@ compute between two evaluations (:func:`estimated_cost_fraction`); ``on`` and ``
 
 from __future__ import annotations
 
-import logging
 import time
 from functools import partial
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import torch
 
@@ -28,8 +27,6 @@ from diff_transformer import distributed
 from diff_transformer.config import ATTENTION_DIAGNOSTICS_MODES
 from diff_transformer.models.attention_maps import capture_attention
 from diff_transformer.models.layer_specs import attention_heads
-
-logger = logging.getLogger("diff_transformer")
 
 PROBE_SEQUENCES = 2
 ROW_BLOCK = 256
