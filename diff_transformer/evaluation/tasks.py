@@ -37,6 +37,9 @@ def run_niah(model, tokenizer, config: niah.NiahConfig, haystack: np.ndarray, ba
     needle, the other needles, the haystack and the queries (normalised |weights| of each kind's combined map,
     averaged over heads, answer rows and samples)."""
     samples = niah.generate(config, tokenizer, haystack)
+    if len(samples) < model.world_size:
+        raise ValueError(f"niah has {len(samples)} samples for {model.world_size} processes; raise --samples or use "
+                         "fewer processes")
     mine = list(range(model.rank, len(samples), model.world_size))
     results: Dict[int, List[bool]] = {}
     region_sums: Dict[int, torch.Tensor] = {}  # layer -> (regions,) summed over rows (mean over heads)
