@@ -174,13 +174,32 @@ def build_datasets(
     return tuple(dataset if size > 0 else None for dataset, size in zip(datasets, sizes))
 
 
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def split_document_range(bookends, num_documents: int) -> tuple:
+    """Documents [begin, end) of a shard that a split with ``bookends`` (its (start, stop) fractions in megatron's
+    split matrix) holds: megatron's builder rounds both ends."""
+    return int(round(bookends[0] * num_documents)), int(round(bookends[1] * num_documents))
+
+
+def split_bookends(split: str) -> list:
+    """megatron's split matrix of a "train,valid,test" string: (start, stop) fractions per split, None when empty."""
+    parts = parse_split(split)
+    total = sum(parts)
+    edges = [0.0]
+    for part in parts:
+        edges.append(edges[-1] + part / total)
+    return [(a, b) if b > a else None for a, b in zip(edges[:-1], edges[1:])]
+
+
 def _check_split_documents(split_matrix, document_counts: dict, split: str) -> None:
     """Each split that is built must get at least one document of every shard (megatron's rounding, repeated)."""
-    for name, bookends in zip(("train", "valid", "test"), split_matrix):
+    for name, bookends in zip(SPLIT_NAMES, split_matrix):
         if bookends is None:
             continue
         for prefix, count in document_counts.items():
-            begin, end = int(round(bookends[0] * count)), int(round(bookends[1] * count))
+            begin, end = split_document_range(bookends, count)
             if end <= begin:
                 raise ValueError(f"split={split!r} gives the {name} split none of the {count} documents of {prefix}; "
                                  f"raise its share (e.g. '90,10,0') or ask for no {name} samples")

@@ -103,6 +103,8 @@ class TrainerConfig:
     recompute_method: str = "uniform"  # full: uniform (every layer, in groups) | block (the first N of each stage)
     recompute_layers: Optional[int] = None  # full: layers per group (uniform, default 1) or N (block, default all)
     gpu_memory_gib: Optional[float] = None  # memory plan budget per device; None: the GPU's memory (no check on CPU)
+    # attention entropy, sink rate and largest logit per layer on eval steps: auto (on when it costs <= 1%) | on | off
+    attention_diagnostics: str = "auto"
 
 
 @dataclass
@@ -205,6 +207,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 DECAYS = ("linear", "cosine", "constant")
 RECOMPUTE_MODES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
+ATTENTION_DIAGNOSTICS_MODES = ("auto", "on", "off")
 
 
 def _divisors(n: int) -> str:
@@ -270,6 +273,9 @@ def validate(cfg: Any, world_size: int) -> None:
     if t.precision not in PRECISIONS:
         raise ValueError(f"trainer.precision={t.precision!r} is unknown; use one of {', '.join(PRECISIONS)}")
     validate_recompute(t, m.num_layers // p.pp)
+    if t.attention_diagnostics not in ATTENTION_DIAGNOSTICS_MODES:
+        raise ValueError(f"trainer.attention_diagnostics={t.attention_diagnostics!r} is unknown; use one of "
+                         f"{', '.join(ATTENTION_DIAGNOSTICS_MODES)}")
     if t.gpu_memory_gib is not None and t.gpu_memory_gib <= 0:
         raise ValueError(f"trainer.gpu_memory_gib={t.gpu_memory_gib} must be positive (or null: the GPU's memory)")
     validate_parallel_switches(p, m.seq_length, dp)

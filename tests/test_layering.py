@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 ALLOWED = {
     "diff_transformer": (),  # the package itself: empty
     "diff_transformer.fileio": (),
+    "diff_transformer.attention_metrics": (),  # plain-tensor metrics: torch only
     "kernels": ("kernels", "diff_transformer.fileio"),
     "diff_transformer.compat": (),
     "diff_transformer.distributed": ("diff_transformer.compat",),
@@ -23,7 +24,13 @@ ALLOWED = {
     "diff_transformer.config": ("data.config", "diff_transformer.models"),
     "diff_transformer.training": (
         "diff_transformer.training", "diff_transformer.models", "diff_transformer.config", "diff_transformer.compat",
-        "diff_transformer.distributed", "diff_transformer.fileio", "data",
+        "diff_transformer.distributed", "diff_transformer.fileio", "data", "diff_transformer.attention_metrics",
+    ),
+    # checkpoints loaded for inference, perplexity, NIAH, the attention analysis, their figures
+    "diff_transformer.evaluation": (
+        "diff_transformer.evaluation", "diff_transformer.training", "diff_transformer.models",
+        "diff_transformer.config", "diff_transformer.distributed", "diff_transformer.fileio", "data",
+        "diff_transformer.attention_metrics",
     ),
     "diff_transformer.analysis": ("diff_transformer.analysis",),
     # Hugging Face interchange: reads and writes checkpoints, so above training
@@ -37,6 +44,9 @@ ALLOWED = {
     "diff_transformer.quickstart": ("diff_transformer.analysis", "diff_transformer.fileio"),
     "diff_transformer.export": ("diff_transformer.hf",),
     "diff_transformer.import_hf": ("diff_transformer.hf",),
+    "diff_transformer.evaluate": ("diff_transformer.evaluation", "diff_transformer.distributed"),
+    "diff_transformer.analyze": ("diff_transformer.evaluation", "diff_transformer.distributed",
+                                 "diff_transformer.evaluate"),
     "launch": ("launch", "diff_transformer.config"),
     "train": ("diff_transformer.config", "diff_transformer.distributed", "diff_transformer.training"),
 }
@@ -122,9 +132,9 @@ def test_training_does_not_load_transformers():
     assert out.returncode == 0 and out.stdout.split()[-1] == "False", out.stderr[-3000:]
 
 
-@pytest.mark.parametrize("package", ["diff_transformer.fileio", "kernels", "data", "diff_transformer.compat",
-                                     "diff_transformer.distributed", "diff_transformer.models",
-                                     "diff_transformer.analysis", "diff_transformer.hf"])
+@pytest.mark.parametrize("package", ["diff_transformer.fileio", "diff_transformer.attention_metrics", "kernels", "data",
+                                     "diff_transformer.compat", "diff_transformer.distributed", "diff_transformer.models",
+                                     "diff_transformer.analysis", "diff_transformer.hf", "diff_transformer.evaluation"])
 def test_each_package_imports_alone_without_higher_layers(package):
     """Import every module of ``package`` in a fresh interpreter; no module of a layer above it gets loaded."""
     root = REPO / package.replace(".", "/")

@@ -41,6 +41,8 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank, get_pg_size
 
+from diff_transformer.models.attention_maps import AttentionMaps, causal_logits, query_rows
+
 BACKENDS = ("eager", "sdpa", "flash_attn", "triton")
 
 # Set on parameters that every tensor-parallel rank holds a full copy of and whose gradient each rank computes
@@ -82,6 +84,13 @@ def _subtract_in_fp32(o1: torch.Tensor, lam: torch.Tensor, o2: torch.Tensor) -> 
     return (o1.float() - lam.float() * o2.float()).to(o1.dtype)
 
 
+def _heads_first(query: torch.Tensor, key: torch.Tensor):
+    """megatron's [s, b, heads, d] query and key -> (b, heads, s, d), the key heads repeated to one per query head
+    (GQA)."""
+    q, k = query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3)
+    return q, k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+
+
 def eager_attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     """softmax(q·kᵀ·scale + causal mask) in fp32; q (b, h, sq, d), k (b, h, sk, d). Materialises the map."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
@@ -120,6 +129,21 @@ class _CoreAttentionBase(MegatronModule):
         _require_causal(attn_mask_type)
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError(f"{type(self).__name__} does not support packed sequences or attention bias")
+
+    def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
+        """This layer's maps for the query positions ``rows`` (the protocol of ``models.attention_maps``)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not expose its attention maps; implement attention_maps "
+            "(diff_transformer/models/attention_maps.py) so that the analysis tools can read it"
+        )
+
+    def _softmax_maps(self, query, key, rows, score_transform=None):
+        """(rows, logits, probs) of plain causal softmax heads, probs after ``score_transform`` of the logits."""
+        q, k = _heads_first(query, key)
+        rows = query_rows(q.shape[-2], k.shape[-2], rows, q.device)
+        logits = causal_logits(q, k, self.softmax_scale, rows)
+        scores = score_transform(logits) if score_transform is not None else logits
+        return rows, logits, torch.softmax(scores, dim=-1)
 
 
 class DifferentialCoreAttention(_CoreAttentionBase):
@@ -180,6 +204,18 @@ class DifferentialCoreAttention(_CoreAttentionBase):
         lambda_1 = torch.exp(torch.dot(self.lambda_q1.float(), self.lambda_k1.float()))
         lambda_2 = torch.exp(torch.dot(self.lambda_q2.float(), self.lambda_k2.float()))
         return lambda_1 - lambda_2 + self.lambda_init
+
+    def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
+        # the pairs are split before the key heads are repeated: query head 2h pairs with key head 2g, g its group
+        maps = [
+            self._softmax_maps(query[:, :, i::2], key[:, :, i::2], rows) for i in (0, 1)
+        ]
+        (rows, logits1, a1), (_, logits2, a2) = maps
+        lam = self.lambda_full().detach().to(a1.device)
+        return AttentionMaps(
+            components={"A1": a1, "A2": a2}, logits={"A1": logits1, "A2": logits2}, combined=a1 - lam * a2,
+            rows=rows, lam=lam,
+        )
 
     def forward(
         self,
@@ -253,6 +289,10 @@ class DifferentialCoreAttention(_CoreAttentionBase):
 
 class VanillaCoreAttention(_CoreAttentionBase):
     """Standard causal softmax attention over 2H heads of size d (GQA when there are fewer KV heads)."""
+
+    def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
+        rows, logits, probs = self._softmax_maps(query, key, rows)
+        return AttentionMaps(components={"A": probs}, logits={"A": logits}, combined=probs, rows=rows)
 
     def forward(
         self,
@@ -423,6 +463,10 @@ class TopKCoreAttention(_MapControlCoreAttention):
     def transforms(self, first_head, num_heads):
         return functools.partial(keep_top_k, k=self.topk), None
 
+    def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
+        rows, logits, probs = self._softmax_maps(query, key, rows, functools.partial(keep_top_k, k=self.topk))
+        return AttentionMaps(components={"A": probs}, logits={"A": logits}, combined=probs, rows=rows)
+
 
 SIGNED_MASK_BUCKETS = 32
 SIGNED_MASK_INIT = -3.0  # 1 − 2·sigmoid(−3) = 0.905: training starts close to plain softmax attention
@@ -469,6 +513,13 @@ class SignedMaskCoreAttention(_MapControlCoreAttention):
 
         return None, apply_gate
 
+    def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
+        rows, logits, probs = self._softmax_maps(query, key, rows)
+        heads = probs.shape[1]
+        cols = torch.arange(probs.shape[-1], device=probs.device)
+        gate = self.gate(rows, cols, self.tp_rank * heads, heads).detach()
+        return AttentionMaps(components={"A": probs}, logits={"A": logits}, combined=probs * gate, rows=rows)
+
 
 # ------------------------------------------------------------------------------------------------------------------
 # DIFF V2
@@ -495,6 +546,18 @@ class DiffV2CoreAttention(_CoreAttentionBase):
             o = getattr(self, f"_forward_{self.backend}")(q, k, v).float()  # (b, s, 2H, d)
             out = o[:, :, 0::2] - lam.unsqueeze(-1) * o[:, :, 1::2]
         return out.to(query.dtype).transpose(0, 1).reshape(s, b, two_h // 2 * d)
+
+    def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
+        if attention_bias is None:
+            raise ValueError("DiffV2CoreAttention needs the per-token λ logits from DiffV2SelfAttention (attention_bias)")
+        rows, logits, probs = self._softmax_maps(query, key, rows)
+        # λ of head h at query position t: (b, H, rows, 1)
+        lam = torch.sigmoid(attention_bias.float()).permute(1, 2, 0)[..., rows].unsqueeze(-1)
+        a1, a2 = probs[:, 0::2], probs[:, 1::2]
+        return AttentionMaps(
+            components={"A1": a1, "A2": a2}, logits={"A1": logits[:, 0::2], "A2": logits[:, 1::2]},
+            combined=a1 - lam * a2, rows=rows, lam=lam,
+        )
 
     def _forward_eager(self, q, k, v):
         groups = q.shape[2] // k.shape[2]

@@ -86,9 +86,14 @@ class MetricsWriter:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
-            flat = {k: v for k, v in record.items() if k not in ("step", "lambda")}
-            for i, lam in enumerate(record.get("lambda") or []):
-                flat[f"lambda/layer_{i + 1:02d}"] = lam
+            flat = {}
+            for key, value in record.items():
+                if key == "step":
+                    continue
+                if isinstance(value, list):  # per-layer values (λ, attention diagnostics): one W&B series a layer
+                    flat.update({f"{key}/layer_{i + 1:02d}": v for i, v in enumerate(value)})
+                else:
+                    flat[key] = value
             self.wandb_run.log(flat, step=record["step"])
 
     def progress_line(self, record: Dict[str, Any]) -> str:

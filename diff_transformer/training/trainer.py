@@ -57,6 +57,7 @@ from diff_transformer.training.checkpoint import (
     resolve_checkpoint_path,
 )
 from diff_transformer.distributed import destroy_distributed, world_size_from_env
+from diff_transformer.training.diagnostics import AttentionDiagnostics, diagnostics_enabled, estimated_cost_fraction
 from diff_transformer.training.failures import (
     BadStepGuard,
     PreemptionSignals,
@@ -553,6 +554,7 @@ class Trainer:
         train_iter = self._loader(self.train_ds, self.consumed_samples)
         self._flops_per_token = model_flops_per_token(self.cfg, self.num_non_embedding_parameters, self.padded_vocab)
         self._peak_flops = peak_flops_per_device(self.cfg)
+        self.diagnostics = self._attention_diagnostics()
         history = []
         try:
             while self.step < self.cfg.trainer.max_steps:
@@ -617,12 +619,24 @@ class Trainer:
             record["lambda"] = self.lambdas()
         if t.eval_interval > 0 and (self.step % t.eval_interval == 0 or self.step == t.max_steps):
             record["val_loss"] = self.evaluate()
+            if self.diagnostics is not None:
+                record.update(self.diagnostics.measure())
         if out["skipped"] is not None:
             logger.warning(
                 "step %d skipped (%s); %d in a row, %d in all",
                 self.step, out["skipped"], self.bad_steps.consecutive, self.skipped_steps,
             )
         return record
+
+    def _attention_diagnostics(self) -> Optional[AttentionDiagnostics]:
+        """The probe of trainer.attention_diagnostics, or None when it is off (auto: off above 1% estimated cost)."""
+        fraction = estimated_cost_fraction(self.cfg, self._flops_per_token) if self.cfg.trainer.eval_interval else 0.0
+        enabled = diagnostics_enabled(self.cfg, self._flops_per_token)
+        if self.rank == 0:
+            logger.info("attention diagnostics %s (trainer.attention_diagnostics=%s; estimated cost %.3f%% of the "
+                        "training between evaluations)", "on" if enabled else "off",
+                        self.cfg.trainer.attention_diagnostics, 100 * fraction)
+        return AttentionDiagnostics(self) if enabled else None
 
     def _reads_weights_this_step(self) -> bool:
         """Every step, unless parallel.overlap_param_gather defers the parameter all-gather to the next forward: then

@@ -1,0 +1,181 @@
+"""Evaluate checkpoints: perplexity and multi-needle retrieval; several runs side by side.
+
+    python -m diff_transformer.evaluate RUN_OR_CHECKPOINT [MORE ...] --tasks ppl,niah [--text FILE ...] [--out DIR]
+    python -m diff_transformer.evaluate runs/diff runs/vanilla --tasks niah --needles 6 --asked 2 --lengths 4096
+
+RUN_OR_CHECKPOINT: a run directory, a checkpoints directory, a step_* checkpoint, its latest file (any TP/PP layout),
+or a .pt file from `python -m diff_transformer.checkpoint convert`. One process by default (GPU when there is one);
+under torchrun the work is split over the ranks, each holding the whole model.
+
+ppl: mean NLL and perplexity on the run's validation split and on each --text file (.txt or .jsonl, tokenized with
+the run's tokenizer, documents joined by end-of-document tokens as in training), sliding windows at the model's
+sequence length (--stride, default half of it), and the NLL at each position of the window.
+niah: N needles "The magic number for <key> is <value>." in a haystack from the validation split, R of them asked
+(--needles, --asked), at --depths x --lengths (default 1/4, 1/2, 3/4 and all of the model's sequence length);
+accuracy heatmap and the share of attention on the answer needle, the other needles and the haystack per layer. The
+paper's 4K anchor (N=6, R=2; Transformer 0.35, DIFF 0.85 at 3B): --needles 6 --asked 2 --lengths 4096.
+
+Writes eval.json (one run) or <label>/eval.json per run and comparison.md, and ppl_by_position.png,
+niah_accuracy.png, niah_attention.png in --out (default outputs/evaluate/<time>).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import sys
+import warnings
+from typing import Dict, List, Optional, Sequence
+
+TASKS = ("ppl", "niah")
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m diff_transformer.evaluate", description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="+", metavar="RUN_OR_CHECKPOINT")
+    parser.add_argument("--tasks", default="ppl,niah", help="comma-separated: ppl, niah (default both)")
+    parser.add_argument("--text", action="append", default=[], metavar="FILE", help="also the perplexity of this file")
+    parser.add_argument("--out", help="output directory (default outputs/evaluate/<time>)")
+    parser.add_argument("--tokenizer", help="the tokenizer, when the run's is not where its config says")
+    parser.add_argument("--max-tokens", type=int, default=1_000_000, help="tokens of each perplexity stream")
+    parser.add_argument("--stride", type=int, help="window stride (default half the sequence length)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--backend", help="attention backend to evaluate with (default: the trained one)")
+    parser.add_argument("--needles", type=int, default=6, help="N needles per context (default 6)")
+    parser.add_argument("--asked", type=int, default=2, help="R of them asked (default 2)")
+    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], help="context lengths, e.g. 1024,2048,4096")
+    parser.add_argument("--depths", type=lambda s: [float(x) for x in s.split(",")], help="depths in [0, 1] (default 0,0.25,0.5,0.75,1)")
+    parser.add_argument("--samples", type=int, default=10, help="samples per (length, depth) cell")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--value-digits", type=int, default=4)
+    return parser.parse_args(argv)
+
+
+def niah_config(args, run):
+    """The NIAH settings for ``run``: --lengths, or the quarters of its sequence length that hold the needles."""
+    from diff_transformer.evaluation.inference import load_run_tokenizer
+    from diff_transformer.evaluation.niah import DEFAULT_DEPTHS, NeedleFactory, NiahConfig
+
+    minimum = NeedleFactory(load_run_tokenizer(run), args.value_digits).minimum_length(args.needles, args.asked)
+    lengths = args.lengths or [n for n in sorted({run.seq_length * k // 4 for k in (1, 2, 3, 4)}) if n >= minimum]
+    config = NiahConfig(needles=args.needles, asked=args.asked, lengths=tuple(lengths or [run.seq_length]),
+                        depths=tuple(args.depths or DEFAULT_DEPTHS), samples=args.samples, seed=args.seed,
+                        value_digits=args.value_digits)
+    config.validate(max_length=run.seq_length, min_length=minimum)
+    return config
+
+
+def quiet_library_warnings() -> None:
+    """megatron-core's notes about missing optional packages and torch's deprecations of what megatron calls."""
+    warnings.filterwarnings("ignore", module=r"megatron\..*")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\..*")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    quiet_library_warnings()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        return evaluate(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    from diff_transformer.distributed import destroy_distributed
+    from diff_transformer.evaluation import plots, report
+    from diff_transformer.evaluation.inference import load_for_inference, resolve_run
+    from diff_transformer.evaluation.perplexity import read_text_documents
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks:
+        raise ValueError(f"--tasks {args.tasks!r}: use a comma-separated subset of {', '.join(TASKS)}")
+    # everything that can be checked without a model first: one clear error before minutes of loading
+    runs = [resolve_run(path, args.tokenizer) for path in args.runs]
+    for path in args.text:
+        read_text_documents(path)
+    configs = [niah_config(args, run) if "niah" in tasks else None for run in runs]
+    if args.stride is not None and not all(1 <= args.stride <= run.seq_length for run in runs):
+        raise ValueError(f"--stride {args.stride} must lie in [1, the model's sequence length]")
+    labels = report.unique_labels([run.label for run in runs])
+    out = report.output_dir(args.out, "evaluate")
+
+    results: Dict[str, Dict] = {}
+    try:
+        for run, label, config in zip(runs, labels, configs):
+            model = load_for_inference(run, args.backend)
+            results[label] = evaluate_one(model, run, args, tasks, config)
+            rank = model.rank
+            del model
+            gc.collect()
+    finally:
+        destroy_distributed()
+    if rank != 0:
+        return 0
+    if len(runs) == 1:
+        report.write_json(out / "eval.json", results[labels[0]])
+    else:
+        for label in labels:
+            report.write_json(out / report.slug(label) / "eval.json", results[label])
+    written = []
+    if "ppl" in tasks:
+        written.append(plots.plot_position_loss({k: v["ppl"] for k, v in results.items()}, out / "ppl_by_position.png"))
+    if "niah" in tasks:
+        niah_results = {k: v["niah"] for k, v in results.items()}
+        written.append(plots.plot_niah_heatmaps(niah_results, out / "niah_accuracy.png"))
+        written.append(plots.plot_attention_allocation(niah_results, out / "niah_attention.png"))
+    table = comparison_table(results, tasks)
+    (out / "comparison.md").write_text(table)
+    print(table)
+    print(f"results: {out}")
+    return 0
+
+
+def evaluate_one(model, run, args, tasks: List[str], config) -> Dict:
+    from diff_transformer.evaluation import tasks as task_lib
+    from diff_transformer.evaluation.inference import load_run_tokenizer
+
+    tokenizer = load_run_tokenizer(run)
+    result: Dict = {"run": {"label": run.label, "checkpoint": run.checkpoint, "step": run.step,
+                            "attention": run.attention, "seq_length": run.seq_length,
+                            "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""),
+                            "world_size": model.world_size}}
+    if "ppl" in tasks:
+        result["ppl"] = task_lib.run_ppl(model, tokenizer, args.text, args.max_tokens, args.stride, args.batch_size,
+                                         args.tokenizer)
+    if "niah" in tasks:
+        haystack = task_lib.haystack_stream(model, max(args.max_tokens, 4 * max(config.lengths)), args.tokenizer)
+        result["niah"] = task_lib.run_niah(model, tokenizer, config, haystack, args.batch_size)
+    if model.lambdas():
+        result["lambda"] = model.lambdas()
+    return result
+
+
+def comparison_table(results: Dict[str, Dict], tasks: List[str]) -> str:
+    from diff_transformer.evaluation import report
+
+    header = ["run"]
+    texts = sorted({k for r in results.values() for k in r.get("ppl", {}) if k.startswith("text:")})
+    if "ppl" in tasks:
+        header += ["validation NLL", "validation ppl"] + [f"{t[5:]} ppl" for t in texts]
+    if "niah" in tasks:
+        header += ["NIAH accuracy", "attention on answer", "attention on haystack"]
+    rows = []
+    for label, r in results.items():
+        row = [label]
+        if "ppl" in tasks:
+            row += [r["ppl"]["validation"]["nll"], r["ppl"]["validation"]["perplexity"]]
+            row += [r["ppl"][t]["perplexity"] if t in r["ppl"] else None for t in texts]
+        if "niah" in tasks:
+            allocation = r["niah"]["attention_allocation"].values()
+            row += [r["niah"]["accuracy"], sum(a["answer"] for a in allocation) / len(allocation),
+                    sum(a["haystack"] for a in allocation) / len(allocation)]
+        rows.append(row)
+    return report.markdown_table(header, rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""A checkpoint's model for inference: load it whatever layout saved it, run it, score tokens.
+
+    from diff_transformer.evaluation.inference import load_for_inference, resolve_run
+
+    run = resolve_run("runs/x")                      # cheap: config, step, tokenizer; no model, no process group
+    model = load_for_inference(run)                  # TP=1/PP=1 on this process's device, eval mode
+    nll = model.token_nll(tokens)                    # (b, s) fp32 from (b, s + 1) ids: −log p(x[t+1] | x[:t+1])
+    ...
+    destroy_distributed()                            # diff_transformer.distributed, when done
+
+A run may be a run directory, a checkpoints directory, a ``step_*`` checkpoint or its ``latest`` file (any TP/PP
+layout: dist_checkpointing reshards the weights onto one rank), or a ``.pt`` file written by
+``python -m diff_transformer.checkpoint convert``. The model runs on the GPU of ``LOCAL_RANK`` when there is one (in the
+precision the run trained in, ``trainer.precision``), else on the CPU in fp32; logits are scored in fp32. Under
+torchrun every process holds the whole model (data parallelism over the world), so evaluation loops split their work
+with :attr:`InferenceModel.rank` and :attr:`InferenceModel.world_size`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from diff_transformer.config import Config, ModelConfig, padded_vocab_size
+from diff_transformer.distributed import init_distributed
+from diff_transformer.models.gpt import build_model_chunk, lambda_values, resolve_precision
+from diff_transformer.models.layer_specs import variant_label
+from diff_transformer.training.checkpoint import (
+    CHECKPOINTS_DIRNAME,
+    list_checkpoints,
+    read_trainer_state,
+    resolve_checkpoint_path,
+)
+
+CONVERTED_SUFFIX = ".pt"
+
+
+@dataclasses.dataclass
+class RunInfo:
+    """What a checkpoint says about itself, read without building the model."""
+
+    checkpoint: str  # a step_* directory, or a converted .pt file
+    config: Dict[str, Any]  # the resolved config it was trained with
+    step: int
+    run_dir: Optional[str]  # the run directory holding it (None for a file or a checkpoint outside a run)
+    tokenizer_dir: str
+    label: str  # the attention kind and its ablation keys (``variant_label``), and the step
+
+    @property
+    def seq_length(self) -> int:
+        return int(self.config["model"]["seq_length"])
+
+    @property
+    def attention(self) -> str:
+        return self.config["model"]["attention"]
+
+    def typed_config(self) -> Config:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), self.config))
+
+    def checkpoints(self) -> List[str]:
+        """Every complete checkpoint of the run, oldest first (this one alone when it is not in a run)."""
+        if self.run_dir is None:
+            return [self.checkpoint]
+        root = self.config.get("checkpoint", {}).get("dir") or os.path.join(self.run_dir, CHECKPOINTS_DIRNAME)
+        return [path for _, path in list_checkpoints(root)] or [self.checkpoint]
+
+
+def bundled_tokenizer_dir(data_cfg: Dict[str, Any]) -> str:
+    """Where ``data.source=bundled`` keeps the tokenizer it trained (``data.datasets.prepare``)."""
+    from data.config import BUNDLED_CORPUS, resolve_path
+    from data.tokenizer import file_sha256
+
+    corpus_hash = file_sha256(BUNDLED_CORPUS)[:12]
+    return os.path.join(resolve_path(data_cfg.get("cache_dir", "data/cache")),
+                        f"bundled-{corpus_hash}-bpe{data_cfg.get('bundled_vocab_size', 4096)}", "tokenizer")
+
+
+def run_tokenizer_dir(config: Dict[str, Any], override: Optional[str] = None) -> str:
+    """The tokenizer a run trained with: ``override``, else the config's ``data.tokenizer_dir``, else the bundled
+    corpus's; ValueError naming the path when it is missing."""
+    from data.config import resolve_path
+    from data.tokenizer import CONFIG_FILE, MODEL_FILE
+
+    data_cfg = config.get("data", {})
+    if override is not None:
+        path, source = resolve_path(override), "--tokenizer"
+    elif data_cfg.get("tokenizer_dir"):
+        path, source = resolve_path(data_cfg["tokenizer_dir"]), "data.tokenizer_dir of the checkpoint's config"
+    else:
+        path, source = bundled_tokenizer_dir(data_cfg), "the bundled corpus's tokenizer"
+    present = os.path.isfile(path) or any(os.path.isfile(os.path.join(path, f))
+                                          for f in (MODEL_FILE, CONFIG_FILE, "tokenizer.json"))
+    if not present:
+        hint = ("run `python train.py experiment=smoke trainer.max_steps=1` once to prepare it, or give --tokenizer DIR"
+                if override is None and not data_cfg.get("tokenizer_dir") else "give the tokenizer with --tokenizer DIR")
+        raise ValueError(f"the run's tokenizer is missing: {path} ({source}) does not exist; {hint}")
+    return path
+
+
+def resolve_run(path: str, tokenizer: Optional[str] = None) -> RunInfo:
+    """The checkpoint ``path`` means (see the module docstring) and what it says about itself; cheap."""
+    if os.path.isfile(path) and path.endswith(CONVERTED_SUFFIX):
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(saved, dict) or not {"model", "config", "step"} <= set(saved):
+            raise ValueError(f"{path} is not a file written by `python -m diff_transformer.checkpoint convert`")
+        checkpoint, config, step, run_dir = path, saved["config"], int(saved["step"]), None
+    else:
+        if not os.path.exists(path):
+            raise ValueError(f"{path} does not exist")
+        checkpoint = resolve_checkpoint_path(path)
+        state = read_trainer_state(checkpoint)
+        config, step = state["config"], int(state["step"])
+        parent = os.path.dirname(os.path.abspath(checkpoint))
+        run_dir = os.path.dirname(parent) if os.path.basename(parent) == CHECKPOINTS_DIRNAME else None
+    typed_model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), config["model"]))
+    return RunInfo(
+        checkpoint=checkpoint, config=config, step=step, run_dir=run_dir,
+        tokenizer_dir=run_tokenizer_dir(config, tokenizer), label=f"{variant_label(typed_model)} @ step {step}",
+    )
+
+
+def load_run_tokenizer(run: RunInfo):
+    from data.tokenizer import load_tokenizer
+
+    return load_tokenizer(run.tokenizer_dir)
+
+
+def inference_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+class InferenceModel:
+    """A checkpoint's GPTModel at TP=1/PP=1, in eval mode on :attr:`device`."""
+
+    def __init__(self, run: RunInfo, model: torch.nn.Module, cfg: Config, padded_vocab: int):
+        self.run = run
+        self.model = model
+        self.cfg = cfg
+        self.padded_vocab = padded_vocab
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+    @property
+    def seq_length(self) -> int:
+        return self.cfg.model.seq_length
+
+    def check_length(self, length: int, what: str = "the input") -> None:
+        if length > self.seq_length:
+            raise ValueError(
+                f"{what} has {length} tokens, above the model's maximum sequence length {self.seq_length} "
+                "(model.seq_length)"
+            )
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(b, s) token ids -> (b, s, padded vocab) logits in the model's dtype."""
+        self.check_length(tokens.shape[-1])
+        tokens = tokens.to(self.device)
+        positions = torch.arange(tokens.shape[-1], device=self.device).expand_as(tokens)
+        return self.model(tokens, positions, None)
+
+    @torch.no_grad()
+    def token_nll(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(b, s + 1) token ids -> (b, s) fp32 NLL of tokens[:, 1:] given the tokens before each (the inputs are
+        tokens[:, :-1], at most the model's sequence length, as a training sample); over the padded vocabulary, as
+        the training loss."""
+        logits = self.logits(tokens[:, :-1]).float()
+        targets = tokens[:, 1:].to(self.device)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none").view(
+            targets.shape
+        )
+
+    @torch.no_grad()
+    def greedy_next(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(b, s) -> (b, s) the most likely next token after each position (argmax over the real vocabulary)."""
+        return self.logits(tokens).argmax(-1)
+
+    def lambdas(self) -> List[float]:
+        """DIFF V1's per-layer λ (empty for other kinds)."""
+        return lambda_values([self.model])
+
+
+def _saved_padded_vocab(run: RunInfo, cfg: Config) -> int:
+    if cfg.model.vocab_size is not None:
+        return padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, 1)
+    if run.checkpoint.endswith(CONVERTED_SUFFIX):
+        weights = torch.load(run.checkpoint, map_location="cpu", weights_only=True)["model"]
+        rows = weights["embedding.word_embeddings.weight"].shape[0]
+    else:  # derived from the tokenizer and TP at save time: the tensor's global shape says it
+        from megatron.core import dist_checkpointing
+
+        rows = dist_checkpointing.load_tensors_metadata(run.checkpoint)["embedding.word_embeddings.weight"].local_shape[0]
+    return padded_vocab_size(rows, cfg.model.make_vocab_size_divisible_by, 1)
+
+
+def inference_config(run: RunInfo, attention_backend: Optional[str] = None) -> Config:
+    """The run's config laid out for one rank: TP=PP=1, no sequence parallelism or recomputation."""
+    cfg = run.typed_config()
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sequence_parallel = 1, 1, False
+    cfg.trainer.recompute, cfg.trainer.recompute_layers = "none", None
+    if attention_backend is not None:
+        from diff_transformer.config import validate_attention_kind
+
+        cfg.model.attention_backend = attention_backend
+        validate_attention_kind(cfg.model)
+    return cfg
+
+
+def load_weights(model: torch.nn.Module, checkpoint: str) -> None:
+    """Load ``checkpoint`` (a step_* directory of any layout, or a converted .pt file) into a TP=1/PP=1 model."""
+    if checkpoint.endswith(CONVERTED_SUFFIX):
+        weights = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(f"{checkpoint} does not fit the model of its config: missing {missing}, unexpected "
+                             f"{unexpected}")
+        return
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, checkpoint)
+    model.load_state_dict(loaded["model"], strict=True)
+
+
+def load_for_inference(run: RunInfo, attention_backend: Optional[str] = None) -> InferenceModel:
+    """Build the run's model at TP=1/PP=1 on this process's device and load its weights.
+
+    Starts the process group if none is (a world of one, or torchrun's world: every rank then holds the whole model);
+    an existing one must have TP=PP=1. ``attention_backend`` overrides the trained one (``eager`` materialises maps).
+    """
+    cfg = inference_config(run, attention_backend)
+    init_distributed(cfg.parallel.backend, tp=1, pp=1, seed=cfg.seed)
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() != 1 or \
+            parallel_state.get_pipeline_model_parallel_world_size() != 1:
+        raise ValueError("load_for_inference needs tensor and pipeline parallel sizes of 1 (the model is whole on "
+                         "every rank)")
+    device = inference_device()
+    dtype = resolve_precision(cfg.trainer.precision) if device.type == "cuda" else torch.float32
+    padded = _saved_padded_vocab(run, cfg)
+    model = build_model_chunk(cfg, padded, dtype, perform_init=False).to(device)  # on its device first, as training
+    load_weights(model, run.checkpoint)
+    model.eval()
+    return InferenceModel(run, model, cfg, padded)

@@ -1,0 +1,137 @@
+"""Figures of evaluate and analyze; several runs are overlaid (or set side by side) in one figure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List
+
+import numpy as np
+
+from diff_transformer.evaluation.niah import REGIONS
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path
+
+
+def plot_position_loss(results: Dict[str, Dict[str, Any]], path: Path) -> Path:
+    """Validation NLL at each position of the window, one line per run."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, ppl in results.items():
+        curve = np.array([np.nan if v is None else v for v in ppl["validation"]["position_nll"]], dtype=float)
+        ax.plot(np.arange(1, len(curve) + 1), curve, label=f"{label} (ppl {ppl['validation']['perplexity']:.1f})")
+    ax.set_xlabel("position in the window (tokens of context)")
+    ax.set_ylabel("validation NLL (nats)")
+    ax.set_xscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Loss by position")
+    return _save(fig, path)
+
+
+def plot_niah_heatmaps(results: Dict[str, Dict[str, Any]], path: Path) -> Path:
+    """Accuracy by context length (rows) and depth (columns), one panel per run."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.6), squeeze=False)
+    for ax, (label, result) in zip(axes[0], results.items()):
+        grid = np.array(result["accuracy_by_length_depth"], dtype=float)
+        cfg = result["config"]
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(cfg["depths"])), [f"{d:g}" for d in cfg["depths"]])
+        ax.set_yticks(range(len(cfg["lengths"])), [str(n) for n in cfg["lengths"]])
+        for (i, j), value in np.ndenumerate(grid):
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
+        ax.set_xlabel("depth of the asked needles")
+        ax.set_ylabel("context length")
+        ax.set_title(f"{label}\nN={cfg['needles']}, R={cfg['asked']}: {result['accuracy']:.2f}", fontsize=9)
+        fig.colorbar(image, ax=ax, fraction=0.046)
+    return _save(fig, path)
+
+
+def plot_attention_allocation(results: Dict[str, Dict[str, Any]], path: Path) -> Path:
+    """Share of the answer rows' attention on each region, by layer; one line style per run, one colour per region."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    styles = ["-", "--", "-.", ":"]
+    for k, (label, result) in enumerate(results.items()):
+        allocation = result["attention_allocation"]
+        layers = sorted(allocation, key=int)
+        for c, region in enumerate(REGIONS):
+            ax.plot([int(x) for x in layers], [allocation[x][region] for x in layers], styles[k % len(styles)],
+                    color=f"C{c}", marker="o", label=f"{label}: {region}")
+    ax.set_xlabel("layer")
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+    ax.set_ylabel("share of attention (answer rows)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title("NIAH attention allocation")
+    return _save(fig, path)
+
+
+ANALYSIS_PANELS = (
+    ("combined/entropy", "entropy (nats)"),
+    ("combined/gini", "Gini"),
+    ("combined/top1pct_mass", "mass in top 1% keys"),
+    ("combined/sink_rate", "sink rate (ε = 0.3)"),
+    ("logits/top1", "largest |attention logit|"),
+    ("hidden/top1", "largest |hidden state|"),
+    ("differential/cosine_relevant", "cos(A1, A2), relevant keys"),
+    ("differential/cosine_irrelevant", "cos(A1, A2), irrelevant keys"),
+    ("differential/negative_relative_mass", "negative mass share of A1 − λA2"),
+    ("differential/effective_rank_lambda_A2", "effective rank of λ·A2"),
+    ("differential/effective_rank_A1_minus_lambda_A2", "effective rank of A1 − λ·A2"),
+)
+
+
+def plot_analysis(results: Dict[str, Dict[str, Any]], path: Path) -> Path:
+    """One panel per metric, per layer, every run overlaid; λ's trajectory over checkpoints in the last panel."""
+    plt = _pyplot()
+    panels = [p for p in ANALYSIS_PANELS
+              if any(r["layers"][0]["mean"].get(p[0]) is not None for r in results.values())]
+    trajectories = {label: r["lambda_trajectory"] for label, r in results.items() if r.get("lambda_trajectory")}
+    count = len(panels) + (1 if trajectories else 0)
+    cols = 3
+    rows = (count + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    flat: List[Any] = list(axes.flat)
+    for ax, (key, title) in zip(flat, panels):
+        for k, (label, result) in enumerate(results.items()):
+            layers = [layer["layer"] for layer in result["layers"]]
+            values = [layer["mean"].get(key) for layer in result["layers"]]
+            if all(v is None for v in values):
+                continue
+            ax.plot(layers, [np.nan if v is None else v for v in values], marker="o", label=label)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("layer", fontsize=8)
+        ax.xaxis.set_major_locator(_pyplot().MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    if trajectories:
+        ax = flat[len(panels)]
+        for label, trajectory in trajectories.items():
+            steps = [t["step"] for t in trajectory]
+            per_layer = np.array([t["lambda"] for t in trajectory])
+            for layer in range(per_layer.shape[1]):
+                ax.plot(steps, per_layer[:, layer], marker=".", label=f"{label}: layer {layer + 1}")
+        ax.set_title("λ per layer over checkpoints", fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    for ax in flat[count:]:
+        ax.axis("off")
+    flat[0].legend(fontsize=7)
+    return _save(fig, path)
