@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# One GPU check, from a bare GPU machine (torch >= 2.6 with its own Triton, no network) in under 9 minutes:
+# One GPU check, from a bare GPU machine (torch >= 2.6 with its own Triton, no network), in about 9 minutes:
+#   0. train.py's smoke experiment in bf16 with checkpoints and a resume, on sdpa and on the fused kernel;
 #   1. the GPU tests (pytest -m gpu);
 #   2. benchmarks/attention.py at N = 2K, 4K, 8K, 16K (d = 128, bf16, causal): fused V1 and V2 vs SDPA, vs the
 #      2H-head baseline; fwd, bwd, both, TFLOP/s, peak memory;
 #   3. training throughput of 830m at sequence 2048: DIFF sdpa, DIFF triton, vanilla sdpa (tokens/s, MFU, peak
-#      memory, first and last loss).
-# Writes benchmarks/results/*_<gpu>_<date>.md and prints a one-screen summary; logs go to $OUT (or ./gpu_check_out).
+#      memory, first and last loss);
+#   4. benchmarks/gpu_eval_check.sh: evaluate, analyze and the attention diagnostics in bf16.
+# Each step runs under its own time limit. Writes benchmarks/results/*_<gpu>_<date>.md and prints a one-screen summary; logs go to $OUT (or ./gpu_check_out).
 #
 #   bash benchmarks/gpu_wheels.sh .whl          # once, where PyPI is reachable: the wheels the image lacks
 #   bash benchmarks/gpu_check.sh [.whl]         # on the GPU machine, from the repository root
@@ -76,6 +78,7 @@ else
   step train_throughput 150 "$py" benchmarks/train_throughput.py trainer.micro_batch_size=4 \
     trainer.global_batch_size=8 model.seq_length=2048 --model 830m --steps 20 --tp 1 --out "$out" \
     --kinds diff:sdpa diff:triton vanilla:sdpa
+  step eval_check 240 env OUT="$work/eval" bash benchmarks/gpu_eval_check.sh "$wheels"
 fi
 
 echo

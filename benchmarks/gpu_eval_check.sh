@@ -6,15 +6,18 @@ cd "$(dirname "$0")/.."
 wheels="${1:-.whl}"
 out="${OUT:-outputs/gpu_eval_check}"
 mkdir -p "$out"
-python -m pip install --quiet --no-index --find-links "$wheels" megatron-core hydra-core omegaconf \
-  antlr4-python3-runtime zstandard 2>&1 | tail -2
+py="${PYTHON:-python3}"
+if ! "$py" -c "import megatron.core, hydra" 2> /dev/null; then  # gpu_check.sh has installed them already
+  "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu_check_site "$wheels"/*.whl
+  export PYTHONPATH="/tmp/gpu_check_site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export WANDB_MODE=disabled PYTHONWARNINGS=ignore
-python train.py experiment=quickstart trainer.max_steps=40 trainer.eval_interval=20 trainer.attention_diagnostics=on \
+"$py" train.py experiment=quickstart trainer.max_steps=40 trainer.eval_interval=20 trainer.attention_diagnostics=on \
   checkpoint.interval=20 logging.wandb.mode=disabled hydra.run.dir="$out/tiny_diff" > "$out/train.log" 2>&1
 grep -o '"attn/[a-z_]*": [^]]*\]\?' "$out/tiny_diff/metrics.jsonl" | tail -4
-python -m diff_transformer.evaluate "$out/tiny_diff" --needles 2 --asked 1 --samples 2 --max-tokens 20000 \
+"$py" -m diff_transformer.evaluate "$out/tiny_diff" --needles 2 --asked 1 --samples 2 --max-tokens 20000 \
   --out "$out/evaluate" 2>&1 | tail -6
-python -c "import json; d=json.load(open('$out/evaluate/eval.json')); print(d['run'])"
-python -m diff_transformer.analyze "$out/tiny_diff" --out "$out/analyze" 2>&1 | tail -4
-python -c "import json; d=json.load(open('$out/analyze/analysis.json')); print(d['run'], d['lambda_trajectory'])"
-python benchmarks/attention_diagnostics.py --steps 30 --out "$out"
+"$py" -c "import json; d=json.load(open('$out/evaluate/eval.json')); print(d['run'])"
+"$py" -m diff_transformer.analyze "$out/tiny_diff" --out "$out/analyze" 2>&1 | tail -4
+"$py" -c "import json; d=json.load(open('$out/analyze/analysis.json')); print(d['run'], d['lambda_trajectory'])"
+"$py" benchmarks/attention_diagnostics.py --steps 30 --out "$out"
