@@ -69,6 +69,8 @@ class PatchSite:
 
     def problem(self) -> Optional[str]:
         """None when the site is as assumed; otherwise what differs, in words."""
+        if self.module.startswith("deepspeed"):
+            select_deepspeed_accelerator()
         try:
             obj = importlib.import_module(self.module)
         except ImportError as err:
@@ -317,6 +319,14 @@ def _patch_cuda_type_checks() -> None:
 # the CPU accelerator JIT-compiles a shared-memory all-reduce (30-60 s per process, a C++ toolchain needed) for
 # single-node CPU runs. gloo does the same reductions; on a GPU the op is not built at all.
 # ---------------------------------------------------------------------------------------------------------------
+def select_deepspeed_accelerator() -> None:
+    """DeepSpeed's accelerator from this machine, before deepspeed is imported: CUDA, or its CPU accelerator (rather
+    than its probing, which warns, and would look for a GPU that CUDA_VISIBLE_DEVICES hides)."""
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+
+
 def apply_deepspeed_cpu_patches() -> bool:
     """Start DeepSpeed's communication backend on gloo alone when CUDA is absent. Returns whether it patched."""
     if not cpu_patches_needed():

@@ -305,6 +305,7 @@ def validate(cfg: Any, world_size: int) -> None:
             f"model.num_kv_heads={kv} must divide model.num_heads={m.num_heads}{why}; use {_divisors(m.num_heads)}"
         )
     validate_attention_kind(m)
+    validate_engine(cfg)  # before the layout: engine=deepspeed refuses PP whatever the world size
     if p.tp < 1 or p.pp < 1:
         raise ValueError(f"parallel.tp={p.tp} and parallel.pp={p.pp} must be positive")
     if m.num_heads % p.tp:
@@ -359,7 +360,6 @@ def validate(cfg: Any, world_size: int) -> None:
         )
     validate_checkpoint_config(cfg.checkpoint)
     validate_failure_config(cfg.failures)
-    validate_engine(cfg)
 
 
 def validate_attention_kind(m: ModelConfig) -> None:

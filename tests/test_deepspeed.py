@@ -6,12 +6,14 @@ does), and the ZeRO-2 and ZeRO-3 runs save at step 3 for the resume tests.
 """
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from diff_transformer.training.checkpoint import checkpoint_name, read_trainer_state
-from tests.train_runs import read_metrics, run_train
+from tests.train_runs import REPO, read_metrics, run_train, train_env
 
 STEPS = 6
 COMMON = [
@@ -45,6 +47,12 @@ def runs(tmp_path_factory):
         "zero3-vanilla": COMMON + DS + ["engine.zero_stage=3", "model.attention=vanilla"],
         "megatron-tp2": COMMON + ["parallel.tp=2"],
         "zero1-tp2": COMMON + DS + ["engine.zero_stage=1", "parallel.tp=2"],
+        # optimizer states, their fp32 gradient partitions and the Adam step on the host; the step is torch's
+        # AdamW there (DeepSpeed's CPU Adam takes ~100 s to JIT-compile on the 2-core CI machine)
+        "zero2-offload": COMMON + DS + [
+            "engine.zero_stage=2", "engine.offload_optimizer=cpu", "+engine.extra.zero_force_ds_cpu_optimizer=false",
+            "+engine.extra.optimizer={params: {torch_adam: true}}",
+        ],
     }
     for name, overrides in plan.items():
         run_train(root / name, overrides, nproc=2)
@@ -57,8 +65,12 @@ def runs(tmp_path_factory):
     return root
 
 
-def assert_same_steps(got, want, steps=range(1, STEPS + 1)):
-    """Losses and gradient norms equal within 1e-5 (fp32, same seed and data); the skipped step skipped in both."""
+def assert_same_steps(got, want, norm_rel=5e-5, steps=range(1, STEPS + 1)):
+    """Losses within 1e-5 (fp32, same seed and data) and the same learning rates; the skipped step skipped in both.
+
+    Gradient norms within ``norm_rel``: megatron-core without APEX sums the squares of its norm in fp32 (its local
+    multi_tensor_l2norm), DeepSpeed in fp64, and on the same gradients they were measured up to 1.7e-5 apart
+    (relative) while the losses agreed to 1e-7; DeepSpeed's stages agree with each other to 1e-7."""
     got, want = by_step(got), by_step(want)
     for step in steps:
         g, w = got[step], want[step]
@@ -67,7 +79,7 @@ def assert_same_steps(got, want, steps=range(1, STEPS + 1)):
             assert math.isnan(g["loss"]) and g["grad_norm"] is None and w["grad_norm"] is None
             continue
         assert abs(g["loss"] - w["loss"]) < 1e-5, (step, g["loss"], w["loss"])
-        assert abs(g["grad_norm"] - w["grad_norm"]) < 1e-5, (step, g["grad_norm"], w["grad_norm"])
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=norm_rel), step
         assert g["lr"] == pytest.approx(w["lr"], rel=1e-12)
         if "lambda" in w:
             assert g["lambda"] == pytest.approx(w["lambda"], abs=1e-5)
@@ -91,6 +103,15 @@ def test_zero_stage_equals_megatron_at_dp2(runs, run):
 
 
 @pytest.mark.multiproc
+def test_zero_stages_agree_with_each_other(runs):
+    """The same gradients under every stage: the norms DeepSpeed reports (fp64 sums) agree far below megatron-core's
+    fp32 rounding."""
+    reference = read_metrics(runs / "zero1-diff")
+    for run in ("zero0-diff", "zero2-diff", "zero3-diff"):
+        assert_same_steps(read_metrics(runs / run), reference, norm_rel=1e-6)
+
+
+@pytest.mark.multiproc
 def test_tp2_under_zero1_equals_megatron_tp2(runs):
     """DIFF's λ and sub-layer norm are replicated on the TP ranks: their gradients are summed over TP once, and
     counted once in the gradient norm."""
@@ -109,3 +130,187 @@ def test_resume_is_bit_exact(runs, stage):
     saved = read_trainer_state(ckpt(runs / f"zero{stage}-diff", 3))
     assert saved["layout"]["engine"] == "deepspeed" and saved["layout"]["zero_stage"] == stage
     assert saved["step"] == 3 and saved["skipped_steps"] == 1 and saved["consumed_samples"] == 24
+
+
+@pytest.mark.multiproc
+def test_cpu_optimizer_offload_at_stage2_trains_as_without(runs):
+    assert_same_steps(read_metrics(runs / "zero2-offload"), read_metrics(runs / "zero2-diff"), norm_rel=1e-6)
+    config = (runs / "zero2-offload" / "deepspeed_config.json").read_text()
+    assert '"offload_optimizer": {' in config and '"device": "cpu"' in config
+    assert '"zero_force_ds_cpu_optimizer": false' in config  # engine.extra, merged into the generated JSON
+    assert "on the host" in (runs / "zero2-offload" / "train.log").read_text()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Moving between engines: convert, weights only, and the refusals that name the way
+# ------------------------------------------------------------------------------------------------------------------
+def _checkpoint_cli(*args, expect_rc=0):
+    proc = subprocess.run(
+        [sys.executable, "-m", "diff_transformer.checkpoint", *map(str, args)], cwd=REPO, env=train_env(),
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == expect_rc, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def converted(runs):
+    """The ZeRO-3 run's last checkpoint (step 6) as torch_dist, and a megatron-engine run started from it."""
+    out = runs / "zero3-torch_dist"
+    _checkpoint_cli("convert", runs / "zero3-diff" / "checkpoints", out, "--to", "torch_dist")
+    run_train(
+        runs / "megatron-from-zero3",
+        COMMON + ["trainer.max_steps=1", "optim.warmup_steps=0", f"checkpoint.load_weights_only={out}"],
+    )
+    return out
+
+
+@pytest.mark.multiproc
+def test_zero3_checkpoint_converts_to_torch_dist_with_identical_weights(runs, converted, megatron_single_process):
+    """The converted weights, loaded as engine=megatron loads them, equal DeepSpeed's own reconstruction of the ZeRO-3
+    partitions (its zero_to_fp32) bit for bit; engine=megatron trains from them."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from omegaconf import OmegaConf
+
+    from diff_transformer.config import Config
+    from diff_transformer.models.gpt import build_model_chunk
+    from diff_transformer.training.checkpoint_tools import load_torch_dist_weights
+
+    step6 = ckpt(runs / "zero3-diff", 6)
+    reference = get_fp32_state_dict_from_zero_checkpoint(str(Path(step6).parent), tag=Path(step6).name)
+    saved = read_trainer_state(str(converted))
+    assert saved["weights_only"] and saved["layout"]["engine"] == "megatron" and saved["step"] == 6
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), saved["config"]))
+    chunk = build_model_chunk(cfg, reference["embedding.word_embeddings.weight"].shape[0], perform_init=False)
+    load_torch_dist_weights(chunk, str(converted))
+    loaded = {k: v for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}
+    assert loaded.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch_equal(loaded[name], tensor), name
+    # the weights are the trained ones: engine=megatron's first step on them is far below the fresh run's
+    first = read_metrics(runs / "megatron-from-zero3")[0]
+    assert first["loss"] < read_metrics(runs / "megatron-diff")[0]["loss"] - 0.05
+    assert "started from the weights of" in (runs / "megatron-from-zero3" / "train.log").read_text()
+    out = _checkpoint_cli("inspect", converted).stdout
+    assert "weights only, converted from engine=deepspeed checkpoint" in out
+    out = _checkpoint_cli("inspect", step6).stdout
+    assert "engine       deepspeed ZeRO-3 (offload optimizer none, parameters none)" in out
+
+
+def torch_equal(a, b):
+    import torch
+
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+@pytest.mark.multiproc
+def test_refusals_name_both_values_and_the_convert_command(runs, converted, tmp_path):
+    """Resuming across engines, ZeRO stages or world sizes, or a weights-only checkpoint, is refused before anything
+    loads, naming what differs and the way: the convert command or checkpoint.load_weights_only."""
+    from omegaconf import OmegaConf
+
+    from diff_transformer.config import Config
+    from diff_transformer.training.trainer import create_trainer
+
+    step3 = ckpt(runs / "zero3-diff", 3)
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), read_trainer_state(step3)["config"]))
+
+    def refusal(**changes):
+        c = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cfg), changes))
+        trainer = create_trainer(c, str(tmp_path))
+        trainer.checkpoint_root = str(tmp_path / "checkpoints")
+        with pytest.raises(ValueError) as err:
+            trainer._checkpoint_to_load()
+        return str(err.value)
+
+    convert = f"python -m diff_transformer.checkpoint convert {step3} OUT --to torch_dist"
+    message = refusal(checkpoint={"resume": step3}, engine={"zero_stage": 2})
+    assert "saved with engine.zero_stage=3, the run has engine.zero_stage=2" in message and convert in message
+    message = refusal(checkpoint={"resume": step3}, parallel={"tp": 2})
+    assert "saved with parallel.tp=1, the run has parallel.tp=2" in message and convert in message
+    message = refusal(checkpoint={"resume": step3}, engine={"name": "megatron", "zero_stage": None})
+    assert "saved by engine=deepspeed, the run uses engine=megatron" in message and convert in message
+    message = refusal(checkpoint={"load_weights_only": step3}, engine={"name": "megatron", "zero_stage": None})
+    assert "engine=megatron loads torch_dist checkpoints" in message and convert in message
+    message = refusal(checkpoint={"resume": step3})  # this process is a world of one
+    assert "saved by a world of 2 processes, the run has 1" in message and convert in message
+    message = refusal(checkpoint={"resume": str(converted)})
+    assert "holds weights only" in message and f"checkpoint.load_weights_only={converted}" in message
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Bad input: one error naming the key, before any process group starts
+# ------------------------------------------------------------------------------------------------------------------
+def compose_cfg(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    from diff_transformer.config import register_configs, to_object
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        return to_object(compose("config", overrides=list(overrides)))
+
+
+@pytest.mark.parametrize(
+    "overrides,world,message",
+    [
+        (["engine=deepspeed", "engine.zero_stage=4"], 1, r"engine.zero_stage=4 is unknown; use 0, 1, 2 or 3"),
+        (["engine=deepspeed", "engine.zero_stage=2", "engine.offload_optimizer=nvme"], 1,
+         r"engine.offload_optimizer=nvme needs engine.nvme_path \(a directory on a local NVMe drive"),
+        (["engine=deepspeed", "engine.zero_stage=2", "engine.offload_param=cpu"], 1,
+         r"engine.offload_param=cpu needs engine.zero_stage=3 .*the run has engine.zero_stage=2"),
+        (["engine=deepspeed", "engine.zero_stage=0", "engine.offload_optimizer=cpu"], 1,
+         r"engine.offload_optimizer=cpu needs engine.zero_stage >= 1"),
+        (["engine=deepspeed", "engine.offload_optimizer=disk"], 1, r"engine.offload_optimizer='disk' is unknown"),
+        (["engine=deepspeed", "parallel.pp=2"], 2,
+         r"engine=deepspeed does not run pipeline parallelism \(parallel.pp=2\); use engine=megatron for PP"),
+        (["engine=deepspeed", "parallel.distributed_optimizer=true"], 2,
+         r"parallel.distributed_optimizer=true is megatron-core's .*engine.zero_stage >= 1"),
+        (["engine=deepspeed", "checkpoint.async_save=true"], 1, r"checkpoint.async_save=true .*engine=deepspeed"),
+        (["engine.zero_stage=3"], 1, r"engine.zero_stage=3 applies to engine=deepspeed only"),
+        (["engine.name=colossal"], 1, r"engine='colossal' is unknown; use one of megatron, deepspeed"),
+    ],
+    ids=["stage", "nvme-path", "param-offload-stage", "optimizer-offload-stage0", "offload-device", "pp",
+         "distributed-optimizer", "async-save", "megatron-zero-stage", "engine"],
+)
+def test_bad_engine_configs_are_refused_naming_the_key(overrides, world, message):
+    from diff_transformer.config import validate
+
+    cfg = compose_cfg("experiment=smoke", *overrides)
+    with pytest.raises(ValueError, match=message):
+        validate(cfg, world_size=world)
+
+
+def test_deepspeed_that_lacks_a_feature_is_refused(monkeypatch):
+    """A release older than the one the engine is written for, or an op the setting needs that cannot build here."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+
+    from diff_transformer.training import deepspeed_engine
+
+    deepspeed = deepspeed_engine.import_deepspeed()
+    cfg = compose_cfg("experiment=smoke", "engine=deepspeed", "engine.zero_stage=3", "engine.offload_param=nvme",
+                      "engine.offload_optimizer=cpu", "engine.nvme_path=/tmp/nvme")
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
+    monkeypatch.setattr(CPUAdamBuilder, "is_compatible", lambda self, verbose=False: True)
+    with pytest.raises(ValueError, match=r"engine.offload_param=nvme needs DeepSpeed's async_io op, which deepspeed "
+                                         r".* cannot build on this machine \(it needs libaio"):
+        deepspeed_engine.check_deepspeed_support(cfg)
+    monkeypatch.setattr(CPUAdamBuilder, "is_compatible", lambda self, verbose=False: False)
+    with pytest.raises(ValueError, match=r"engine.offload_optimizer=cpu steps the optimizer with DeepSpeed's CPU Adam"):
+        deepspeed_engine.check_deepspeed_support(cfg)
+    monkeypatch.setattr(deepspeed, "__version__", "0.14.0")
+    with pytest.raises(ValueError, match=r"engine=deepspeed needs deepspeed>=0.19.8, but 0.14.0 is installed"):
+        deepspeed_engine.check_deepspeed_support(cfg)
+
+
+def test_train_py_refuses_in_one_line_before_any_process_group(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "experiment=smoke", "engine=deepspeed", "parallel.pp=2",
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: engine=deepspeed does not run pipeline parallelism (parallel.pp=2); use engine=megatron "
+                      "for PP, or parallel.pp=1"]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -25,6 +25,11 @@ ALLOWED = {
         "diff_transformer.training", "diff_transformer.models", "diff_transformer.config", "diff_transformer.compat",
         "diff_transformer.distributed", "diff_transformer.fileio", "data",
     ),
+    # engine=deepspeed: the trainer's subclass; it reads no config schema or data module of its own
+    "diff_transformer.training.deepspeed_engine": (
+        "diff_transformer.training", "diff_transformer.models", "diff_transformer.compat",
+        "diff_transformer.distributed", "diff_transformer.fileio",
+    ),
     "diff_transformer.analysis": ("diff_transformer.analysis",),
     # command-line entry points over the libraries
     "diff_transformer.checkpoint": ("diff_transformer.training",),

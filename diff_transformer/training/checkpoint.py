@@ -261,18 +261,21 @@ def check_resumable(path: str, saved: Dict[str, Any], cfg: Any) -> None:
 
 def check_deepspeed_resumable(path: str, layout: Dict[str, Any], cfg: Any) -> None:
     """DeepSpeed restores ZeRO's partitions only on the stage and layout that wrote them."""
-    current = {
-        "engine.zero_stage": cfg.engine.zero_stage,
-        "parallel.tp": cfg.parallel.tp,
-        "world size": int(os.environ.get("WORLD_SIZE", "1")),
-    }
-    saved = {"engine.zero_stage": layout["zero_stage"], "parallel.tp": layout["tp"], "world size": layout["world_size"]}
-    for key, value in saved.items():
-        if current[key] != value:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    differences = [
+        (layout["zero_stage"], cfg.engine.zero_stage, f"with engine.zero_stage={layout['zero_stage']}",
+         f"engine.zero_stage={cfg.engine.zero_stage}", f"engine.zero_stage={layout['zero_stage']}"),
+        (layout["tp"], cfg.parallel.tp, f"with parallel.tp={layout['tp']}", f"parallel.tp={cfg.parallel.tp}",
+         f"parallel.tp={layout['tp']}"),
+        (layout["world_size"], world, f"by a world of {layout['world_size']} processes", f"{world}",
+         f"{layout['world_size']} processes"),
+    ]
+    for saved, current, saved_words, current_words, resume_words in differences:
+        if saved != current:
             raise ValueError(
-                f"checkpoint {path} was saved with {key}={value}, the run has {key}={current[key]}; DeepSpeed "
-                f"restores ZeRO's partitioned optimizer state only on the stage and layout that saved it: resume "
-                f"with {key}={value}, or convert it ({convert_command(path)}) and start from "
+                f"checkpoint {path} was saved {saved_words}, the run has {current_words}; DeepSpeed restores ZeRO's "
+                f"partitioned optimizer state only on the stage and layout that saved it: resume with "
+                f"{resume_words}, or convert it ({convert_command(path)}) and start from "
                 "checkpoint.load_weights_only=OUT (weights only, fresh optimizer state)"
             )
 

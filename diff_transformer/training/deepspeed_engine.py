@@ -58,7 +58,7 @@ RNG_FILE = "rng_state_rank{rank:05d}.pt"
 def import_deepspeed():
     """``deepspeed``, with its accelerator chosen from this machine (CUDA or CPU, so that a GPU hidden by
     CUDA_VISIBLE_DEVICES is not looked for) and, without CUDA, its CPU patches (``compat``)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    compat.select_deepspeed_accelerator()
     try:
         import deepspeed
     except ImportError as err:
