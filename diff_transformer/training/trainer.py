@@ -512,6 +512,7 @@ class Trainer:
             "max_steps": self.cfg.trainer.max_steps,
             "data": self._data_description(),
             "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "dp": self.dp_size},
+            "engine": self.cfg.engine.name,
         }
         atomic_write_json(os.path.join(self.run_dir, "run.json"), info)
 
