@@ -1,14 +1,15 @@
 """Peak memory per rank under DeepSpeed ZeRO stages 0-3 (and CPU optimizer offload) next to the estimate, with
 megatron-core's DDP and distributed optimizer as the reference, in one run.
 
-    python benchmarks/zero_memory.py [--hidden 512] [--layers 8] [--dp 2] [--bucket 1e7] [--out DIR]
+    python benchmarks/zero_memory.py [--hidden 512] [--layers 8] [--dp 4] [--bucket 1e7] [--prefetch 4e6] [--out DIR]
 
 Each setting is a real training setup (``Trainer.setup`` and three steps of ``fit``: model, engine, optimizer; no
 validation, no checkpoints), one process per rank under torchrun. The model is the debug model widened until the
 weights, gradients and optimizer state dominate (``--hidden`` wide, ``--layers`` deep, sequence 64, micro-batch 2,
 bundled 4096-piece vocabulary: 27.8M parameters by default), fp32 on a CPU, bf16 on a GPU. DeepSpeed allocates its
 reduction bucket whole (5e8 elements by default, 2 GB in fp32, which would dwarf this model), so the runs set
-``zero_optimization.reduce_bucket_size`` to ``--bucket`` elements and the estimate counts that.
+``zero_optimization.reduce_bucket_size`` to ``--bucket`` elements, and ZeRO-3's prefetch bucket (5e7 by default, more
+than the whole model) to ``--prefetch``, about one layer; the estimate counts both.
 
 Measured: the peak of bytes allocated from before the model is built to the end of the third step, on the rank where
 it is highest (``accounting.PeakMemory``: CUDA allocator statistics on a GPU; on a CPU glibc's in-use heap bytes,
@@ -100,8 +101,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--dp", type=int, default=2, help="processes (data-parallel ranks)")
+    parser.add_argument("--dp", type=int, default=4, help="processes (data-parallel ranks)")
     parser.add_argument("--bucket", type=float, default=1e7, help="zero_optimization.reduce_bucket_size (elements)")
+    parser.add_argument("--prefetch", type=float, default=4e6, help="stage3_prefetch_bucket_size (elements)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
@@ -118,11 +120,14 @@ def main() -> int:
         "trainer.eval_interval=0", "trainer.log_interval=1", "logging.wandb.mode=disabled",
         "checkpoint.interval=0", "checkpoint.save_at_end=false", *args.overrides,
     ]
-    bucket = f"+engine.extra.zero_optimization.reduce_bucket_size={int(args.bucket)}"
+    buckets = [
+        f"+engine.extra.zero_optimization.reduce_bucket_size={int(args.bucket)}",
+        f"+engine.extra.zero_optimization.stage3_prefetch_bucket_size={int(args.prefetch)}",
+    ]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, overrides) in enumerate(SETTINGS):
-            extra = [bucket] if overrides[:1] == DS else []
+            extra = buckets if overrides[:1] == DS else []
             r = measure(args.dp, common + overrides + extra, Path(tmp) / str(i))
             rows.append((name, r))
             e = r["estimate"]
@@ -133,9 +138,10 @@ def main() -> int:
         f"# Peak memory per rank under ZeRO stages, {machine_name()}, {datetime.date.today()}",
         "",
         f"Command: `python benchmarks/zero_memory.py --hidden {args.hidden} --layers {args.layers} --dp {args.dp} "
-        f"--bucket {args.bucket:g}` ({rows[0][1]['parameters']:,}-parameter DIFF model: debug widened to hidden "
+        f"--bucket {args.bucket:g} --prefetch {args.prefetch:g}` ({rows[0][1]['parameters']:,}-parameter DIFF model: debug widened to hidden "
         f"{args.hidden}, {args.layers} layers, {heads} heads; sequence 64, micro-batch 2, {args.dp} data-parallel "
-        f"ranks, {dtype}; three steps; DeepSpeed's reduce_bucket_size {args.bucket:g} elements). Estimate: "
+        f"ranks, {dtype}; three steps; DeepSpeed's reduce_bucket_size {args.bucket:g} and stage3_prefetch_bucket_size "
+        f"{args.prefetch:g} elements). Estimate: "
         "`training.accounting.estimate_memory_per_gpu`, on the device and (offload) on the host. Measured: the peak "
         "of bytes allocated from before the model was built to the end of step 3, on the rank where it is highest "
         "(GPU: CUDA allocator statistics; CPU: glibc's in-use heap sampled every millisecond, which on a CPU holds "

@@ -132,6 +132,13 @@ PATCH_SITES = (
     *(PatchSite("literal cuda devices", name, "torch") for name in _MODULES_WITH_LITERAL_CUDA),
     PatchSite("deepspeed shm op", "deepspeed.comm.torch", "build_shm_op", "ShareMemCommBuilder"),
     PatchSite("deepspeed shm op", "deepspeed.comm.torch", "TorchBackend.__init__", "build_shm_op()"),
+    # not patched, but private functions engine=deepspeed calls: megatron-core's parameter groups (no weight decay on
+    # biases and 1-D weights) and DeepSpeed's ZeRO-3 readers, given one TP rank's files (checkpoint_tools)
+    PatchSite("deepspeed engine", "megatron.core.optimizer", "_get_param_groups", "wd_mult"),
+    PatchSite("deepspeed checkpoints", "deepspeed.utils.zero_to_fp32", "parse_model_states"),
+    PatchSite("deepspeed checkpoints", "deepspeed.utils.zero_to_fp32", "parse_optim_states", "FP32_FLAT_GROUPS"),
+    PatchSite("deepspeed checkpoints", "deepspeed.utils.zero_to_fp32", "_get_fp32_state_dict_from_zero3_checkpoint"),
+    PatchSite("deepspeed checkpoints", "deepspeed.utils.zero_to_fp32", "to_torch_tensor"),
 )
 
 

@@ -316,20 +316,22 @@ class DeepSpeedTrainer(Trainer):
         last); a bad loss skips the update but consumes the batch, as with engine=megatron."""
         engine = self.engine
         losses: List[torch.Tensor] = []
-        bad_reason = None
+        bad_reason, grad_norm = None, None
         for i in range(self.num_microbatches):
             loss, value = self._micro_batch_loss(data_iter)
             losses.append(value)
-            if i == self.num_microbatches - 1:
+            last = i == self.num_microbatches - 1
+            if last:  # the step's loss is known before its last backward: judge it there
                 step_loss = self._mean_over_data_parallel(losses)
                 if self.step + 1 in self.cfg.failures.inject_nan_at_steps:
                     step_loss = float("nan")
                 bad_reason = self.bad_steps.check(step_loss)
-            with self._update_skipped(bad_reason is not None):
-                if bad_reason is not None and i == self.num_microbatches - 1 and _drops_nonfinite_steps(engine):
+                if bad_reason is not None and _drops_nonfinite_steps(engine):
                     loss = loss * float("nan")  # DeepSpeed's optimizers drop a step with non-finite gradients
+            with self._update_skipped(bad_reason is not None):
                 engine.backward(loss)
-                grad_norm = self._fp32_zero0_grad_norm() if i == self.num_microbatches - 1 else None
+                if last and bad_reason is None:
+                    grad_norm = self._fp32_zero0_grad_norm()
                 engine.step()
         if bad_reason is None:
             self.scheduler.step(increment=1)
