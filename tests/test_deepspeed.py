@@ -180,6 +180,7 @@ def test_zero3_checkpoint_converts_to_torch_dist_with_identical_weights(runs, co
     from diff_transformer.config import Config
     from diff_transformer.models.gpt import build_model_chunk
     from diff_transformer.training.checkpoint_tools import load_torch_dist_weights
+    from diff_transformer.training.deepspeed_engine import load_weights_into_chunk
 
     step6 = ckpt(runs / "zero3-diff", 6)
     reference = get_fp32_state_dict_from_zero_checkpoint(str(Path(step6).parent), tag=Path(step6).name)
@@ -192,6 +193,12 @@ def test_zero3_checkpoint_converts_to_torch_dist_with_identical_weights(runs, co
     assert loaded.keys() == reference.keys()
     for name, tensor in reference.items():
         assert torch_equal(loaded[name], tensor), name
+    # what engine=deepspeed loads for checkpoint.load_weights_only: the same, from the ZeRO-3 files or the conversion
+    for source in (step6, str(converted)):
+        chunk = build_model_chunk(cfg, reference["embedding.word_embeddings.weight"].shape[0], perform_init=False)
+        load_weights_into_chunk(chunk, source)
+        for name, tensor in chunk.state_dict().items():
+            assert name.endswith("_extra_state") or torch_equal(tensor, reference[name]), (source, name)
     # the weights are the trained ones: engine=megatron's first step on them is far below the fresh run's
     first = read_metrics(runs / "megatron-from-zero3")[0]
     assert first["loss"] < read_metrics(runs / "megatron-diff")[0]["loss"] - 0.05

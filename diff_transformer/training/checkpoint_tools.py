@@ -69,6 +69,15 @@ def load_torch_dist_weights(chunk: torch.nn.Module, path: str) -> None:
     chunk.load_state_dict(loaded["model"], strict=True)
 
 
+def load_state_dict_but_extra_state(chunk: torch.nn.Module, state: Dict[str, torch.Tensor], path: str) -> None:
+    """``state`` into ``chunk``: every parameter and buffer must be there; megatron's ``_extra_state`` entries (no
+    data on the local spec) may be missing."""
+    missing, unexpected = chunk.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not fit the model: missing {missing}, unexpected {unexpected}")
+
+
 def deepspeed_tp_state_dicts(path: str, ranks: Optional[List[int]] = None) -> List[Dict[str, torch.Tensor]]:
     """The model state dict of each TP rank in ``ranks`` (default: all) of DeepSpeed checkpoint ``path``, as that
     rank's GPTModel chunk names it (what its ``load_state_dict`` takes)."""
@@ -160,10 +169,7 @@ def _write_torch_dist_rank(rank: int, tp: int, path: str, output: str, port: Opt
         vocab = weights["embedding.word_embeddings.weight"].shape[0] * tp
         dtype = weights["embedding.word_embeddings.weight"].dtype
         chunk = build_model_chunk(cfg, vocab, dtype, perform_init=False)
-        missing, unexpected = chunk.load_state_dict(weights, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise ValueError(f"{path} does not fit its own model config: missing {missing}, unexpected {unexpected}")
+        load_state_dict_but_extra_state(chunk, weights, path)
         fork_checkpoint_results_queue()
         dist_checkpointing.save({"model": chunk.sharded_state_dict()}, output)
     finally:

@@ -37,8 +37,10 @@ from diff_transformer.models.attention import TP_REPLICATED_ATTR
 from diff_transformer.models.gpt import build_model_chunk
 from diff_transformer.training.checkpoint import (
     CheckpointManager,
+    check_resumable,
     read_trainer_state,
     rng_state,
+    saved_engine,
     set_rng_state,
 )
 from diff_transformer.training.trainer import Trainer, _loss_func
@@ -422,8 +424,6 @@ class DeepSpeedCheckpointManager(CheckpointManager):
         saved = read_trainer_state(path)
         if weights_only:  # loaded into the model before deepspeed.initialize (DeepSpeedTrainer._build_model)
             return saved
-        from diff_transformer.training.checkpoint import check_resumable
-
         check_resumable(path, saved, self.trainer.cfg)
         root, tag = os.path.split(os.path.normpath(path))
         loaded, client_state = self.trainer.engine.load_checkpoint(
@@ -440,10 +440,14 @@ class DeepSpeedCheckpointManager(CheckpointManager):
 def load_weights_into_chunk(chunk: torch.nn.Module, path: str) -> None:
     """The weights of checkpoint ``path`` into this rank's model chunk (whole, before DeepSpeed wraps it): a torch_dist
     checkpoint (engine=megatron, or converted) on any TP layout; a DeepSpeed checkpoint saved at the same TP."""
-    from diff_transformer.training.checkpoint_tools import deepspeed_tp_state_dicts, load_torch_dist_weights
+    from diff_transformer.training.checkpoint_tools import (
+        deepspeed_tp_state_dicts,
+        load_state_dict_but_extra_state,
+        load_torch_dist_weights,
+    )
 
     saved = read_trainer_state(path)
-    if saved["layout"].get("engine", "megatron") != "deepspeed":
+    if saved_engine(saved) != "deepspeed":
         load_torch_dist_weights(chunk, path)
         return
     from megatron.core import parallel_state
@@ -456,14 +460,5 @@ def load_weights_into_chunk(chunk: torch.nn.Module, path: str) -> None:
             "--to torch_dist), then start from checkpoint.load_weights_only=OUT"
         )
     state = deepspeed_tp_state_dicts(path, ranks=[parallel_state.get_tensor_model_parallel_rank()])[0]
-    _load_state_dict_but_extra_state(chunk, state, path)
-
-
-def _load_state_dict_but_extra_state(chunk: torch.nn.Module, state: Dict[str, torch.Tensor], path: str) -> None:
-    """``state`` into ``chunk``: every parameter and buffer must be there; megatron's ``_extra_state`` entries (no
-    data on the local spec) may be missing."""
-    missing, unexpected = chunk.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not fit the model: missing {missing}, unexpected {unexpected}")
+    load_state_dict_but_extra_state(chunk, state, path)
 
