@@ -3,6 +3,7 @@
     python train.py experiment=smoke
     python train.py model=1.4b model.attention=vanilla hydra.run.dir=runs/1.4b-vanilla
     torchrun --nproc_per_node=8 train.py model=3b parallel.tp=2 parallel.pp=2
+    torchrun --nproc_per_node=8 train.py model=3b engine=deepspeed engine.zero_stage=3 engine.offload_optimizer=cpu
 """
 
 import os
@@ -14,7 +15,7 @@ from omegaconf import DictConfig
 
 from diff_transformer.config import register_configs, resolve_launch_paths, to_object, validate
 from diff_transformer.distributed import destroy_distributed, set_torch_env_from_slurm, world_size_from_env
-from diff_transformer.training.trainer import Trainer
+from diff_transformer.training.trainer import create_trainer
 
 register_configs()
 
@@ -27,7 +28,7 @@ def main(dict_cfg: DictConfig) -> None:
         cfg = to_object(dict_cfg)
         resolve_launch_paths(cfg, os.getcwd())  # relative data/checkpoint paths: from where the user launched
         validate(cfg, world_size_from_env())  # before any process group starts or data is touched
-        trainer = Trainer(cfg, HydraConfig.get().runtime.output_dir)
+        trainer = create_trainer(cfg, HydraConfig.get().runtime.output_dir)
         trainer.setup()
     except ValueError as err:  # bad configuration or data: one clear line
         print(f"error: {err}", file=sys.stderr)

@@ -7,6 +7,9 @@ Two kinds:
   checkpoint code run there, which is what lets tensor and pipeline parallelism, checkpoints and the optimizer be
   tested without a GPU. Nothing of this kind is applied when CUDA is available. Call it once, before building
   models; it is idempotent.
+- **DeepSpeed on a CPU** (:func:`apply_deepspeed_cpu_patches`, engine=deepspeed): DeepSpeed's CPU accelerator
+  compiles a shared-memory all-reduce op when its communication backend starts; gloo reduces the same tensors. Like
+  the CPU patches, applied only without CUDA.
 - **Checkpoint workarounds** (:func:`fork_checkpoint_results_queue`, :func:`initialise_adam_state`,
   :func:`adam_step_left_out_of_param_copies`, :func:`unshare_adam_step_tensors`): defects of megatron-core's
   distributed-optimizer checkpointing on the torch-Adam path and of its writer start-up, needed on any device.
@@ -66,6 +69,8 @@ class PatchSite:
 
     def problem(self) -> Optional[str]:
         """None when the site is as assumed; otherwise what differs, in words."""
+        if self.module.startswith("deepspeed"):
+            select_deepspeed_accelerator()
         try:
             obj = importlib.import_module(self.module)
         except ImportError as err:
@@ -125,6 +130,15 @@ PATCH_SITES = (
     PatchSite("adam step on load", "megatron.core.optimizer.distrib_optimizer",
               "DistributedOptimizer._set_main_param_and_optimizer_states", "dst_tensors[key].copy_(tensors[key])"),
     *(PatchSite("literal cuda devices", name, "torch") for name in _MODULES_WITH_LITERAL_CUDA),
+    PatchSite("deepspeed shm op", "deepspeed.comm.torch", "build_shm_op", "ShareMemCommBuilder"),
+    PatchSite("deepspeed shm op", "deepspeed.comm.torch", "TorchBackend.__init__", "build_shm_op()"),
+    # not patched, but private functions engine=deepspeed calls: megatron-core's parameter groups (no weight decay on
+    # biases and 1-D weights) and DeepSpeed's ZeRO-3 readers, given one TP rank's files (checkpoint_tools)
+    PatchSite("deepspeed engine", "megatron.core.optimizer", "_get_param_groups", "wd_mult"),
+    PatchSite("deepspeed checkpoints", "deepspeed.utils.zero_to_fp32", "parse_model_states"),
+    PatchSite("deepspeed checkpoints", "deepspeed.utils.zero_to_fp32", "parse_optim_states", "FP32_FLAT_GROUPS"),
+    PatchSite("deepspeed checkpoints", "deepspeed.utils.zero_to_fp32", "_get_fp32_state_dict_from_zero3_checkpoint"),
+    PatchSite("deepspeed checkpoints", "deepspeed.utils.zero_to_fp32", "to_torch_tensor"),
 )
 
 
@@ -305,6 +319,31 @@ def _patch_cuda_type_checks() -> None:
     cls = distrib_optimizer.DistributedOptimizer
     build = cls._build_model_and_main_param_groups
     cls._build_model_and_main_param_groups = staticmethod(_with_cuda_type_names(build))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepSpeed's communication backend, deepspeed/comm/torch.py: TorchBackend.__init__ calls build_shm_op(), which on
+# the CPU accelerator JIT-compiles a shared-memory all-reduce (30-60 s per process, a C++ toolchain needed) for
+# single-node CPU runs. gloo does the same reductions; on a GPU the op is not built at all.
+# ---------------------------------------------------------------------------------------------------------------
+def select_deepspeed_accelerator() -> None:
+    """DeepSpeed's accelerator from this machine, before deepspeed is imported: CUDA, or its CPU accelerator (rather
+    than its probing, which warns, and would look for a GPU that CUDA_VISIBLE_DEVICES hides)."""
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+
+
+def apply_deepspeed_cpu_patches() -> bool:
+    """Start DeepSpeed's communication backend on gloo alone when CUDA is absent. Returns whether it patched."""
+    if not cpu_patches_needed():
+        return False
+    import sys
+
+    import deepspeed.comm.torch  # noqa: F401  (registers the module; its name is shadowed by torch in deepspeed.comm)
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------------

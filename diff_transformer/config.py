@@ -1,6 +1,6 @@
 """Typed configuration: dataclass schemas registered in Hydra's ConfigStore, with YAML files only setting values.
 
-Groups are orthogonal (``model``, ``parallel``, ``data``, ``optim``, ``trainer``, ``logging``, ``experiment``), so a mirrored baseline is ``model.attention=vanilla`` and a sweep is one multirun line.
+Groups are orthogonal (``model``, ``parallel``, ``data``, ``optim``, ``trainer``, ``engine``, ``logging``, ``experiment``), so a mirrored baseline is ``model.attention=vanilla`` and a sweep is one multirun line.
 :func:`validate` checks every cross-field constraint before any process group starts and names the bad value.
 Every group's schema lives here, so the training code, the launchers and the tools read one definition.
 """
@@ -11,7 +11,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -184,6 +184,93 @@ class LoggingConfig:
     peak_tflops_per_device: Optional[float] = None  # for MFU; None: the datasheet bf16 peak of a known GPU, none on CPU
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# engine: megatron-core (DDP / distributed optimizer, every parallel layout) or DeepSpeed ZeRO (TP and DP)
+# ------------------------------------------------------------------------------------------------------------------
+ENGINES = ("megatron", "deepspeed")
+ZERO_STAGES = (0, 1, 2, 3)
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+@dataclass
+class EngineConfig:
+    name: str = "megatron"  # megatron | deepspeed
+    zero_stage: Optional[int] = None  # deepspeed: 0 (DDP), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters)
+    offload_optimizer: str = "none"  # deepspeed, stage >= 1: none | cpu | nvme (optimizer states and step)
+    offload_param: str = "none"  # deepspeed, stage 3: none | cpu | nvme
+    nvme_path: Optional[str] = None  # a local NVMe directory for offload to nvme
+    extra: Dict[str, Any] = field(default_factory=dict)  # merged into the generated DeepSpeed JSON last
+
+
+# (key, the value that means "not used") of the keys only engine=deepspeed reads
+DEEPSPEED_KEY_DEFAULTS = {"zero_stage": None, "offload_optimizer": "none", "offload_param": "none", "nvme_path": None, "extra": {}}
+
+
+def validate_engine(cfg: Any) -> None:
+    """``engine.*`` and what it implies for the other groups. Pure config: whether the installed DeepSpeed can do
+    it is checked by ``training.deepspeed_engine.check_deepspeed_support`` (also before any process group)."""
+    e, p = cfg.engine, cfg.parallel
+    if e.name not in ENGINES:
+        raise ValueError(f"engine={e.name!r} is unknown; use one of {', '.join(ENGINES)}")
+    if e.name == "megatron":
+        for key, unused in DEEPSPEED_KEY_DEFAULTS.items():
+            value = getattr(e, key)
+            if value != unused:
+                raise ValueError(
+                    f"engine.{key}={value} applies to engine=deepspeed only (the run uses engine=megatron); add "
+                    "engine=deepspeed or leave it unset"
+                )
+        return
+    if e.zero_stage not in ZERO_STAGES:
+        raise ValueError(f"engine.zero_stage={e.zero_stage} is unknown; use 0, 1, 2 or 3")
+    for key in ("offload_optimizer", "offload_param"):
+        if getattr(e, key) not in OFFLOAD_DEVICES:
+            raise ValueError(f"engine.{key}={getattr(e, key)!r} is unknown; use one of {', '.join(OFFLOAD_DEVICES)}")
+    if e.offload_optimizer != "none" and e.zero_stage == 0:
+        raise ValueError(
+            f"engine.offload_optimizer={e.offload_optimizer} needs engine.zero_stage >= 1 (it offloads ZeRO's "
+            "partitioned optimizer states); the run has engine.zero_stage=0"
+        )
+    if e.offload_param != "none" and e.zero_stage != 3:
+        raise ValueError(
+            f"engine.offload_param={e.offload_param} needs engine.zero_stage=3 (only stage 3 partitions the "
+            f"parameters); the run has engine.zero_stage={e.zero_stage}"
+        )
+    nvme_keys = [k for k in ("offload_optimizer", "offload_param") if getattr(e, k) == "nvme"]
+    if nvme_keys and not e.nvme_path:
+        raise ValueError(
+            f"engine.{nvme_keys[0]}=nvme needs engine.nvme_path (a directory on a local NVMe drive, e.g. "
+            "engine.nvme_path=/local_nvme/offload)"
+        )
+    if e.nvme_path and not nvme_keys:
+        raise ValueError(
+            f"engine.nvme_path={e.nvme_path} is read only with engine.offload_optimizer=nvme or "
+            "engine.offload_param=nvme; set one of them or leave it unset"
+        )
+    if p.pp > 1:
+        raise ValueError(
+            f"engine=deepspeed does not run pipeline parallelism (parallel.pp={p.pp}); use engine=megatron for PP, "
+            "or parallel.pp=1"
+        )
+    for key, instead in (
+        ("distributed_optimizer", "engine.zero_stage >= 1 partitions the optimizer states"),
+        ("overlap_grad_reduce", "DeepSpeed overlaps its own reductions (engine.extra.zero_optimization.overlap_comm)"),
+        ("overlap_param_gather", "engine.zero_stage=3 gathers parameters layer by layer during the forward"),
+    ):
+        if getattr(p, key):
+            raise ValueError(f"parallel.{key}=true is megatron-core's (engine=megatron); with engine=deepspeed, {instead}")
+    if p.ddp_bucket_size is not None:
+        raise ValueError(
+            f"parallel.ddp_bucket_size={p.ddp_bucket_size} sizes megatron-core DDP's buckets (engine=megatron); with "
+            "engine=deepspeed set engine.extra.zero_optimization.reduce_bucket_size"
+        )
+    if cfg.checkpoint.async_save:
+        raise ValueError(
+            "checkpoint.async_save=true uses megatron-core's torch_dist writer (engine=megatron); engine=deepspeed "
+            "saves synchronously: set checkpoint.async_save=false"
+        )
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -191,6 +278,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     failures: FailureConfig = field(default_factory=FailureConfig)
@@ -239,6 +327,7 @@ def validate(cfg: Any, world_size: int) -> None:
             f"model.num_kv_heads={kv} must divide model.num_heads={m.num_heads}{why}; use {_divisors(m.num_heads)}"
         )
     validate_attention_kind(m)
+    validate_engine(cfg)  # before the layout: engine=deepspeed refuses PP whatever the world size
     if p.tp < 1 or p.pp < 1:
         raise ValueError(f"parallel.tp={p.tp} and parallel.pp={p.pp} must be positive")
     if m.num_heads % p.tp:
@@ -420,7 +509,7 @@ def validate_parallel_switches(p: Any, seq_length: int, dp: int) -> None:
 # Config keys that name files or directories; relative values are taken from the directory the user launched from.
 PATH_KEYS = (
     "data.blend", "data.tokenizer_dir", "data.cache_dir", "data.index_cache_dir",
-    "checkpoint.dir", "checkpoint.resume", "checkpoint.load_weights_only",
+    "checkpoint.dir", "checkpoint.resume", "checkpoint.load_weights_only", "engine.nvme_path",
 )
 
 

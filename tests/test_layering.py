@@ -32,6 +32,11 @@ ALLOWED = {
         "diff_transformer.config", "diff_transformer.distributed", "diff_transformer.fileio", "data",
         "diff_transformer.attention_metrics",
     ),
+    # engine=deepspeed: the trainer's subclass; it reads no config schema or data module of its own
+    "diff_transformer.training.deepspeed_engine": (
+        "diff_transformer.training", "diff_transformer.models", "diff_transformer.compat",
+        "diff_transformer.distributed", "diff_transformer.fileio",
+    ),
     "diff_transformer.analysis": ("diff_transformer.analysis",),
     # Hugging Face interchange: reads and writes checkpoints, so above training
     "diff_transformer.hf": (

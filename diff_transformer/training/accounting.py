@@ -1,6 +1,7 @@
 """FLOP, MFU and memory accounting: what the loop logs (MFU, memory), the estimate of memory per GPU it prints
-before training, and the memory plan that refuses a launch which cannot fit, naming the switches that would make it
-fit (recomputation, sequence parallelism, the distributed optimizer, micro-batch size, TP, PP)."""
+before training (for either engine: megatron-core, or DeepSpeed at its ZeRO stage and offload), and the memory plan
+that refuses a launch which cannot fit, naming the switches that would make it fit (recomputation, sequence
+parallelism, the distributed optimizer or a higher ZeRO stage and offload, micro-batch size, TP, PP)."""
 
 from __future__ import annotations
 
@@ -177,7 +178,10 @@ def estimate_memory_per_gpu(
     logits) or during the backward (everything stored, and what recomputation brings back, once the logits are
     freed): ``activations`` holds the stored part plus whatever the recomputed part exceeds the logits by.
 
-    ``device``: ``cuda`` or ``cpu`` (default: this machine's), for the few kernels whose saved tensors differ."""
+    ``device``: ``cuda`` or ``cpu`` (default: this machine's), for the few kernels whose saved tensors differ.
+
+    With ``engine=deepspeed`` the weights, gradients and optimizer state are DeepSpeed's at its ZeRO stage
+    (:func:`deepspeed_state_bytes`); what offload moves off the device is reported as ``host``."""
     p, t = cfg.parallel, cfg.trainer
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     a = 2 if dtype == torch.bfloat16 else 4
@@ -190,19 +194,78 @@ def estimate_memory_per_gpu(
     if p.pp > 1:
         stages.append((params["last"], 1, logits_bytes(cfg, padded_vocab, a)))
     best = None
+    deepspeed = getattr(getattr(cfg, "engine", None), "name", "megatron") == "deepspeed"
     for n, in_flight, logits in stages:
         stored, transient = activation_bytes_per_stage(cfg, a, device, in_flight)
+        if deepspeed:
+            state = deepspeed_state_bytes(cfg, n, a, dp)
+        else:
+            state = {"weights": n * a, "grads": n * 4, "optimizer": n * optim_bytes, "host": 0.0}
         out = {
-            "weights": n * a / GIB,
-            "grads": n * 4 / GIB,
-            "optimizer": n * optim_bytes / GIB,
+            "weights": state["weights"] / GIB,
+            "grads": state["grads"] / GIB,
+            "optimizer": state["optimizer"] / GIB,
             "activations": (stored + max(0.0, transient - logits)) / GIB,
             "logits": logits / GIB,
         }
         out["total"] = sum(out.values())
+        out["host"] = state["host"] / GIB  # offloaded: host memory, not in the device total
         if best is None or out["total"] > best["total"]:
             best = out
     return best
+
+
+# DeepSpeed's defaults (zero_optimization.reduce_bucket_size, stage3_prefetch_bucket_size), in elements
+DEEPSPEED_REDUCE_BUCKET = 5e8
+DEEPSPEED_PREFETCH_BUCKET = 5e7
+
+
+def deepspeed_state_bytes(cfg: Any, n: int, a: int, dp: int) -> Dict[str, float]:
+    """Bytes of weights, gradients and optimizer state of ``n`` parameters on one device under DeepSpeed ZeRO
+    (``a``: bytes of the model's dtype), and what offload keeps on the host instead:
+
+    - stage 0: the whole model and its gradients, plus the flat copy its all-reduce makes of them (bf16: also
+      DeepSpeed's fp32 gradient accumulation); in fp32 torch AdamW's moments on the parameters themselves, in bf16
+      DeepSpeed's optimizer splits the fp32 master copy and the moments over data-parallel ranks;
+    - stages 1–3: an fp32 master partition, Adam's two moments and an fp32 gradient partition, each 4 bytes a
+      parameter over ``dp`` (also in fp32: ZeRO keeps its own flat master copy), and the reduction bucket it
+      allocates whole (``zero_optimization.reduce_bucket_size`` elements of the model's dtype, 5e8 by default;
+      twice with ``overlap_comm`` at stages 1–2); stage 1 keeps whole gradients in the model's dtype, stage 2
+      partitions them, stage 3 partitions the weights too and holds gathered the parameters of the layer it
+      computes and the prefetch bucket's;
+    - ``offload_optimizer``: the master partition, the moments and the fp32 gradient partition on the host, and at
+      stages 2–3 the partitioned gradients too;
+      ``offload_param`` (stage 3): the weight partitions on the host, only the gathered ones on the device.
+    """
+    e = cfg.engine
+    zero = dict(e.extra.get("zero_optimization", {})) if e.extra else {}
+    stage = e.zero_stage
+    if stage == 0:
+        if a == 4:
+            return {"weights": n * 4, "grads": n * 8, "optimizer": n * 8, "host": 0.0}
+        return {"weights": n * a, "grads": n * (2 * a + 4), "optimizer": n * 12 / dp, "host": 0.0}
+    optimizer = n * 12 / dp  # fp32 master partition and the two moments
+    grads = n * 4 / dp  # the fp32 gradient partition the step reads
+    host = 0.0
+    if e.offload_optimizer != "none":
+        host, optimizer, grads = optimizer + grads, 0.0, 0.0
+    buffers = 2 if stage < 3 and zero.get("overlap_comm", False) else 1
+    bucket = buffers * float(zero.get("reduce_bucket_size", DEEPSPEED_REDUCE_BUCKET)) * a
+    if stage == 1:
+        return {"weights": n * a, "grads": grads + n * a + bucket, "optimizer": optimizer, "host": host}
+    if e.offload_optimizer != "none":  # the partitioned gradients accumulate on the host
+        host += n * a / dp
+    else:
+        grads += n * a / dp
+    if stage == 2:
+        return {"weights": n * a, "grads": grads + bucket, "optimizer": optimizer, "host": host}
+    prefetch = min(float(zero.get("stage3_prefetch_bucket_size", DEEPSPEED_PREFETCH_BUCKET)), n)
+    weights = (layer_parameters(cfg.model, cfg.parallel.tp) + prefetch) * a  # gathered
+    if e.offload_param != "none":
+        host += n * a / dp
+    else:
+        weights += n * a / dp
+    return {"weights": weights, "grads": grads + bucket, "optimizer": optimizer, "host": host}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -227,7 +290,17 @@ def memory_switches(cfg: Any, world_size: int) -> List[Dict[str, Any]]:
     m, p, t = cfg.model, cfg.parallel, cfg.trainer
     dp = world_size // (p.tp * p.pp)
     out: List[Dict[str, Any]] = []
-    if not p.distributed_optimizer and dp > 1:
+    deepspeed = getattr(getattr(cfg, "engine", None), "name", "megatron") == "deepspeed"
+    if deepspeed:
+        e = cfg.engine
+        for stage in range(e.zero_stage + 1, 4):
+            if dp > 1:
+                out.append({"engine.zero_stage": stage})
+        if e.offload_optimizer == "none":
+            out.append({"engine.zero_stage": max(e.zero_stage, 1), "engine.offload_optimizer": "cpu"})
+        if e.offload_param == "none":
+            out.append({"engine.zero_stage": 3, "engine.offload_optimizer": "cpu", "engine.offload_param": "cpu"})
+    elif not p.distributed_optimizer and dp > 1:
         out.append({"parallel.distributed_optimizer": True})
     if p.tp > 1 and not p.sequence_parallel and _divides(m.seq_length, p.tp):
         out.append({"parallel.sequence_parallel": True})
@@ -248,7 +321,7 @@ def memory_switches(cfg: Any, world_size: int) -> List[Dict[str, Any]]:
         # with sequence parallelism, which more TP makes worth its while
         out.append({"parallel.tp": tp, **({"parallel.sequence_parallel": True} if _divides(m.seq_length, tp) else {})})
     pp = p.pp * 2
-    if (_divides(m.num_layers, pp) and _divides(world_size, p.tp * pp)
+    if (not deepspeed and _divides(m.num_layers, pp) and _divides(world_size, p.tp * pp)
             and _divides(t.global_batch_size, t.micro_batch_size * (world_size // (p.tp * pp)))):
         out.append({"parallel.pp": pp})
     return out

@@ -250,9 +250,48 @@ def load_model_weights(chunk: torch.nn.Module, path: str, saved_model: Dict[str,
         )
 
 
+def convert_command(path: str) -> str:
+    return f"python -m diff_transformer.checkpoint convert {path} OUT --to torch_dist"
+
+
+def saved_engine(saved: Dict[str, Any]) -> str:
+    """The engine that wrote a checkpoint (checkpoints from before engines were recorded are megatron-core's)."""
+    return saved["layout"].get("engine", "megatron")
+
+
+def check_weights_loadable(path: str, saved: Dict[str, Any], cfg: Any) -> None:
+    """``checkpoint.load_weights_only``: engine=megatron reads torch_dist checkpoints (its own, or converted from
+    DeepSpeed); engine=deepspeed reads both formats (a DeepSpeed one at the TP that saved it)."""
+    if cfg.engine.name == "megatron" and saved_engine(saved) == "deepspeed":
+        raise ValueError(
+            f"checkpoint {path} was saved by engine=deepspeed (ZeRO-{saved['layout']['zero_stage']}); engine=megatron "
+            f"loads torch_dist checkpoints: convert it ({convert_command(path)}), then use "
+            "checkpoint.load_weights_only=OUT"
+        )
+
+
 def check_resumable(path: str, saved: Dict[str, Any], cfg: Any) -> None:
-    """Refuse optimizer-state resharding that megatron-core cannot do; the weights alone always reshard."""
+    """Refuse optimizer-state resharding that the engine cannot do; the weights alone always reshard (for DeepSpeed
+    checkpoints through ``checkpoint convert``)."""
     layout, p = saved["layout"], cfg.parallel
+    if saved.get("weights_only"):
+        raise ValueError(
+            f"checkpoint {path} holds weights only ({saved.get('converted_from', 'converted')}); start a run from it "
+            f"with checkpoint.load_weights_only={path}"
+        )
+    engine = saved_engine(saved)
+    if engine != cfg.engine.name:
+        how = (
+            f"convert it ({convert_command(path)}) and start from checkpoint.load_weights_only=OUT"
+            if engine == "deepspeed" else f"start from its weights with checkpoint.load_weights_only={path}"
+        )
+        raise ValueError(
+            f"checkpoint {path} was saved by engine={engine}, the run uses engine={cfg.engine.name}; the optimizer "
+            f"state does not move between engines: resume with engine={engine}, or {how}"
+        )
+    if engine == "deepspeed":
+        check_deepspeed_resumable(path, layout, cfg)
+        return
     if layout["distributed_optimizer"] != p.distributed_optimizer:
         raise ValueError(
             f"checkpoint {path} was saved with parallel.distributed_optimizer={layout['distributed_optimizer']}, "
@@ -267,6 +306,27 @@ def check_resumable(path: str, saved: Dict[str, Any], cfg: Any) -> None:
             f"(here to parallel.pp={p.pp}): resume at parallel.pp={layout['pp']}, or start from its weights with "
             "checkpoint.load_weights_only"
         )
+
+
+def check_deepspeed_resumable(path: str, layout: Dict[str, Any], cfg: Any) -> None:
+    """DeepSpeed restores ZeRO's partitions only on the stage and layout that wrote them."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    differences = [
+        (layout["zero_stage"], cfg.engine.zero_stage, f"with engine.zero_stage={layout['zero_stage']}",
+         f"engine.zero_stage={cfg.engine.zero_stage}", f"engine.zero_stage={layout['zero_stage']}"),
+        (layout["tp"], cfg.parallel.tp, f"with parallel.tp={layout['tp']}", f"parallel.tp={cfg.parallel.tp}",
+         f"parallel.tp={layout['tp']}"),
+        (layout["world_size"], world, f"by a world of {layout['world_size']} processes", f"{world}",
+         f"{layout['world_size']} processes"),
+    ]
+    for saved, current, saved_words, current_words, resume_words in differences:
+        if saved != current:
+            raise ValueError(
+                f"checkpoint {path} was saved {saved_words}, the run has {current_words}; DeepSpeed restores ZeRO's "
+                f"partitioned optimizer state only on the stage and layout that saved it: resume with "
+                f"{resume_words}, or convert it ({convert_command(path)}) and start from "
+                "checkpoint.load_weights_only=OUT (weights only, fresh optimizer state)"
+            )
 
 
 def read_trainer_state(path: str) -> Dict[str, Any]:
@@ -308,13 +368,18 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 def _layout(trainer) -> Dict[str, int]:
     from megatron.core import parallel_state as ps
 
-    return {
+    layout = {
         "tp": ps.get_tensor_model_parallel_world_size(),
         "pp": ps.get_pipeline_model_parallel_world_size(),
         "dp": ps.get_data_parallel_world_size(),
         "world_size": torch.distributed.get_world_size(),
         "distributed_optimizer": bool(trainer.cfg.parallel.distributed_optimizer),
+        "engine": trainer.cfg.engine.name,
     }
+    if trainer.cfg.engine.name == "deepspeed":
+        e = trainer.cfg.engine
+        layout.update(zero_stage=e.zero_stage, offload_optimizer=e.offload_optimizer, offload_param=e.offload_param)
+    return layout
 
 
 def _rng_sharded_object(layout: Dict[str, int], state: Optional[Dict[str, Any]]):
@@ -415,13 +480,7 @@ class CheckpointManager:
             remove_partial_saves(self.root)
             os.makedirs(tmp)
         barrier()
-        from megatron.core import dist_checkpointing
-
-        compat.fork_checkpoint_results_queue()
-        self.trainer.finish_param_sync()  # parameters updated by the last step, on every rank
-        state = _sharded_state_dict(self.trainer, is_loading=False, optimizer=True, rng=True)
-        # the background writer is forked after the state is staged in host memory, so later steps cannot change it
-        request = dist_checkpointing.save(state, tmp, async_sharded_save=self.config.async_save)
+        request = self._write(tmp)
         meta = trainer_state(self.trainer)
 
         def finalize() -> None:
@@ -447,6 +506,17 @@ class CheckpointManager:
         else:
             self._pending = self._schedule_async(request, finalize)
         return final
+
+    def _write(self, tmp: str):
+        """Write every rank's state into the (existing) directory ``tmp``; returns the request of a background
+        write, or None when the files are written."""
+        from megatron.core import dist_checkpointing
+
+        compat.fork_checkpoint_results_queue()
+        self.trainer.finish_param_sync()  # parameters updated by the last step, on every rank
+        state = _sharded_state_dict(self.trainer, is_loading=False, optimizer=True, rng=True)
+        # the background writer is forked after the state is staged in host memory, so later steps cannot change it
+        return dist_checkpointing.save(state, tmp, async_sharded_save=self.config.async_save)
 
     def _schedule_async(self, request, finalize):
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue

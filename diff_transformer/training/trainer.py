@@ -47,6 +47,7 @@ from diff_transformer.training.checkpoint import (
     check_model_compatible,
     check_resumable,
     check_weights_compatible,
+    check_weights_loadable,
     checkpoints_dir,
     directory_bytes,
     ensure_free_space,
@@ -127,6 +128,7 @@ class Trainer:
             raise ValueError("trainer.precision=bf16 needs a GPU; use fp32 (or auto) on CPU")
         self.padded_vocab = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp)
         check_memory_plan(cfg, self.dtype, world, self.padded_vocab)  # refuses a launch that cannot fit
+        self._check_engine_support()
 
         distributed.init_distributed(cfg.parallel.backend, cfg.parallel.tp, cfg.parallel.pp, cfg.seed)
         from megatron.core import parallel_state
@@ -161,6 +163,10 @@ class Trainer:
         self.optimizer, self.scheduler = self._build_optimizer()
         self._log_setup()
         self._setup_checkpoints()
+
+    def _check_engine_support(self) -> None:
+        """Refuse (ValueError) what the installed engine cannot run here, before any process group starts; megatron-core
+        itself is checked by ``compat``."""
 
     def _agree_on_run_dir(self) -> None:
         """Every rank uses rank 0's run directory (time-stamped default directories can differ by a second)."""
@@ -252,12 +258,14 @@ class Trainer:
         )
         return optimizer, scheduler
 
-    def _log_setup(self) -> None:
+    def _count_parameters(self, chunks) -> None:
+        """``num_parameters`` and ``num_non_embedding_parameters`` of the whole model, from this rank's ``chunks``
+        (collective over the model-parallel group)."""
         from megatron.core import parallel_state
 
         cfg = self.cfg
-        params_rank = count_parameters(self.model)
-        totals = [params_rank, count_parameters(self.model, exclude_embeddings=True)]
+        params_rank = count_parameters(chunks)
+        totals = [params_rank, count_parameters(chunks, exclude_embeddings=True)]
         if self.is_last_stage and cfg.model.share_embeddings and not parallel_state.is_pipeline_first_stage():
             # the last stage's copy of the tied embedding is the same parameter as the first stage's
             totals[0] -= self.padded_vocab // cfg.parallel.tp * cfg.model.hidden_size
@@ -266,13 +274,18 @@ class Trainer:
         # parameters that are not split over TP ranks (norm weights, λ, the other kinds' small parameters) are
         # replicated on every rank: count them once
         replicated = sum(
-            p.numel() for p in self.model[0].parameters() if not getattr(p, "tensor_model_parallel", False)
+            p.numel() for p in chunks[0].parameters() if not getattr(p, "tensor_model_parallel", False)
         )
         (replicated,) = distributed.all_reduce_values(
             [replicated], group=parallel_state.get_pipeline_model_parallel_group()
         )
         self.num_parameters = int(totals[0] - replicated * (cfg.parallel.tp - 1))
         self.num_non_embedding_parameters = int(totals[1] - replicated * (cfg.parallel.tp - 1))
+
+    def _log_setup(self) -> None:
+        cfg = self.cfg
+        if not hasattr(self, "num_parameters"):
+            self._count_parameters(self.model)
         mem = estimate_memory_per_gpu(cfg, self.dtype, torch.distributed.get_world_size(), self.padded_vocab)
         if self.rank != 0:
             return
@@ -300,8 +313,9 @@ class Trainer:
         )
         logger.info(
             "estimated memory per GPU: %.2f GiB (weights %.2f, grads %.2f, optimizer %.2f, activations %.2f, "
-            "logits %.2f); %s",
+            "logits %.2f)%s; %s",
             mem["total"], mem["weights"], mem["grads"], mem["optimizer"], mem["activations"], mem["logits"],
+            f"; on the host {mem['host']:.2f} GiB (offloaded)" if mem.get("host") else "",
             self._memory_switches_line(),
         )
         if cfg.trainer.recompute == "selective" and cfg.model.attention_backend in FUSED_ATTENTION_BACKENDS:
@@ -338,9 +352,33 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------------------------------------------------
     def _setup_checkpoints(self) -> None:
         """Find what to resume (rank 0 decides, every rank follows), check the disk, and load."""
+        self.checkpoints = self._checkpoint_manager(checkpoints_dir(self.cfg, self.run_dir))
+        resume, weights = self._decide_checkpoint()
+        if resume:
+            saved = self.checkpoints.load(resume)
+            self.step, self.consumed_samples = saved["step"], saved["consumed_samples"]
+            self.skipped_steps = saved.get("skipped_steps", 0)
+            self.bad_steps.consecutive = saved.get("bad_steps_in_a_row", 0)
+            self.bad_steps.recent.extend(saved.get("recent_losses", []))
+            self.wandb_run_id = saved.get("wandb_run_id")
+            self.resumed_from = resume
+            if self.rank == 0:
+                logger.info("resumed from %s at step %d (%d samples consumed)", resume, self.step, self.consumed_samples)
+        elif weights:
+            self.checkpoints.load(weights, weights_only=True)
+            if self.rank == 0:
+                logger.info("started from the weights of %s", weights)
+
+    def _checkpoint_manager(self, root: str) -> CheckpointManager:
+        return CheckpointManager(self, root)
+
+    def _decide_checkpoint(self):
+        """(checkpoint to resume, checkpoint to take weights from), at most one set: rank 0 decides and checks the
+        disk, every rank follows (collective the first time; the answer is kept)."""
+        if hasattr(self, "_checkpoint_decision"):
+            return self._checkpoint_decision
         c = self.cfg.checkpoint
         self.checkpoint_root = checkpoints_dir(self.cfg, self.run_dir)
-        self.checkpoints = CheckpointManager(self, self.checkpoint_root)
         decision: List[Any] = [None, None, None]  # resume path, weights-only path, error message
         if self.rank == 0:
             try:
@@ -356,20 +394,8 @@ class Trainer:
         resume, weights, error = distributed.broadcast_object(decision, src=0)
         if error:
             raise ValueError(error)
-        if resume:
-            saved = self.checkpoints.load(resume)
-            self.step, self.consumed_samples = saved["step"], saved["consumed_samples"]
-            self.skipped_steps = saved.get("skipped_steps", 0)
-            self.bad_steps.consecutive = saved.get("bad_steps_in_a_row", 0)
-            self.bad_steps.recent.extend(saved.get("recent_losses", []))
-            self.wandb_run_id = saved.get("wandb_run_id")
-            self.resumed_from = resume
-            if self.rank == 0:
-                logger.info("resumed from %s at step %d (%d samples consumed)", resume, self.step, self.consumed_samples)
-        elif weights:
-            self.checkpoints.load(weights, weights_only=True)
-            if self.rank == 0:
-                logger.info("started from the weights of %s", weights)
+        self._checkpoint_decision = (resume, weights)
+        return self._checkpoint_decision
 
     def _resume_candidate(self, root: str) -> Optional[str]:
         """The checkpoint ``checkpoint.resume`` names (auto: the latest under ``root``), or None. Rank 0 only."""
@@ -393,7 +419,9 @@ class Trainer:
             return resume, None
         if c.load_weights_only:
             weights = resolve_checkpoint_path(c.load_weights_only)
-            check_weights_compatible(weights, read_trainer_state(weights)["config"]["model"], current_model)
+            saved = read_trainer_state(weights)
+            check_weights_compatible(weights, saved["config"]["model"], current_model)
+            check_weights_loadable(weights, saved, self.cfg)
             return None, weights
         return None, None
 
@@ -527,6 +555,7 @@ class Trainer:
             "max_steps": self.cfg.trainer.max_steps,
             "data": self._data_description(),
             "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "dp": self.dp_size},
+            "engine": self.cfg.engine.name,
         }
         atomic_write_json(os.path.join(self.run_dir, "run.json"), info)
 
@@ -680,9 +709,18 @@ class Trainer:
             requeue_current_job()
 
 
+def create_trainer(cfg: Any, run_dir: str) -> Trainer:
+    """The trainer of ``engine``: megatron-core's (:class:`Trainer`) or DeepSpeed's (``deepspeed_engine``)."""
+    if cfg.engine.name == "deepspeed":
+        from diff_transformer.training.deepspeed_engine import DeepSpeedTrainer
+
+        return DeepSpeedTrainer(cfg, run_dir)
+    return Trainer(cfg, run_dir)
+
+
 def run(cfg: Any, run_dir: str) -> List[Dict[str, Any]]:
     """Set up, train, and tear down. Returns the per-step records (on every rank)."""
-    trainer = Trainer(cfg, run_dir)
+    trainer = create_trainer(cfg, run_dir)
     try:
         trainer.setup()
         return trainer.fit()
