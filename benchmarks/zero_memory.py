@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -37,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.reports import machine_name, write_report  # noqa: E402
 
-from tests.train_runs import free_port, train_env  # noqa: E402
+from benchmarks.peak_memory import measure, rank_worker  # noqa: E402
 
 DS = ["engine=deepspeed"]
 # CPU offload with torch's AdamW on the host (DeepSpeed's CPU Adam needs a JIT build; its memory is the same)
@@ -55,48 +53,6 @@ SETTINGS = [
 ]
 
 
-def worker(out_dir: str, overrides) -> None:
-    """One rank: set up and train three steps under PeakMemory; write this rank's measurement and estimate."""
-    from hydra import compose, initialize_config_dir
-
-    from diff_transformer.config import register_configs, to_object
-    from diff_transformer.distributed import destroy_distributed
-    from diff_transformer.training.accounting import GIB, PeakMemory, estimate_memory_per_gpu
-    from diff_transformer.training.trainer import create_trainer
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        cfg = to_object(compose("config", overrides=list(overrides)))
-    trainer = create_trainer(cfg, os.path.join(out_dir, "run"))
-    try:
-        with PeakMemory(cpu_method="heap") as peak:  # every thread: collectives free tensors on gloo's
-            trainer.setup()
-            trainer.fit()
-        world = torch.distributed.get_world_size()
-        estimate = estimate_memory_per_gpu(cfg, trainer.dtype, world, trainer.padded_vocab)
-        rank = torch.distributed.get_rank()
-        parameters = trainer.num_parameters
-    finally:
-        destroy_distributed()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"peak": peak.bytes / GIB, "end": peak.end_bytes / GIB, "estimate": estimate,
-                   "parameters": parameters}, f)
-
-
-def measure(nproc: int, overrides, work: Path) -> dict:
-    work.mkdir(parents=True)
-    script = [str(Path(__file__).resolve()), "--worker", str(work), "--", *overrides]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", *script]
-    proc = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"{' '.join(overrides)} failed:\n{proc.stderr[-4000:]}")
-    ranks = [json.loads(p.read_text()) for p in sorted(work.glob("rank*.json"))]
-    worst = max(ranks, key=lambda r: r["peak"])
-    return {"peak": worst["peak"], "end": max(r["end"] for r in ranks), "estimate": worst["estimate"],
-            "parameters": worst["parameters"]}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=512)
@@ -109,7 +65,7 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.overrides)
+        rank_worker(args.worker, args.overrides)
         return 0
 
     heads = args.hidden // 128
@@ -128,7 +84,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, overrides) in enumerate(SETTINGS):
             extra = buckets if overrides[:1] == DS else []
-            r = measure(args.dp, common + overrides + extra, Path(tmp) / str(i))
+            r = measure(__file__, args.dp, common + overrides + extra, Path(tmp) / str(i))
             rows.append((name, r))
             e = r["estimate"]
             print(f"{name:45} estimate {e['total'] * 1024:8.1f} + host {e['host'] * 1024:7.1f} MiB  "
