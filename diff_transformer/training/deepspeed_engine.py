@@ -258,23 +258,7 @@ class DeepSpeedTrainer(Trainer):
         return chunk
 
     def _build_optimizer(self):
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        o, t = self.cfg.optim, self.cfg.trainer
-        scheduler = OptimizerParamScheduler(
-            self._ds_optimizer,
-            init_lr=0.0,
-            max_lr=o.lr,
-            min_lr=o.min_lr,
-            lr_warmup_steps=o.warmup_steps,
-            lr_decay_steps=t.max_steps,
-            lr_decay_style=o.decay,
-            start_wd=o.weight_decay,
-            end_wd=o.weight_decay,
-            wd_incr_steps=t.max_steps,
-            wd_incr_style="constant",
-        )
-        return self._ds_optimizer, scheduler
+        return self._ds_optimizer, self._lr_scheduler(self._ds_optimizer)
 
     def _checkpoint_manager(self, root: str) -> CheckpointManager:
         return DeepSpeedCheckpointManager(self, root)

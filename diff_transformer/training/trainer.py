@@ -224,9 +224,8 @@ class Trainer:
 
     def _build_optimizer(self):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        o, t = self.cfg.optim, self.cfg.trainer
+        o = self.cfg.optim
         opt_config = OptimizerConfig(
             optimizer="adam",
             lr=o.lr,
@@ -242,21 +241,26 @@ class Trainer:
             overlap_param_gather=self.cfg.parallel.overlap_param_gather,
         )
         optimizer = get_megatron_optimizer(opt_config, self.model)
-        decay_style = {"linear": "linear", "cosine": "cosine", "constant": "constant"}[o.decay]
-        scheduler = OptimizerParamScheduler(
+        return optimizer, self._lr_scheduler(optimizer)
+
+    def _lr_scheduler(self, optimizer):
+        """megatron-core's LR and weight-decay schedule over ``optimizer`` (both engines step the same one)."""
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        o, t = self.cfg.optim, self.cfg.trainer
+        return OptimizerParamScheduler(
             optimizer,
             init_lr=0.0,
             max_lr=o.lr,
             min_lr=o.min_lr,
             lr_warmup_steps=o.warmup_steps,
             lr_decay_steps=t.max_steps,
-            lr_decay_style=decay_style,
+            lr_decay_style=o.decay,  # linear | cosine | constant (validated), megatron-core's names
             start_wd=o.weight_decay,
             end_wd=o.weight_decay,
             wd_incr_steps=t.max_steps,
             wd_incr_style="constant",
         )
-        return optimizer, scheduler
 
     def _count_parameters(self, chunks) -> None:
         """``num_parameters`` and ``num_non_embedding_parameters`` of the whole model, from this rank's ``chunks``
