@@ -138,7 +138,7 @@ def adapted(tmp_path_factory):
         "optim.lr=1e-2", "checkpoint.save_at_end=false", f"checkpoint.load_weights_only={root / 'base'}",
         "model.dex.calibration_samples=8",
     ]
-    run_train(root / "dex", adaptation)
+    run_train(root / "dex", adaptation + ["checkpoint.save_at_end=true"])
     run_train(root / "none", adaptation + ["model.dex.select=none"])
     return root
 
@@ -150,3 +150,24 @@ def test_short_adaptation_lowers_the_validation_loss(adapted):
     assert len(dex["lambda"]) == 2 and all(lam == lam for lam in dex["lambda"])
     log = (adapted / "dex" / "train.log").read_text()
     assert "DEX calibration, layer 1" in log and "only W_D and λ train" in log
+
+
+def test_evaluation_loads_an_adapted_dex_model_with_its_annealed_lambda(adapted):
+    """evaluate's loader and the export's loader build the same function from a DEX checkpoint (λ where the
+    annealing had taken it, not λ_init)."""
+    from diff_transformer.distributed import destroy_distributed, init_distributed
+    from diff_transformer.evaluation.inference import load_for_inference, resolve_run
+    from diff_transformer.training.checkpoint_tools import load_single_rank_model
+
+    model = load_for_inference(resolve_run(str(adapted / "dex")))
+    try:
+        tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+        got = model.logits(tokens)
+        reference, _, state = load_single_rank_model(model.run.checkpoint, torch.float32)
+        assert state["step"] == 12
+        fractions = {m.anneal_fraction for m in reference.modules() if hasattr(m, "anneal_fraction")}
+        assert fractions and 0 not in fractions
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        torch.testing.assert_close(got, reference(tokens, positions, None), rtol=0, atol=0)
+    finally:
+        destroy_distributed()

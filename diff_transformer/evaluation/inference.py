@@ -28,13 +28,14 @@ from omegaconf import OmegaConf
 
 from diff_transformer.config import Config, ModelConfig, padded_vocab_size
 from diff_transformer.distributed import init_distributed
-from diff_transformer.models.gpt import build_model_chunk, lambda_values, resolve_precision
+from diff_transformer.models.gpt import build_model_chunk, lambda_values, resolve_precision, set_dex_anneal
 from diff_transformer.models.layer_specs import variant_label
 from diff_transformer.training.checkpoint import (
     CHECKPOINTS_DIRNAME,
     list_checkpoints,
     read_trainer_state,
     resolve_checkpoint_path,
+    saved_engine,
 )
 
 CONVERTED_SUFFIX = ".pt"
@@ -225,10 +226,14 @@ def load_weights(model: torch.nn.Module, checkpoint: str) -> None:
             raise ValueError(f"{checkpoint} does not fit the model of its config: missing {missing}, unexpected "
                              f"{unexpected}")
         return
-    from megatron.core import dist_checkpointing
+    from diff_transformer.training.checkpoint_tools import load_torch_dist_weights
 
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, checkpoint)
-    model.load_state_dict(loaded["model"], strict=True)
+    if saved_engine(read_trainer_state(checkpoint)) == "deepspeed":
+        raise ValueError(
+            f"checkpoint {checkpoint} was saved by engine=deepspeed; convert it first (python -m "
+            f"diff_transformer.checkpoint convert {checkpoint} OUT --to torch_dist) and evaluate OUT"
+        )
+    load_torch_dist_weights(model, checkpoint)
 
 
 def load_for_inference(run: RunInfo, attention_backend: Optional[str] = None) -> InferenceModel:
@@ -250,5 +255,7 @@ def load_for_inference(run: RunInfo, attention_backend: Optional[str] = None) ->
     padded = _saved_padded_vocab(run, cfg)
     model = build_model_chunk(cfg, padded, dtype, perform_init=False).to(device)  # on its device first, as training
     load_weights(model, run.checkpoint)
+    if cfg.model.attention == "dex":  # λ where the adaptation's annealing had taken it at the checkpoint's step
+        set_dex_anneal([model], cfg.model.dex, run.step, cfg.trainer.max_steps)
     model.eval()
     return InferenceModel(run, model, cfg, padded)
