@@ -152,22 +152,18 @@ def test_short_adaptation_lowers_the_validation_loss(adapted):
     assert "DEX calibration, layer 1" in log and "only W_D and λ train" in log
 
 
-def test_evaluation_loads_an_adapted_dex_model_with_its_annealed_lambda(adapted):
+def test_evaluation_loads_an_adapted_dex_model_with_its_annealed_lambda(adapted, megatron_single_process):
     """evaluate's loader and the export's loader build the same function from a DEX checkpoint (λ where the
     annealing had taken it, not λ_init)."""
-    from diff_transformer.distributed import destroy_distributed, init_distributed
     from diff_transformer.evaluation.inference import load_for_inference, resolve_run
     from diff_transformer.training.checkpoint_tools import load_single_rank_model
 
     model = load_for_inference(resolve_run(str(adapted / "dex")))
-    try:
-        tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
-        got = model.logits(tokens)
-        reference, _, state = load_single_rank_model(model.run.checkpoint, torch.float32)
-        assert state["step"] == 12
-        fractions = {m.anneal_fraction for m in reference.modules() if hasattr(m, "anneal_fraction")}
-        assert fractions and 0 not in fractions
-        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-        torch.testing.assert_close(got, reference(tokens, positions, None), rtol=0, atol=0)
-    finally:
-        destroy_distributed()
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    got = model.logits(tokens)
+    reference, _, state = load_single_rank_model(model.run.checkpoint, torch.float32)
+    assert state["step"] == 12
+    fractions = {m.anneal_fraction for m in reference.modules() if hasattr(m, "anneal_fraction")}
+    assert fractions and 0 not in fractions
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    torch.testing.assert_close(got, reference(tokens, positions, None), rtol=0, atol=0)

@@ -6,13 +6,14 @@ import subprocess
 
 import pytest
 
-from tests.train_runs import REPO, read_metrics, train_command
+from tests.train_runs import DISTRIBUTED_ENV, REPO, read_metrics, train_command
 
 pytestmark = pytest.mark.gpu
 
 
 def run_on_gpu(run_dir, overrides):
-    env = dict(os.environ, WANDB_MODE="disabled", PYTHONWARNINGS="ignore")
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+    env.update(WANDB_MODE="disabled", PYTHONWARNINGS="ignore")
     proc = subprocess.run(train_command(run_dir, overrides), cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, f"train.py exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

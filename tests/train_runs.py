@@ -22,10 +22,17 @@ def train_command(run_dir, overrides, nproc: int = 1):
     return launcher + list(overrides) + [f"hydra.run.dir={run_dir}"]
 
 
+# What torchrun (or a world of one started in-process) sets; a child process must start its own world.
+DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def train_env():
     """The environment of a test's train.py: the CPU tier (gloo, fp32), also on a GPU machine, where several
     processes could not share one GPU under NCCL and bit-exact comparisons assume the CPU's deterministic kernels."""
-    return dict(os.environ, WANDB_MODE="offline", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, WANDB_MODE="offline", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    for key in DISTRIBUTED_ENV:  # a world the test process itself joined is not the child's
+        env.pop(key, None)
+    return env
 
 
 def run_train(run_dir, overrides, nproc: int = 1, expect_rc: int = 0, timeout: int = 300):
