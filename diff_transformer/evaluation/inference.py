@@ -35,7 +35,6 @@ from diff_transformer.training.checkpoint import (
     list_checkpoints,
     read_trainer_state,
     resolve_checkpoint_path,
-    saved_engine,
 )
 
 CONVERTED_SUFFIX = ".pt"
@@ -216,8 +215,10 @@ def inference_config(run: RunInfo, attention_backend: Optional[str] = None) -> C
     return cfg
 
 
-def load_weights(model: torch.nn.Module, checkpoint: str) -> None:
-    """Load ``checkpoint`` (a step_* directory of any layout, or a converted .pt file) into a TP=1/PP=1 model."""
+def load_weights(model: torch.nn.Module, run: RunInfo, cfg: Config) -> None:
+    """Load ``run.checkpoint`` (a step_* directory of any layout, or a converted .pt file) into a TP=1/PP=1 model
+    built from ``cfg``, as the run computed at that step."""
+    checkpoint = run.checkpoint
     if checkpoint.endswith(CONVERTED_SUFFIX):
         weights = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
         missing, unexpected = model.load_state_dict(weights, strict=False)
@@ -225,15 +226,12 @@ def load_weights(model: torch.nn.Module, checkpoint: str) -> None:
         if missing or unexpected:
             raise ValueError(f"{checkpoint} does not fit the model of its config: missing {missing}, unexpected "
                              f"{unexpected}")
+        if cfg.model.attention == "dex":
+            set_dex_anneal([model], cfg.model.dex, run.step, cfg.trainer.max_steps)
         return
-    from diff_transformer.training.checkpoint_tools import load_torch_dist_weights
+    from diff_transformer.training.checkpoint_tools import load_single_rank_weights
 
-    if saved_engine(read_trainer_state(checkpoint)) == "deepspeed":
-        raise ValueError(
-            f"checkpoint {checkpoint} was saved by engine=deepspeed; convert it first (python -m "
-            f"diff_transformer.checkpoint convert {checkpoint} OUT --to torch_dist) and evaluate OUT"
-        )
-    load_torch_dist_weights(model, checkpoint)
+    load_single_rank_weights(model, checkpoint, cfg, read_trainer_state(checkpoint))
 
 
 def load_for_inference(run: RunInfo, attention_backend: Optional[str] = None) -> InferenceModel:
@@ -254,8 +252,6 @@ def load_for_inference(run: RunInfo, attention_backend: Optional[str] = None) ->
     dtype = resolve_precision(cfg.trainer.precision) if device.type == "cuda" else torch.float32
     padded = _saved_padded_vocab(run, cfg)
     model = build_model_chunk(cfg, padded, dtype, perform_init=False).to(device)  # on its device first, as training
-    load_weights(model, run.checkpoint)
-    if cfg.model.attention == "dex":  # λ where the adaptation's annealing had taken it at the checkpoint's step
-        set_dex_anneal([model], cfg.model.dex, run.step, cfg.trainer.max_steps)
+    load_weights(model, run, cfg)
     model.eval()
     return InferenceModel(run, model, cfg, padded)

@@ -66,16 +66,11 @@ def saved_config(path: str) -> Tuple[Config, Dict[str, Any]]:
 
 def load_single_rank_model(path: str, dtype: Optional[torch.dtype] = None):
     """(GPTModel, config, trainer state) of checkpoint ``path`` (any saved TP/PP) rebuilt at TP=1, PP=1, in the
-    world of one the caller has started (``init_distributed("gloo", tp=1, pp=1)``). DEX's λ annealing is set to the
-    checkpoint's step. ``dtype`` None: the run's precision on a GPU, fp32 on a CPU."""
+    world of one the caller has started (``init_distributed("gloo", tp=1, pp=1)``). ``dtype`` None: the run's
+    precision on a GPU, fp32 on a CPU."""
     from megatron.core import dist_checkpointing
 
     cfg, state = saved_config(path)
-    if saved_engine(state) == "deepspeed":
-        raise ValueError(
-            f"checkpoint {path} was saved by engine=deepspeed; convert it to torch_dist first "
-            f"(python -m diff_transformer.checkpoint convert {path} OUT --to torch_dist) and give OUT"
-        )
     cfg.parallel.tp, cfg.parallel.pp = 1, 1
     if dtype is None:
         dtype = resolve_precision(cfg.trainer.precision) if torch.cuda.is_available() else torch.float32
@@ -84,12 +79,23 @@ def load_single_rank_model(path: str, dtype: Optional[torch.dtype] = None):
         meta = dist_checkpointing.load_tensors_metadata(path)
         vocab = meta["embedding.word_embeddings.weight"].local_shape[0]
     chunk = build_model_chunk(cfg, padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, 1), dtype)
-    loaded = dist_checkpointing.load({"model": chunk.sharded_state_dict()}, path)
-    chunk.load_state_dict(loaded["model"], strict=True)
-    if cfg.model.attention == "dex":
-        set_dex_anneal([chunk], cfg.model.dex, state["step"], cfg.trainer.max_steps)
+    load_single_rank_weights(chunk, path, cfg, state)
     chunk.eval()
     return chunk, cfg, state
+
+
+def load_single_rank_weights(chunk: torch.nn.Module, path: str, cfg: Config, state: Dict[str, Any]) -> None:
+    """The weights of torch_dist checkpoint ``path`` (any saved TP/PP; trainer state ``state``) into ``chunk``, a
+    TP=1/PP=1 model built from its config ``cfg``, as the run computed at that step: DEX's λ annealing is set to the
+    checkpoint's step. A DeepSpeed checkpoint is refused, naming the conversion."""
+    if saved_engine(state) == "deepspeed":
+        raise ValueError(
+            f"checkpoint {path} was saved by engine=deepspeed; convert it to torch_dist first "
+            f"(python -m diff_transformer.checkpoint convert {path} OUT --to torch_dist) and give OUT"
+        )
+    load_torch_dist_weights(chunk, path)
+    if cfg.model.attention == "dex":
+        set_dex_anneal([chunk], cfg.model.dex, state["step"], cfg.trainer.max_steps)
 
 
 # ------------------------------------------------------------------------------------------------------------------
