@@ -242,6 +242,8 @@ class DeepSpeedTrainer(Trainer):
         self._count_parameters([chunk])  # before ZeRO-3 partitions the parameters away
         weights = self._decide_checkpoint()[1]
         if weights:  # a new run from a checkpoint's weights: loaded whole, then DeepSpeed partitions them
+            if torch.cuda.is_available():  # loaded on the device, as engine=megatron does (NCCL moves no CPU tensor)
+                chunk.cuda(torch.cuda.current_device())
             load_weights_into_chunk(chunk, weights)
         self._tp_hooks = register_tp_gradient_sums(chunk)
         o = self.cfg.optim
