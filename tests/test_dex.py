@@ -140,6 +140,7 @@ def adapted(tmp_path_factory):
     ]
     run_train(root / "dex", adaptation + ["checkpoint.save_at_end=true"])
     run_train(root / "none", adaptation + ["model.dex.select=none"])
+    run_train(root / "dex_pp2", adaptation + ["parallel.pp=2"], nproc=2)
     return root
 
 
@@ -167,3 +168,16 @@ def test_evaluation_loads_an_adapted_dex_model_with_its_annealed_lambda(adapted,
     assert fractions and 0 not in fractions
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     torch.testing.assert_close(got, reference(tokens, positions, None), rtol=0, atol=0)
+
+
+@pytest.mark.multiproc
+def test_dex_at_pp2_calibrates_and_trains_as_one_process(adapted):
+    """Each pipeline stage calibrates its own layers: the same heads, and the same losses step for step."""
+    one, two = read_metrics(adapted / "dex"), read_metrics(adapted / "dex_pp2")
+    assert [r["step"] for r in two] == [r["step"] for r in one]
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (a["step"], a["loss"], b["loss"])
+    heads = [line for line in (adapted / "dex" / "train.log").read_text().splitlines() if "DEX heads per layer" in line]
+    heads_pp2 = [line for line in (adapted / "dex_pp2" / "train.log").read_text().splitlines()
+                 if "DEX heads per layer" in line]
+    assert heads and heads[0].rsplit("): ", 1)[-1] == heads_pp2[0].rsplit("): ", 1)[-1]
