@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
 from data import readers
+from diff_transformer.fileio import replace_directory
 
 MODEL_FILE = "tokenizer.model"
 CONFIG_FILE = "tokenizer_config.json"
@@ -390,9 +391,7 @@ def _write_tokenizer_dir(out_dir: str | os.PathLike, model: bytes, config: dict)
     try:
         (staging / MODEL_FILE).write_bytes(model)
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.rename(staging, out_dir)
+        replace_directory(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

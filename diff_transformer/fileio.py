@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Any, Iterable
 
 
@@ -41,3 +42,17 @@ def atomic_write_lines(path: str, lines: Iterable[str]) -> None:
 
 def atomic_write_json(path: str, payload: Any) -> None:
     atomic_write_text(path, json.dumps(payload, indent=2) + "\n")
+
+
+def replace_directory(staging: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Put the finished directory ``staging`` (a sibling of ``target``) in place of ``target``: its files fsynced,
+    whatever ``target`` held removed, the rename made durable."""
+    for name in os.listdir(staging):
+        path = os.path.join(staging, name)
+        if os.path.isfile(path):
+            with open(path, "rb+") as f:
+                os.fsync(f.fileno())
+    if os.path.exists(target):
+        shutil.rmtree(target)
+    os.rename(staging, target)
+    fsync_dir(os.path.dirname(os.path.abspath(target)))

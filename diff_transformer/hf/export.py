@@ -25,6 +25,7 @@ import torch
 from data.datasets import prepare
 from data.tokenizer import Tokenizer, load_tokenizer
 from diff_transformer.distributed import destroy_distributed, init_distributed
+from diff_transformer.fileio import replace_directory
 from diff_transformer.hf.convert import architecture, export_refusal, hf_config_kwargs, to_hf_state_dict
 from diff_transformer.training.checkpoint import resolve_checkpoint_path
 from diff_transformer.training.checkpoint_tools import load_single_rank_model, saved_config
@@ -112,9 +113,7 @@ def export_hf(checkpoint: str, out_dir: str, dtype: str = "float32", tokenizer_d
         os.chmod(staging, 0o755)  # mkdtemp's 0700 and temporary files' 0600: a model directory others may read
         for name in os.listdir(staging):
             os.chmod(os.path.join(staging, name), 0o644)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.rename(staging, out_dir)
+        replace_directory(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

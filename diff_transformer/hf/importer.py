@@ -25,7 +25,7 @@ from data.tokenizer import import_sentencepiece, load_tokenizer
 from diff_transformer import compat
 from diff_transformer.config import Config, padded_vocab_size, validate
 from diff_transformer.distributed import destroy_distributed, init_distributed
-from diff_transformer.fileio import atomic_write_json
+from diff_transformer.fileio import atomic_write_json, replace_directory
 from diff_transformer.hf.convert import from_hf_state_dict, model_config_from_hf
 from diff_transformer.models.gpt import build_model_chunk, count_parameters
 from diff_transformer.training.checkpoint import FORMAT_VERSION, STATE_FILE
@@ -108,9 +108,7 @@ def import_hf(hf_dir: str, out: str, seq_length: Optional[int] = None, name: Opt
         }
         atomic_write_json(os.path.join(staging, STATE_FILE), state)  # last: it marks the checkpoint complete
         os.chmod(staging, 0o755)
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.rename(staging, out)
+        replace_directory(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
