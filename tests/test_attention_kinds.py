@@ -137,7 +137,7 @@ def topk_reference(q, k, v, topk):
 @pytest.mark.parametrize("topk", [1, 4])
 def test_topk_matches_its_definition(backend, block, topk, monkeypatch):
     if block is not None:
-        monkeypatch.setattr(attention, "BLOCK_QUERIES", block)  # several blocks, recomputed in the backward
+        monkeypatch.setattr(attention.blockwise, "BLOCK_QUERIES", block)  # several blocks, recomputed in the backward
     heads, kv_heads, d = 4, 2, 8
     module = TopKCoreAttention(make_config(heads, kv_heads, d), 1, CAUSAL, backend=backend, topk=topk)
     assert_matches_reference(module, lambda q, k, v: topk_reference(q, k, v, topk), inputs(2, 13, heads, kv_heads, d), [])
@@ -189,7 +189,7 @@ def test_relative_position_buckets():
 @pytest.mark.parametrize("backend,block", [("eager", None), ("sdpa", 4)], ids=["eager", "blockwise"])
 def test_signed_mask_matches_its_definition(backend, block, monkeypatch):
     if block is not None:
-        monkeypatch.setattr(attention, "BLOCK_QUERIES", block)
+        monkeypatch.setattr(attention.blockwise, "BLOCK_QUERIES", block)
     heads, kv_heads, d, N = 4, 2, 8, 40  # distances up to 39: exact and logarithmic buckets
     module = SignedMaskCoreAttention(make_config(heads, kv_heads, d), 1, CAUSAL, backend=backend, max_distance=64)
     assert module.mask_logits.shape == (heads, 32)

@@ -13,7 +13,7 @@ from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from diff_transformer.models.attention import (  # noqa: E402
-    _CoreAttentionBase,
+    CoreAttentionBase,
     DifferentialCoreAttention,
     DiffV2CoreAttention,
     SignedMaskCoreAttention,
@@ -133,7 +133,7 @@ def test_a_subset_of_rows_equals_those_rows_of_the_full_maps(name):
 
 def test_a_kind_without_the_protocol_says_so():
     class Plain(VanillaCoreAttention):
-        attention_maps = _CoreAttentionBase.attention_maps
+        attention_maps = CoreAttentionBase.attention_maps
 
     module = Plain(config(4, 2), 1, CAUSAL, backend="eager")
     with pytest.raises(NotImplementedError, match="Plain does not expose its attention maps"):

@@ -1,0 +1,130 @@
+"""What every core attention shares: megatron-core's core-attention protocol (``CoreAttentionBase``), the backend
+names, λ_init's depth schedule, the causal mask and the fp32 reference softmax.
+
+Every kind plugs into megatron-core's ``SelfAttention`` as its ``core_attention`` submodule. ``SelfAttention`` owns the
+QKV and output projections and RoPE; for DIFF it is configured with 2H query heads and 2Hkv key/value heads of
+size d, exactly like the mirrored baseline, so the two have the same projection parameters:
+
+- query heads 2h and 2h+1 are (Q1, Q2) of differential head h; key heads 2g and 2g+1 are (K1, K2) of KV group g;
+- value heads 2g and 2g+1 of size d, concatenated, are V of group g with size 2d (the same columns of Wv as
+  viewing V as (Hkv, 2d));
+- RoPE has already been applied to all 2H query and 2Hkv key heads by ``SelfAttention``.
+
+The inputs arrive as ``[s, b, heads_per_tp_rank, d]`` and the output leaves as ``[s, b, heads_per_tp_rank * d]``.
+A head pair never straddles tensor-parallel ranks because the number of differential heads and of KV groups are
+both divisible by the TP size (checked in the config).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from diff_transformer.models.attention_maps import AttentionMaps, causal_logits, query_rows
+
+BACKENDS = ("eager", "sdpa", "flash_attn", "triton")
+
+# Set on parameters that every tensor-parallel rank holds a full copy of and whose gradient each rank computes
+# only from its own heads: those gradients must be summed over the TP group (see ``finalize_model_grads``).
+TP_REPLICATED_ATTR = "tp_replicated_partial_grad"
+
+
+def lambda_init_for_layer(layer_number: int) -> float:
+    """λ_init = 0.8 − 0.6·exp(−0.3·(l−1)) for the global 1-based layer number l."""
+    if layer_number < 1:
+        raise ValueError(f"layer_number={layer_number} must be the global 1-based layer number")
+    return 0.8 - 0.6 * math.exp(-0.3 * (layer_number - 1))
+
+
+def require_causal(attn_mask_type) -> None:
+    if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
+        raise ValueError(f"attention mask type {attn_mask_type} is not supported; pretraining uses causal masks")
+
+
+def load_flash_attn_func():
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError as err:
+        raise ImportError(
+            "model.attention_backend=flash_attn needs the flash-attn package (GPU only: pip install flash-attn "
+            "--no-build-isolation); use model.attention_backend=sdpa instead"
+        ) from err
+    return flash_attn_func
+
+
+def causal_mask(sq: int, sk: int, device) -> torch.Tensor:
+    """Boolean mask, True where attention is allowed; aligned to the bottom right when sq < sk."""
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(diagonal=sk - sq)
+
+
+def subtract_in_fp32(o1: torch.Tensor, lam: torch.Tensor, o2: torch.Tensor) -> torch.Tensor:
+    """o1 − λ·o2 computed in fp32 (in bf16 the difference of two close outputs loses most of its bits), returned in
+    the outputs' dtype."""
+    return (o1.float() - lam.float() * o2.float()).to(o1.dtype)
+
+
+def heads_first(query: torch.Tensor, key: torch.Tensor):
+    """megatron's [s, b, heads, d] query and key -> (b, heads, s, d), the key heads repeated to one per query head
+    (GQA)."""
+    q, k = query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3)
+    return q, k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+
+
+def eager_attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q·kᵀ·scale + causal mask) in fp32; q (b, h, sq, d), k (b, h, sk, d). Materialises the map."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+class CoreAttentionBase(MegatronModule):
+    """Shared constructor of megatron-core's core-attention protocol (megatron passes its arguments by keyword;
+    subclasses add their own keywords and hand the protocol's on as ``**protocol``)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        backend: str = "sdpa",
+    ):
+        super().__init__(config=config)
+        if backend not in BACKENDS:
+            raise ValueError(f"model.attention_backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
+        if config.context_parallel_size != 1:
+            raise ValueError("context parallelism is not supported by this attention module yet")
+        require_causal(attn_mask_type)
+        self.backend = backend
+        self.layer_number = layer_number
+        self.head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def _check_call(self, attn_mask_type, attention_bias, packed_seq_params) -> None:
+        require_causal(attn_mask_type)
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError(f"{type(self).__name__} does not support packed sequences or attention bias")
+
+    def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
+        """This layer's maps for the query positions ``rows`` (the protocol of ``models.attention_maps``)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not expose its attention maps; implement attention_maps "
+            "(diff_transformer/models/attention_maps.py) so that the analysis tools can read it"
+        )
+
+    def _softmax_maps(self, query, key, rows, score_transform=None):
+        """(rows, logits, probs) of plain causal softmax heads, probs after ``score_transform`` of the logits."""
+        q, k = heads_first(query, key)
+        rows = query_rows(q.shape[-2], k.shape[-2], rows, q.device)
+        logits = causal_logits(q, k, self.softmax_scale, rows)
+        scores = score_transform(logits) if score_transform is not None else logits
+        return rows, logits, torch.softmax(scores, dim=-1)

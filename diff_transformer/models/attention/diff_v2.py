@@ -1,0 +1,120 @@
+"""DIFF V2: one attention of 2H query heads over shared KV heads, a per-token λ from the layer input; the only
+kind that changes ``SelfAttention`` itself (its λ projection, and an output projection reading H·d)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import build_module
+
+from diff_transformer.models.attention.base import CoreAttentionBase, eager_attention_probs, load_flash_attn_func
+from diff_transformer.models.attention_maps import AttentionMaps
+
+class DiffV2CoreAttention(CoreAttentionBase):
+    """Differential attention V2: one causal attention of 2H query heads of d over Hkv KV heads of d (GQA; head
+    pair (2h, 2h+1) lies in one KV group because Hkv divides H), then head_h = O[2h] − λ_h,t·O[2h+1] in fp32, with
+    λ_h,t = sigmoid(x_t·W_λ)_h computed by ``DiffV2SelfAttention`` and passed in as ``attention_bias`` (its logits,
+    [s, b, H per rank]). No sub-layer norm. Output [s, b, H per rank · d]."""
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None) -> torch.Tensor:
+        if attention_bias is None:
+            raise ValueError("DiffV2CoreAttention needs the per-token λ logits from DiffV2SelfAttention (attention_bias)")
+        self._check_call(attn_mask_type, None, packed_seq_params)
+        s, b, two_h, d = query.shape
+        if two_h % 2 or (two_h // 2) % key.shape[2]:
+            raise ValueError(f"{two_h} query heads over {key.shape[2]} KV heads: head pairs must share a KV group")
+        lam = torch.sigmoid(attention_bias.float()).transpose(0, 1)  # (b, s, H)
+        q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # (b, s, heads, d)
+        if self.backend == "triton":
+            out = self._forward_triton(q, k, v, lam)
+        else:
+            o = getattr(self, f"_forward_{self.backend}")(q, k, v).float()  # (b, s, 2H, d)
+            out = o[:, :, 0::2] - lam.unsqueeze(-1) * o[:, :, 1::2]
+        return out.to(query.dtype).transpose(0, 1).reshape(s, b, two_h // 2 * d)
+
+    def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
+        if attention_bias is None:
+            raise ValueError("DiffV2CoreAttention needs the per-token λ logits from DiffV2SelfAttention (attention_bias)")
+        rows, logits, probs = self._softmax_maps(query, key, rows)
+        # λ of head h at query position t: (b, H, rows, 1)
+        lam = torch.sigmoid(attention_bias.float()).permute(1, 2, 0)[..., rows].unsqueeze(-1)
+        a1, a2 = probs[:, 0::2], probs[:, 1::2]
+        return AttentionMaps(
+            components={"A1": a1, "A2": a2}, logits={"A1": logits[:, 0::2], "A2": logits[:, 1::2]},
+            combined=a1 - lam * a2, rows=rows, lam=lam,
+        )
+
+    def _forward_eager(self, q, k, v):
+        groups = q.shape[2] // k.shape[2]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+        return torch.matmul(eager_attention_probs(q, k, self.softmax_scale), v.float()).transpose(1, 2)
+
+    def _forward_sdpa(self, q, k, v):
+        gqa = q.shape[2] != k.shape[2]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
+        return o.transpose(1, 2)
+
+    def _forward_flash_attn(self, q, k, v):
+        return load_flash_attn_func()(q, k, v, causal=True, softmax_scale=self.softmax_scale)
+
+    def _forward_triton(self, q, k, v, lam):
+        try:
+            from kernels import diff_flash_attn_v2
+        except ImportError as err:
+            raise ImportError(
+                "model.attention_backend=triton needs the fused kernel package `kernels` (kernels/diff_attn); "
+                f"it could not be imported ({err}); use model.attention_backend=sdpa"
+            ) from err
+        return diff_flash_attn_v2(q, k, v, lam, causal=True, softmax_scale=self.softmax_scale)
+
+
+class DiffV2SelfAttention(SelfAttention):
+    """megatron-core's SelfAttention for DIFF V2, configured with 2H query heads and Hkv KV groups of size d.
+
+    Adds W_λ (hidden → H, no bias, column-parallel: a rank holds the λ of its own head pairs) and gives the core
+    attention λ's logits x·W_λ through its ``attention_bias`` argument, the one tensor SelfAttention passes through;
+    the output projection reads H·d, since each pair of query heads leaves one head after the subtraction.
+    """
+
+    def __init__(self, config, submodules, layer_number, attn_mask_type=AttnMaskType.causal, cp_comm_type=None,
+                 pg_collection=None):
+        super().__init__(config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection)
+        self.linear_proj = build_module(
+            submodules.linear_proj,
+            self.query_projection_size // 2,
+            self.config.hidden_size,
+            config=self.config,
+            init_method=self.config.output_layer_init_method,
+            bias=self.config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            is_expert=False,
+            tp_comm_buffer_name="proj",
+            tp_group=self.pg_collection.tp,
+        )
+        self.linear_lambda = ColumnParallelLinear(
+            self.config.hidden_size,
+            self.config.num_attention_heads // 2,
+            config=self.config,
+            init_method=self.config.init_method,
+            bias=False,
+            gather_output=False,
+            skip_bias_add=True,
+            is_expert=False,
+            tp_group=self.pg_collection.tp,
+        )
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        if kwargs.get("attention_bias") is not None:
+            raise ValueError("DIFF V2 uses the attention_bias slot for its λ; an attention bias is not supported")
+        lambda_logits, _ = self.linear_lambda(hidden_states)  # [s, b, H per rank]
+        kwargs["attention_bias"] = lambda_logits
+        return super().forward(hidden_states, attention_mask, **kwargs)
+
+

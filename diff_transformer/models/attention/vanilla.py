@@ -1,0 +1,93 @@
+"""The vanilla family: softmax attention (the baseline, and with H heads of 2d the head-count control) and the
+baseline with DIFF's sub-layer norm."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from diff_transformer.models.attention.base import (
+    TP_REPLICATED_ATTR,
+    CoreAttentionBase,
+    eager_attention_probs,
+    load_flash_attn_func,
+    lambda_init_for_layer,
+)
+from diff_transformer.models.attention_maps import AttentionMaps
+
+class VanillaCoreAttention(CoreAttentionBase):
+    """Standard causal softmax attention over 2H heads of size d (GQA when there are fewer KV heads)."""
+
+    def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
+        rows, logits, probs = self._softmax_maps(query, key, rows)
+        return AttentionMaps(components={"A": probs}, logits={"A": logits}, combined=probs, rows=rows)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        self._check_call(attn_mask_type, attention_bias, packed_seq_params)
+        s, b, heads, d = query.shape
+        if self.backend == "flash_attn":
+            out = load_flash_attn_func()(
+                query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+                causal=True, softmax_scale=self.softmax_scale,
+            )
+            return out.transpose(0, 1).reshape(s, b, heads * d)
+        if self.backend == "triton":
+            raise ValueError(
+                "model.attention_backend=triton is the fused differential kernel; the vanilla baseline uses "
+                "sdpa, flash_attn or eager"
+            )
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (b, heads, s, d)
+        groups = q.shape[1] // k.shape[1]
+        if self.backend == "eager":
+            k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+            out = torch.matmul(eager_attention_probs(q, k, self.softmax_scale), v.float()).to(q.dtype)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=groups > 1
+            )
+        return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+
+class VanillaSublnCoreAttention(VanillaCoreAttention):
+    """The baseline plus DIFF's sub-layer norm: softmax attention over 2H heads of d, then each head normalised by
+    RMSNorm over its d features (one affine weight shared by the heads, as DIFF shares its 2d weight) and
+    multiplied by (1 − λ_init). Isolates the norm from the differential mechanism (the paper's
+    "Transformer + GroupNorm" row)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        *,
+        lambda_init: Optional[float] = None,
+        norm_eps: float = 1e-5,
+        **protocol,
+    ):
+        super().__init__(config, layer_number, attn_mask_type, **protocol)
+        self.lambda_init = lambda_init if lambda_init is not None else lambda_init_for_layer(layer_number)
+        self.sublayer_norm = torch.nn.RMSNorm(
+            self.head_dim, eps=norm_eps, elementwise_affine=True, dtype=config.params_dtype
+        )
+        for p in self.parameters():
+            setattr(p, TP_REPLICATED_ATTR, True)
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None) -> torch.Tensor:
+        out = super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+        s, b, heads, d = query.shape
+        out = self.sublayer_norm(out.view(s, b, heads, d)) * (1.0 - self.lambda_init)
+        return out.reshape(s, b, heads * d)
