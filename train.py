@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from diff_transformer.config import register_configs, resolve_launch_paths, to_object, validate
 from diff_transformer.distributed import destroy_distributed, set_torch_env_from_slurm, world_size_from_env
-from diff_transformer.training.trainer import create_trainer
+from diff_transformer.training.engines import create_trainer
 
 register_configs()
 

@@ -24,7 +24,7 @@ def rank_worker(out_dir: str, overrides) -> None:
     from diff_transformer.config import register_configs, to_object
     from diff_transformer.distributed import destroy_distributed
     from diff_transformer.training.accounting import GIB, PeakMemory, estimate_memory_per_gpu
-    from diff_transformer.training.trainer import create_trainer
+    from diff_transformer.training.engines import create_trainer
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):

@@ -222,7 +222,7 @@ def test_refusals_name_both_values_and_the_convert_command(runs, converted, tmp_
     from omegaconf import OmegaConf
 
     from diff_transformer.config import Config
-    from diff_transformer.training.trainer import create_trainer
+    from diff_transformer.training.engines import create_trainer
 
     step3 = ckpt(runs / "zero3-diff", 3)
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), read_trainer_state(step3)["config"]))

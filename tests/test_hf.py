@@ -98,7 +98,7 @@ def framework_tokenizer(cfg):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(RUNS))
 def test_exported_model_computes_the_framework_function(exported, name, megatron_single_process):
-    from diff_transformer.training.trainer import _loss_func
+    from diff_transformer.training.steps import loss_func
 
     chunk, cfg, _ = framework_model(exported / name)
     s = cfg.model.seq_length
@@ -116,7 +116,7 @@ def test_exported_model_computes_the_framework_function(exported, name, megatron
     assert (ours - out.logits).abs().max().item() < 1e-4
     mask = torch.ones_like(tokens)
     mask[:, -1] = 0  # the framework's last position predicts a token beyond the batch
-    ours_nll, _ = _loss_func(mask, per_token)
+    ours_nll, _ = loss_func(mask, per_token)
     assert abs(float(ours_nll) - float(out.loss)) < 1e-5
 
 

@@ -115,6 +115,63 @@ def test_lower_layers_never_import_higher_ones():
     assert violations == []
 
 
+def import_graph():
+    """{module: the modules of ours it imports} (``from pkg import name`` counts as importing pkg.name when that is a
+    module, otherwise pkg), over every import statement including those inside functions."""
+    modules = {module_name(path): path for path in source_files()}
+    graph = {}
+    for module, path in modules.items():
+        targets = set()
+        for _, target in imported_modules(path):
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                targets.add(target)
+        graph[module] = targets
+    return graph
+
+
+def import_cycles(graph):
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in sorted(graph[node]):
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_module_imports_another_that_imports_it_back():
+    """No two modules of ours import each other, directly or through others (a cycle inside one package counts)."""
+    assert import_cycles(import_graph()) == []
+
+
+def test_the_cycle_check_finds_a_cycle_inside_a_package():
+    graph = {"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}, "p.d": {"p.a"}}
+    assert import_cycles(graph) == [["p.a", "p.b", "p.c"]]
+
+
 # Optional heavy dependencies and the only modules that may import them (inside functions, at export/import time):
 # training never loads them.
 OPTIONAL_IMPORTERS = {"transformers": ("diff_transformer.hf.export",), "safetensors": ("diff_transformer.hf.importer",)}

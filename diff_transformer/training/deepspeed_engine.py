@@ -44,7 +44,8 @@ from diff_transformer.training.checkpoint import (
     saved_engine,
     set_rng_state,
 )
-from diff_transformer.training.trainer import Trainer, _loss_func
+from diff_transformer.training.steps import loss_func
+from diff_transformer.training.trainer import Trainer
 
 logger = logging.getLogger("diff_transformer")
 
@@ -283,7 +284,7 @@ class DeepSpeedTrainer(Trainer):
             None,
             labels=batch["labels"].to(device, non_blocking=True),
         )
-        loss, info = _loss_func(batch["loss_mask"].to(device, non_blocking=True), output)
+        loss, info = loss_func(batch["loss_mask"].to(device, non_blocking=True), output)
         return loss, info["lm loss"]
 
     def _mean_over_data_parallel(self, losses: List[torch.Tensor]) -> float:

@@ -91,7 +91,7 @@ def calibrate(trainer, weights: str) -> List[List[int]]:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from diff_transformer.training.trainer import forward_step
+    from diff_transformer.training.steps import forward_step
 
     cfg = copy.deepcopy(trainer.cfg)
     m = cfg.model

@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import time
-from functools import partial
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -57,7 +56,7 @@ from diff_transformer.training.checkpoint import (
     remove_partial_saves,
     resolve_checkpoint_path,
 )
-from diff_transformer.distributed import destroy_distributed, world_size_from_env
+from diff_transformer.distributed import world_size_from_env
 from diff_transformer.training.diagnostics import AttentionDiagnostics, diagnostics_enabled, estimated_cost_fraction
 from diff_transformer.training.failures import (
     BadStepGuard,
@@ -68,31 +67,9 @@ from diff_transformer.training.failures import (
     requeue_current_job,
 )
 from diff_transformer.training.metrics import MetricsWriter, init_wandb, setup_console_logging
+from diff_transformer.training.steps import forward_step
 
 logger = logging.getLogger("diff_transformer")
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Loss and forward step
-# ------------------------------------------------------------------------------------------------------------------
-def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1)
-    # clone: the schedule divides the returned loss in place by the number of micro-batches
-    return loss, {"lm loss": loss.detach().clone()}
-
-
-def forward_step(data_iterator: Iterator, model: torch.nn.Module):
-    batch = next(data_iterator)
-    tokens = batch["tokens"]
-    device = next(model.parameters()).device
-    tokens = tokens.to(device, non_blocking=True)
-    labels = batch["labels"].to(device, non_blocking=True)
-    loss_mask = batch["loss_mask"].to(device, non_blocking=True)
-    position_ids = batch["position_ids"].to(device, non_blocking=True)
-    output = model(tokens, position_ids, None, labels=labels)
-    return output, partial(_loss_func, loss_mask)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -711,22 +688,3 @@ class Trainer:
         self.checkpoints.wait()
         if self.rank == 0 and os.environ.get("SLURM_JOB_ID"):
             requeue_current_job()
-
-
-def create_trainer(cfg: Any, run_dir: str) -> Trainer:
-    """The trainer of ``engine``: megatron-core's (:class:`Trainer`) or DeepSpeed's (``deepspeed_engine``)."""
-    if cfg.engine.name == "deepspeed":
-        from diff_transformer.training.deepspeed_engine import DeepSpeedTrainer
-
-        return DeepSpeedTrainer(cfg, run_dir)
-    return Trainer(cfg, run_dir)
-
-
-def run(cfg: Any, run_dir: str) -> List[Dict[str, Any]]:
-    """Set up, train, and tear down. Returns the per-step records (on every rank)."""
-    trainer = create_trainer(cfg, run_dir)
-    try:
-        trainer.setup()
-        return trainer.fit()
-    finally:
-        destroy_distributed()
