@@ -124,6 +124,11 @@ def _settings_from(cls, arguments: Sequence[str], others_allowed: bool):
     return cls(**values), overrides
 
 
+def _check_time(time: str) -> None:
+    if not _TIME_FORMAT.match(time):
+        raise ValueError(f"time={time!r} is not a SLURM time; use e.g. 04:00:00, 2-00:00:00 or 90 (minutes)")
+
+
 def validate_settings(settings: LaunchSettings) -> None:
     if settings.nodes < 1:
         raise ValueError(f"nodes={settings.nodes} must be at least 1")
@@ -135,8 +140,7 @@ def validate_settings(settings: LaunchSettings) -> None:
         raise ValueError(f"cpus_per_task={settings.cpus_per_task} must be at least 1")
     if settings.grace < 10:
         raise ValueError(f"grace={settings.grace} s is too short to save a checkpoint; give 10 or more seconds")
-    if not _TIME_FORMAT.match(settings.time):
-        raise ValueError(f"time={settings.time!r} is not a SLURM time; use e.g. 04:00:00, 2-00:00:00 or 90 (minutes)")
+    _check_time(settings.time)
 
 
 def procs_per_node(settings: LaunchSettings) -> int:
@@ -430,13 +434,18 @@ def submit(arguments: Sequence[str], dry_run: bool = False) -> dict:
         "git": git,
         "files_in_snapshot": copied,
         "memory_plan": memory_plan,
-        "submitted_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "job_ids": [],
     }
+    return _sbatch_and_record(run_dir / "submit.sbatch", record, dry_run)
+
+
+def _sbatch_and_record(script: Path, record: dict, dry_run: bool) -> dict:
+    """Submit ``script`` (unless dry_run) and write launch.json beside it: ``record``, the time and the job id."""
+    record = {**record, "submitted_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "job_ids": []}
     if not dry_run:
-        output = _run(["sbatch", "--parsable", str(run_dir / "submit.sbatch")], "submit")
+        output = _run(["sbatch", "--parsable", str(script)], "submit")
         record["job_ids"].append(output.strip().split(";")[0])
-    (run_dir / "launch.json").write_text(json.dumps(record, indent=2) + "\n")
+    (script.parent / "launch.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
 
 
@@ -507,8 +516,7 @@ def split_preprocess_arguments(arguments: Sequence[str]) -> tuple[PreprocessSett
         raise ValueError(f"cpus_per_task={settings.cpus_per_task} must be at least 1")
     if settings.max_running is not None and settings.max_running < 1:
         raise ValueError(f"max_running={settings.max_running} must be at least 1")
-    if not _TIME_FORMAT.match(settings.time):
-        raise ValueError(f"time={settings.time!r} is not a SLURM time; use e.g. 04:00:00, 2-00:00:00 or 90 (minutes)")
+    _check_time(settings.time)
     parsed = build_parser(_RefusingParser).parse_args(command)
     if parsed.partition:
         raise ValueError(f"--partition {parsed.partition}: each array task takes its own; give partitions=N only")
@@ -594,14 +602,8 @@ def submit_preprocess(arguments: Sequence[str], dry_run: bool = False) -> dict:
         "run_dir": str(run_dir),
         "git": git,
         "files_in_snapshot": copied,
-        "submitted_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "job_ids": [],
     }
-    if not dry_run:
-        output = _run(["sbatch", "--parsable", str(run_dir / "preprocess.sbatch")], "submit")
-        record["job_ids"].append(output.strip().split(";")[0])
-    (run_dir / "launch.json").write_text(json.dumps(record, indent=2) + "\n")
-    return record
+    return _sbatch_and_record(run_dir / "preprocess.sbatch", record, dry_run)
 
 
 def resolve_job(target: str) -> tuple[str, Path | None]:

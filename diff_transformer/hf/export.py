@@ -185,3 +185,8 @@ def _save_tokenizer(transformers, tokenizer: Tokenizer, max_length: int, out_dir
                 f"the exported tokenizer encodes {text!r} to {theirs[:16]}, the framework's to {ours[:16]}; "
                 "not exporting a tokenizer that would change the ids"
             )
+    if (hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id) != (tokenizer.eod, tokenizer.eod):
+        raise ValueError(
+            f"the exported tokenizer's BOS and EOS are ids {hf_tokenizer.bos_token_id} and "
+            f"{hf_tokenizer.eos_token_id}, not the end-of-document token {tokenizer.eod}; not exporting it"
+        )
