@@ -52,7 +52,9 @@ ALLOWED = {
     "diff_transformer.evaluate": ("diff_transformer.evaluation", "diff_transformer.distributed"),
     "diff_transformer.analyze": ("diff_transformer.evaluation", "diff_transformer.distributed",
                                  "diff_transformer.evaluate"),
-    "launch": ("launch", "diff_transformer.config"),
+    # the job's config, the memory plan train.py runs (refused at submission), data.preprocess's command line and
+    # partitions (the job array), the tokenizer's vocabulary (the plan's logits)
+    "launch": ("launch", "diff_transformer.config", "diff_transformer.training.accounting", "data"),
     "train": ("diff_transformer.config", "diff_transformer.distributed", "diff_transformer.training"),
 }
 OURS = ("diff_transformer", "kernels", "data", "launch", "train")

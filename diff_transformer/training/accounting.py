@@ -396,16 +396,21 @@ def memory_plan_problem(
     )
 
 
-def check_memory_plan(cfg: Any, dtype: torch.dtype, world_size: int, padded_vocab: int) -> Optional[Dict[str, float]]:
-    """Before any process group starts: raise ValueError (see :func:`memory_plan_problem`) when the estimate exceeds
-    the budget of :func:`device_memory_gib`; returns the estimate, or None when there is no budget (CPU)."""
-    budget = device_memory_gib(cfg)
+def check_memory_plan(
+    cfg: Any, dtype: torch.dtype, world_size: int, padded_vocab: int, budget_gib: Optional[float] = None,
+    device: Optional[str] = None,
+) -> Optional[Dict[str, float]]:
+    """Before any process group starts (train.py), or before a job is queued (``launch.slurm submit``, which gives the
+    budget of the GPUs it asks for and ``device``): raise ValueError (see :func:`memory_plan_problem`) when the
+    estimate exceeds ``budget_gib`` (default: :func:`device_memory_gib`); returns the estimate, or None when there is
+    no budget (CPU)."""
+    budget = budget_gib if budget_gib is not None else device_memory_gib(cfg)
     if budget is None:
         return None
-    problem = memory_plan_problem(cfg, dtype, world_size, padded_vocab, budget)
+    problem = memory_plan_problem(cfg, dtype, world_size, padded_vocab, budget, device)
     if problem:
         raise ValueError(problem)
-    return estimate_memory_per_gpu(cfg, dtype, world_size, padded_vocab)
+    return estimate_memory_per_gpu(cfg, dtype, world_size, padded_vocab, device)
 
 
 def attention_maps(model: Any) -> Tuple[int, int, int, int]:

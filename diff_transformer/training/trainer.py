@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -32,6 +33,7 @@ from diff_transformer.models.gpt import (
     set_dex_anneal,
     v2_baseline,
 )
+from diff_transformer.models.attention.diff_v2 import record_lambda, recorded_lambda_sums
 from diff_transformer.models.layer_specs import variant_label
 from diff_transformer import distributed
 from diff_transformer.training.accounting import (
@@ -518,6 +520,24 @@ class Trainer:
         gathered = distributed.all_gather_objects(local, group=parallel_state.get_pipeline_model_parallel_group())
         return [x for stage in gathered for x in stage]
 
+    def v2_lambda_stats(self) -> Dict[str, List[float]]:
+        """DIFF V2's per-token λ over the step just recorded (see ``_train_and_measure``), per layer: ``lambda_mean``
+        and ``lambda_std`` over every token and head of the global batch (summed over TP and data-parallel ranks,
+        gathered over pipeline stages). One host sync."""
+        from megatron.core import parallel_state
+
+        sums = recorded_lambda_sums(self.model)
+        record_lambda(self.model, False)
+        distributed.all_reduce_tensor(sums, group=parallel_state.get_tensor_and_data_parallel_group())
+        means, stds = [], []
+        for count, total, squares in sums.tolist():
+            means.append(total / count)
+            stds.append(math.sqrt(max(squares / count - (total / count) ** 2, 0.0)))
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            stages = distributed.all_gather_objects((means, stds), group=parallel_state.get_pipeline_model_parallel_group())
+            means, stds = [x for stage in stages for x in stage[0]], [x for stage in stages for x in stage[1]]
+        return {"lambda_mean": means, "lambda_std": stds}
+
     # -- loop --------------------------------------------------------------------------------------------------------
     def write_run_info(self) -> None:
         if self.rank != 0:
@@ -538,6 +558,8 @@ class Trainer:
             "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "dp": self.dp_size},
             "engine": self.cfg.engine.name,
         }
+        if self.cfg.model.attention == "diff_v2" and v2_baseline(self.cfg.model)[0] is not None:
+            info["baseline_variant"] = variant_label(v2_baseline(self.cfg.model)[0])  # compare pairs V2 with it
         atomic_write_json(os.path.join(self.run_dir, "run.json"), info)
 
     def _data_description(self) -> Dict[str, Any]:
@@ -605,6 +627,11 @@ class Trainer:
         """One optimizer step and its metrics record (validation loss on evaluation steps)."""
         t = self.cfg.trainer
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+        # DIFF V2's per-token λ is summed in the forward passes of logging steps only
+        v2_lambda = self.cfg.model.attention == "diff_v2" and (
+            (self.step + 1) % t.log_interval == 0 or self.step + 1 == t.max_steps)
+        if v2_lambda:
+            record_lambda(self.model, True)
         start = time.perf_counter()
         out = self.train_step(train_iter)
         step_time = time.perf_counter() - start
@@ -627,6 +654,8 @@ class Trainer:
         if self.cfg.model.attention in ("diff", "dex") and self._reads_weights_this_step():
             self.finish_param_sync()
             record["lambda"] = self.lambdas()
+        if v2_lambda:
+            record.update(self.v2_lambda_stats())
         if t.eval_interval > 0 and (self.step % t.eval_interval == 0 or self.step == t.max_steps):
             record["val_loss"] = self.evaluate()
             if self.diagnostics is not None:

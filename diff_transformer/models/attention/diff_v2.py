@@ -109,12 +109,38 @@ class DiffV2SelfAttention(SelfAttention):
             is_expert=False,
             tp_group=self.pg_collection.tp,
         )
+        # While recording (logging steps): how many λ, Σλ and Σλ² over this rank's tokens and heads, in fp64 on the
+        # device (no host sync in the step)
+        self.lambda_sums: torch.Tensor | None = None
 
     def forward(self, hidden_states, attention_mask=None, **kwargs):
         if kwargs.get("attention_bias") is not None:
             raise ValueError("DIFF V2 uses the attention_bias slot for its λ; an attention bias is not supported")
         lambda_logits, _ = self.linear_lambda(hidden_states)  # [s, b, H per rank]
+        if self.lambda_sums is not None:
+            lam = torch.sigmoid(lambda_logits.detach().float())
+            count = torch.full((), lam.numel(), dtype=torch.float64, device=lam.device)  # a fill, not a copy
+            self.lambda_sums += torch.stack([count, lam.sum(dtype=torch.float64), lam.square().sum(dtype=torch.float64)])
         kwargs["attention_bias"] = lambda_logits
         return super().forward(hidden_states, attention_mask, **kwargs)
+
+
+def v2_self_attentions(model_chunks) -> list:
+    """This rank's DIFF V2 attentions, in layer order."""
+    found = [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, DiffV2SelfAttention)]
+    return sorted(found, key=lambda m: m.layer_number)
+
+
+def record_lambda(model_chunks, on: bool) -> None:
+    """Start (zeroed) or stop summing each V2 layer's per-token λ in its forward passes."""
+    for module in v2_self_attentions(model_chunks):
+        device = module.linear_lambda.weight.device
+        module.lambda_sums = torch.zeros(3, dtype=torch.float64, device=device) if on else None
+
+
+def recorded_lambda_sums(model_chunks) -> torch.Tensor:
+    """(V2 layers of this rank, 3): how many λ, Σλ and Σλ² per layer since :func:`record_lambda` started, on the
+    device; partial over TP ranks (which hold different heads) and data-parallel ranks: their sum is the whole."""
+    return torch.stack([m.lambda_sums for m in v2_self_attentions(model_chunks)])
 
 
