@@ -115,10 +115,11 @@ class DifferentialCoreAttention(CoreAttentionBase):
 
     def lambda_full(self) -> torch.Tensor:
         """The layer's λ as a 0-dim fp32 tensor (fp64 in an fp64 model; differentiable when learnable), computed once
-        per forward; with a fused epilogue its few ops run as one fused kernel too."""
+        per forward; on a GPU with a fused epilogue its few ops run as one fused kernel too."""
         if not self.lambda_learnable:
             return torch.tensor(self.lambda_init, dtype=torch.float32)
-        difference = lambda_difference if self.epilogue == "unfused" else fused_lambda_difference
+        fused = self.epilogue != "unfused" and self.lambda_q1.is_cuda
+        difference = fused_lambda_difference if fused else lambda_difference
         return difference(*self.lambda_parameters()) + self.lambda_init
 
     def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
