@@ -1,8 +1,8 @@
 """The fused DIFF epilogue (kernels/diff_epilogue) against its plain PyTorch definition: outputs and every gradient.
 
-On CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), whose tiles are small
-(512 elements) so that these shapes cross tile edges and the backward's loop over token blocks; on a GPU the
-compiled kernels run, and bf16 is checked there (the interpreter's bf16 is unreliable: platform facts)."""
+On CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), with tiles of 256
+elements here so that these shapes cross tile edges and the backward's loop over token blocks; on a GPU the compiled
+kernels run, and bf16 is checked there (the interpreter's bf16 is unreliable: platform facts)."""
 
 import zlib
 
@@ -53,8 +53,15 @@ def inputs(case, device, dtype, seed):
     return halves, lam.to(device), weight
 
 
+@pytest.fixture
+def small_interpreter_tiles(monkeypatch):
+    from kernels.diff_epilogue import fused
+
+    monkeypatch.setattr(fused, "_INTERPRET_TILE_ELEMENTS", 256)
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_fused_epilogue_matches_the_definition_in_fp32(name):
+def test_fused_epilogue_matches_the_definition_in_fp32(name, small_interpreter_tiles):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     seed = zlib.crc32(name.encode())
     halves, lam, weight = inputs(CASES[name], device, torch.float32, seed)

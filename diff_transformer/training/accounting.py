@@ -18,7 +18,7 @@ from diff_transformer.models.gpt import (
     head_dim,
     num_kv_heads,
 )
-from diff_transformer.models.layer_specs import attention_heads
+from diff_transformer.models.layer_specs import attention_heads, resolved_backend
 
 
 GIB = 2**30
@@ -124,7 +124,7 @@ def activation_bytes_per_layer(cfg: Any, a: int, device: str) -> Dict[str, float
     out = hq * a / p.tp  # the core attention's output: linear_proj's input
     # q, k, v: the QKV output (V stays a view of it) and q and k after RoPE
     inputs = (2 * hq + 3 * hkv) * a / p.tp
-    core, keeps_inputs = core_attention_bytes_per_token(m, m.attention_backend, device, a)
+    core, keeps_inputs = core_attention_bytes_per_token(m, resolved_backend(m), device, a)
     core /= p.tp
     return {
         "full": tokens * (norms + mlp + out + core + (inputs if keeps_inputs else 0)),
@@ -150,7 +150,7 @@ def activation_bytes_per_stage(cfg: Any, a: int, device: str, in_flight: int) ->
     t = cfg.trainer
     layers = cfg.model.num_layers // cfg.parallel.pp
     per = activation_bytes_per_layer(cfg, a, device)
-    if t.recompute == "selective" and cfg.model.attention_backend not in FUSED_ATTENTION_BACKENDS:
+    if t.recompute == "selective" and resolved_backend(cfg.model) not in FUSED_ATTENTION_BACKENDS:
         # one layer's core attention, recomputed after its MLP's backward (which frees about as much as the core's
         # own gradients then need)
         return in_flight * layers * per["selective"], per["core"]
@@ -304,7 +304,7 @@ def memory_switches(cfg: Any, world_size: int) -> List[Dict[str, Any]]:
         out.append({"parallel.distributed_optimizer": True})
     if p.tp > 1 and not p.sequence_parallel and _divides(m.seq_length, p.tp):
         out.append({"parallel.sequence_parallel": True})
-    if t.recompute == "none" and m.attention_backend not in FUSED_ATTENTION_BACKENDS:
+    if t.recompute == "none" and resolved_backend(m) not in FUSED_ATTENTION_BACKENDS:
         out.append({"trainer.recompute": "selective"})
     if t.recompute != "full":
         out.append(

@@ -25,8 +25,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements of one (tokens x head_dim) tile a program holds per map output: 4 such tiles are live in the backward.
 _TILE_ELEMENTS = 2048
-# Tiles in the interpreter: small, so that the tests cross tile edges and the backward's loop runs several blocks.
-_INTERPRET_TILE_ELEMENTS = 512
+# Tiles in the interpreter: each program costs milliseconds there, so few and large (the tests make them small).
+_INTERPRET_TILE_ELEMENTS = 4096
 
 
 # ----------------------------------------------------------------------------------------------------------------
