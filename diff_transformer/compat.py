@@ -10,9 +10,10 @@ Two kinds:
 - **DeepSpeed on a CPU** (:func:`apply_deepspeed_cpu_patches`, engine=deepspeed): DeepSpeed's CPU accelerator
   compiles a shared-memory all-reduce op when its communication backend starts; gloo reduces the same tensors. Like
   the CPU patches, applied only without CUDA.
-- **Speed workarounds** (:func:`apply_grad_norm_patches`, :func:`fuse_torch_adamw`, :func:`install_fused_rope`):
-  where megatron-core without TransformerEngine or Apex falls back to slow paths (a host sync per parameter tensor
-  in the gradient norm, torch's foreach AdamW, no fused RoPE), on any device.
+- **Speed workarounds** (:func:`apply_grad_norm_patches`, :func:`fuse_torch_adamw`, :func:`install_fused_rope`,
+  :func:`keep_fused_cross_entropy_grad_dtype`): where megatron-core without TransformerEngine or Apex falls back to
+  slow paths (a host sync per parameter tensor in the gradient norm, torch's foreach AdamW, no fused RoPE), or where
+  its fused path loses precision (the native fused cross-entropy's bf16 gradient), on any device.
 - **Checkpoint workarounds** (:func:`fork_checkpoint_results_queue`, :func:`initialise_adam_state`,
   :func:`adam_step_left_out_of_param_copies`, :func:`unshare_adam_step_tensors`): defects of megatron-core's
   distributed-optimizer checkpointing on the torch-Adam path and of its writer start-up, needed on any device.
@@ -143,6 +144,12 @@ PATCH_SITES = (
     PatchSite("fused rope", "megatron.core.models.common.embeddings.rope_utils", "fused_apply_rotary_pos_emb"),
     PatchSite("fused rope", "megatron.core.models.common.embeddings.rope_utils", "apply_rotary_pos_emb",
               "fused_apply_rotary_pos_emb(t, freqs, interleaved=config.rotary_interleaved)"),
+    PatchSite("fused cross-entropy", "megatron.core.fusions.fused_cross_entropy", "calculate_gradients",
+              "grad_input = grad_input.to(torch.bfloat16)"),
+    PatchSite("fused cross-entropy", "megatron.core.fusions.fused_cross_entropy", "_VocabParallelCrossEntropy.backward",
+              "softmax, target_mask, masked_target_1d = ctx.saved_tensors"),
+    PatchSite("fused cross-entropy", "megatron.core.tensor_parallel.cross_entropy",
+              "VocabParallelCrossEntropy.prepare_gradient_calculation_operands"),
     PatchSite("deepspeed shm op", "deepspeed.comm.torch", "build_shm_op", "ShareMemCommBuilder"),
     PatchSite("deepspeed shm op", "deepspeed.comm.torch", "TorchBackend.__init__", "build_shm_op()"),
     # not patched, but private functions engine=deepspeed calls: megatron-core's parameter groups (no weight decay on
@@ -438,6 +445,42 @@ def install_fused_rope(apply_fn) -> bool:
     if rope_utils.fused_apply_rotary_pos_emb is None:
         rope_utils.fused_apply_rotary_pos_emb = apply_fn
     return rope_utils.fused_apply_rotary_pos_emb is apply_fn
+
+
+@functools.lru_cache(maxsize=None)
+def keep_fused_cross_entropy_grad_dtype() -> None:
+    """megatron-core's native fused cross-entropy (``cross_entropy_fusion_impl="native"``) rounds the logits' gradient
+    to bf16 whatever the logits' dtype (fusions/fused_cross_entropy.py:82, in ``calculate_gradients``, called from
+    ``_VocabParallelCrossEntropy.backward`` at line 131): right for a bf16 model, a 3e-4 relative error in the
+    gradient norm of an fp32 one. Give the gradient the logits' own dtype instead (the same fused function, the cast
+    inside it: bf16 models are unchanged). Idempotent."""
+    check_megatron_core_version()
+    from megatron.core.fusions import fused_cross_entropy
+    from megatron.core.jit import jit_fuser
+    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+
+    @jit_fuser
+    def calculate_gradients(softmax, grad_output, target_mask, masked_target_1d, dtype: torch.dtype):
+        grad_2d, arange_1d, softmax_update, grad_input = (
+            VocabParallelCrossEntropy.prepare_gradient_calculation_operands(softmax, target_mask)
+        )
+        grad_input = VocabParallelCrossEntropy.calculate_gradients(
+            grad_2d, arange_1d, masked_target_1d, softmax_update, grad_input, grad_output
+        )
+        return grad_input.to(dtype)
+
+    function = fused_cross_entropy._VocabParallelCrossEntropy
+    original_forward = function.forward
+
+    def forward(ctx, vocab_parallel_logits, target, tp_group):
+        ctx.logits_dtype = vocab_parallel_logits.dtype
+        return original_forward(ctx, vocab_parallel_logits, target, tp_group)
+
+    def backward(ctx, grad_output):
+        softmax, target_mask, masked_target_1d = ctx.saved_tensors
+        return calculate_gradients(softmax, grad_output, target_mask, masked_target_1d, ctx.logits_dtype), None, None
+
+    function.forward, function.backward = staticmethod(forward), staticmethod(backward)
 
 
 # ---------------------------------------------------------------------------------------------------------------

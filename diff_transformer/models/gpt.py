@@ -40,11 +40,14 @@ def resolve_precision(precision: str) -> torch.dtype:
 FUSED_ATTENTION_BACKENDS = ("triton", "flash_attn")
 
 
-def fusions_enabled(cfg: Any) -> bool:
+def fusions_enabled(cfg: Any, device: Optional[str] = None) -> bool:
     """``trainer.fusions``: auto is on with CUDA (the kernels are compiled there) and off on a CPU, where compiling
-    costs more than it saves; ``on`` forces them anywhere (on a CPU the Triton epilogue needs TRITON_INTERPRET=1)."""
+    costs more than it saves; ``on`` forces them anywhere (on a CPU the Triton epilogue needs TRITON_INTERPRET=1).
+    ``device`` (cuda or cpu): the machine to decide for (default: this one)."""
     mode = getattr(cfg.trainer, "fusions", "off")
-    return torch.cuda.is_available() if mode == "auto" else mode == "on"
+    if mode == "auto":
+        return device == "cuda" if device is not None else torch.cuda.is_available()
+    return mode == "on"
 
 
 def epilogue_impl(cfg: Any) -> str:
@@ -92,6 +95,7 @@ def transformer_config(
     fused = fusions_enabled(cfg)
     if fused:
         compat.install_fused_rope(fused_apply_rotary_pos_emb)
+        compat.keep_fused_cross_entropy_grad_dtype()
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
