@@ -418,7 +418,8 @@ def fuse_torch_adamw(optimizer, device_type: str = "cuda") -> int:
     on ``device_type`` to torch's fused kernel (one kernel per group and dtype; state made later lives on the device,
     as fused AdamW needs). Call on CUDA only (the caller decides); returns the number of groups switched."""
     switched = 0
-    for inner in _inner_optimizers(optimizer):
+    inners = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else _inner_optimizers(optimizer)
+    for inner in inners:
         if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             continue
         for group in inner.param_groups:
