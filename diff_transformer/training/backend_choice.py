@@ -170,10 +170,9 @@ def _rank_local_model(cfg: Any, backend: str) -> Any:
     return local
 
 
-def time_core_attention(cfg: Any, backend: str, dtype: torch.dtype, epilogue: str, iters: int = 5) -> float:
-    """Median milliseconds of one forward and backward of one layer's core attention (the run's kind, per-rank heads,
-    micro-batch and sequence, ``dtype``) with ``backend`` on the current GPU; the first two calls (compilation,
-    autotuning) are not timed."""
+def core_attention_problem(cfg: Any, backend: str, dtype: torch.dtype, epilogue: str, device: str = "cuda"):
+    """One layer's core attention of the run's kind with ``backend`` and this rank's heads, and inputs at the run's
+    micro-batch and sequence: (module, (q, k, v) requiring gradients, attention_bias or None)."""
     from megatron.core.transformer.enums import AttnMaskType
 
     from diff_transformer.models.attention import DiffV2CoreAttention, DifferentialCoreAttention, VanillaCoreAttention
@@ -189,12 +188,19 @@ def time_core_attention(cfg: Any, backend: str, dtype: torch.dtype, epilogue: st
         module = DiffV2CoreAttention(config, 1, AttnMaskType.causal, backend=backend, epilogue=epilogue)
     else:  # every other kind's attention call is the baseline's (the controls have one candidate and are not timed)
         module = VanillaCoreAttention(config, 1, AttnMaskType.causal, backend=backend)
-    module = module.cuda()
+    module = module.to(device)
     query_heads, kv_heads, size = attention_heads(local.model)
     s, b = local.model.seq_length, local.trainer.micro_batch_size
-    make = lambda heads: torch.randn(s, b, heads, size, device="cuda", dtype=dtype, requires_grad=True)  # noqa: E731
-    q, k, v = make(query_heads), make(kv_heads), make(kv_heads)
-    bias = torch.randn(s, b, query_heads // 2, device="cuda", dtype=dtype) if kind == "diff_v2" else None
+    make = lambda heads: torch.randn(s, b, heads, size, device=device, dtype=dtype, requires_grad=True)  # noqa: E731
+    bias = torch.randn(s, b, query_heads // 2, device=device, dtype=dtype) if kind == "diff_v2" else None
+    return module, (make(query_heads), make(kv_heads), make(kv_heads)), bias
+
+
+def time_core_attention(cfg: Any, backend: str, dtype: torch.dtype, epilogue: str, iters: int = 5) -> float:
+    """Median milliseconds of one forward and backward of one layer's core attention (the run's kind, per-rank heads,
+    micro-batch and sequence, ``dtype``) with ``backend`` on the current GPU; the first two calls (compilation,
+    autotuning) are not timed."""
+    module, (q, k, v), bias = core_attention_problem(cfg, backend, dtype, epilogue)
     times = []
     for i in range(iters + 2):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
