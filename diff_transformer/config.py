@@ -110,6 +110,9 @@ class TrainerConfig:
     fusions: str = "auto"
     diff_epilogue: str = "triton"  # the DIFF epilogue when fusions are on: triton (one kernel each way) | compile
     profile_step: Optional[int] = None  # write profile_step_<N>.json: step N's time by kind of work (torch.profiler)
+    # draw the initial weights on the GPU (seconds instead of minutes for billions of parameters); they then depend
+    # on the TP layout, unlike the default CPU initialisation (and a resume or weights-only start loads them anyway)
+    init_on_gpu: bool = False
 
 
 @dataclass

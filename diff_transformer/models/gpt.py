@@ -119,8 +119,9 @@ def transformer_config(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=bf16,
-        # Full weights drawn on the CPU then sliced: identical initial weights for every TP layout.
-        use_cpu_initialization=True,
+        # Full weights drawn on the CPU then sliced: identical initial weights for every TP layout (unless
+        # trainer.init_on_gpu trades that for speed).
+        use_cpu_initialization=not (getattr(cfg.trainer, "init_on_gpu", False) and torch.cuda.is_available()),
         perform_initialization=perform_init,
         bias_activation_fusion=fused,
         bias_dropout_fusion=False,
