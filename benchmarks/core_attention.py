@@ -116,6 +116,8 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--v2-epilogues", nargs="+", default=["triton"], metavar="EPILOGUE",
+                        help="DIFF V2 rows: the epilogues to time it with (unfused, triton, compile)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args()
 
@@ -132,7 +134,7 @@ def main() -> int:
     epilogues = ["unfused", "triton", "compile"] if device == "cuda" else ["unfused", "triton"]
     rows = [("vanilla", "sdpa", "unfused")]
     rows += [("diff", "sdpa", e) for e in epilogues] + [("diff", "triton", "unfused")]
-    rows += [("diff_v2", "sdpa", e) for e in epilogues]
+    rows += [("diff_v2", "sdpa", e) for e in args.v2_epilogues if e in epilogues]
     check_shape = (2, min(kv_heads, 2) if kv_heads < heads else 2, min(d, 64), 257 if device == "cuda" else 40, 2)
 
     results, kernels = [], {}

@@ -76,13 +76,13 @@ if [ $dry_run -eq 1 ]; then
     --fit-gib 80 trainer.fusions=on
 else
   "$py" benchmarks/core_attention.py --help > /dev/null || exit 1
-  step core_attention 80 "$py" benchmarks/core_attention.py --heads 8 --head-dim 128 --seq-len 4096 --batch 4 \
+  step core_attention 75 "$py" benchmarks/core_attention.py --heads 8 --head-dim 128 --seq-len 4096 --batch 4 \
     --out "$out"
-  step gpu_tests 70 "$py" -m pytest -q -p no:cacheprovider -m gpu --timeout 60 -rA \
+  step gpu_tests 75 "$py" -m pytest -q -p no:cacheprovider -m gpu --timeout 60 -rA \
     tests/test_diff_epilogue.py tests/test_attention.py
-  throughput throughput_830m 200 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 --steps 10 \
+  throughput throughput_830m 180 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 --steps 8 \
     trainer.init_on_gpu=true
-  throughput throughput_3b 170 --model 3b --seq-length 4096 --micro-batch-size 1 --micro-batches 8 --steps 6 \
+  throughput throughput_3b 190 --model 3b --seq-length 4096 --micro-batch-size 1 --micro-batches 8 --steps 5 \
     --fit-gib 80 optim=adamw_3b trainer.init_on_gpu=true
   if [ $all -eq 1 ]; then
     smoke() {
