@@ -75,7 +75,6 @@ if [ $dry_run -eq 1 ]; then
   throughput throughput_3b 600 --model debug --steps 4 --micro-batch-size 1 --micro-batches 8 --seq-length 128 \
     --fit-gib 80 trainer.fusions=on
 else
-  "$py" benchmarks/core_attention.py --help > /dev/null || exit 1
   step core_attention 75 "$py" benchmarks/core_attention.py --heads 8 --head-dim 128 --seq-len 4096 --batch 4 \
     --out "$out"
   step gpu_tests 75 "$py" -m pytest -q -p no:cacheprovider -m gpu --timeout 60 -rA \
