@@ -16,17 +16,21 @@
 #   bash benchmarks/gpu_wheels.sh .whl          # once, where PyPI is reachable: the wheels the image lacks
 #   bash benchmarks/gpu_check.sh [.whl]         # on the GPU machine, from the repository root
 #   bash benchmarks/gpu_check.sh --dry-run      # on a CPU: the same steps at toy sizes (Triton interpreter)
+#   bash benchmarks/gpu_check.sh .whl --only throughput_3b,gpu_tests   # a rerun of some steps only
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry_run=0
 all=0
+only=""
 wheels=".whl"
-for arg in "$@"; do
-  case "$arg" in
+while [ $# -gt 0 ]; do
+  case "$1" in
     --dry-run) dry_run=1 ;;
     --all) all=1 ;;
-    *) wheels="$arg" ;;
+    --only) only=",$2,"; shift ;;
+    *) wheels="$1" ;;
   esac
+  shift
 done
 out="${OUT:-gpu_check_out}"
 mkdir -p "$out"
@@ -35,6 +39,7 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=disabled PYTHONWARNINGS=ignore
 status=0
 step() {  # name, seconds, command...: run under a time limit, log to $out/<name>.log, remember a failure, go on
   local name="$1" limit="$2"; shift 2
+  if [ -n "$only" ] && [[ "$only" != *",$name,"* ]]; then return 0; fi
   echo "=== $name (limit ${limit} s): $*"
   local start=$SECONDS
   timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1
@@ -102,9 +107,9 @@ fi
 
 echo
 echo "=== summary ($( [ $dry_run -eq 1 ] && echo dry run || echo GPU ))"
-grep -h -E "passed|failed|error" "$out/gpu_tests.log" | tail -n 1
-sed -n '/^| module/,/^$/p' "$out/core_attention.log"
-grep -h -A 4 "^SDPA kernels" "$out/core_attention.log"
+grep -h -E "passed|failed|error" "$out/gpu_tests.log" 2>/dev/null | tail -n 1
+sed -n '/^| module/,/^$/p' "$out/core_attention.log" 2>/dev/null
+grep -h -A 4 "^SDPA kernels" "$out/core_attention.log" 2>/dev/null
 for name in throughput_830m throughput_3b; do
   [ -f "$out/$name.md" ] || { echo "$name: no result (see $out/$name.log)"; continue; }
   echo "--- $name"
