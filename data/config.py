@@ -44,7 +44,7 @@ class DataConfig:
     index_cache_dir: Optional[str] = None
     bundled_vocab_size: int = 4096
     preprocess_workers: int = 1
-    num_workers: int = 0
+    num_workers: Optional[int] = None  # DataLoader worker processes; None: 2 on a GPU, 0 on a CPU
     eod_mask_loss: bool = False
 
     def validate(self) -> None:
@@ -93,7 +93,7 @@ def validate(cfg: DataConfig) -> None:
     if cfg.bundled_vocab_size < 512 or cfg.bundled_vocab_size > 65536:
         raise ValueError(f"data.bundled_vocab_size={cfg.bundled_vocab_size} is outside 512..65536 (the bundled corpus "
                          f"is 9 M characters; 2048-8192 suits it)")
-    if cfg.num_workers < 0:
+    if cfg.num_workers is not None and cfg.num_workers < 0:
         raise ValueError(f"data.num_workers={cfg.num_workers} must be 0 (load in the training process) or more")
     if cfg.preprocess_workers < 1:
         raise ValueError(f"data.preprocess_workers={cfg.preprocess_workers} must be at least 1")

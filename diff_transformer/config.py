@@ -17,7 +17,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from data.config import DataConfig
-from diff_transformer.models.attention import BACKENDS, DEX_ANNEAL_SCHEDULES
+from diff_transformer.models.attention import BACKENDS, DEX_ANNEAL_SCHEDULES, EPILOGUE_IMPLS
 from diff_transformer.models.layer_specs import ABLATION_KEY_DEFAULTS, ATTENTION_KINDS, num_kv_heads
 
 
@@ -44,7 +44,8 @@ class ModelConfig:
     name: str = MISSING
     # a key of ATTENTION_KINDS: diff | vanilla | diff_v2 | vanilla_subln | vanilla_wide | topk | signed_mask
     attention: str = "diff"
-    attention_backend: str = "sdpa"  # eager | sdpa | flash_attn | triton (what each kind runs on: README)
+    # auto (timed once per GPU and shape, sdpa on a CPU) | eager | sdpa | flash_attn | triton (each kind's: README)
+    attention_backend: str = "auto"
     num_layers: int = MISSING
     hidden_size: int = MISSING
     num_heads: int = MISSING  # differential heads H; the mirrored baseline has 2H heads of size head_dim
@@ -105,6 +106,13 @@ class TrainerConfig:
     gpu_memory_gib: Optional[float] = None  # memory plan budget per device; None: the GPU's memory (no check on CPU)
     # attention entropy, sink rate and largest logit per layer on eval steps: auto (on when it costs <= 1%) | on | off
     attention_diagnostics: str = "auto"
+    # fused RoPE, SwiGLU, cross-entropy, DIFF epilogue and λ: auto (on with CUDA, off on a CPU) | on | off
+    fusions: str = "auto"
+    diff_epilogue: str = "triton"  # the DIFF epilogue when fusions are on: triton (one kernel each way) | compile
+    profile_step: Optional[int] = None  # write profile_step_<N>.json: step N's time by kind of work (torch.profiler)
+    # draw the initial weights on the GPU (seconds instead of minutes for billions of parameters); they then depend
+    # on the TP layout, unlike the default CPU initialisation (and a resume or weights-only start loads them anyway)
+    init_on_gpu: bool = False
 
 
 @dataclass
@@ -296,6 +304,9 @@ DECAYS = ("linear", "cosine", "constant")
 RECOMPUTE_MODES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 ATTENTION_DIAGNOSTICS_MODES = ("auto", "on", "off")
+FUSION_MODES = ("auto", "on", "off")
+FUSED_EPILOGUES = tuple(e for e in EPILOGUE_IMPLS if e != "unfused")
+BACKEND_CHOICES = ("auto",) + BACKENDS
 
 
 def _divisors(n: int) -> str:
@@ -307,8 +318,10 @@ def validate(cfg: Any, world_size: int) -> None:
     m, p, t, o = cfg.model, cfg.parallel, cfg.trainer, cfg.optim
     if m.attention not in ATTENTION_KINDS:
         raise ValueError(f"model.attention={m.attention!r} is unknown; use one of {', '.join(ATTENTION_KINDS)}")
-    if m.attention_backend not in BACKENDS:
-        raise ValueError(f"model.attention_backend={m.attention_backend!r} is unknown; use one of {', '.join(BACKENDS)}")
+    if m.attention_backend not in BACKEND_CHOICES:
+        raise ValueError(
+            f"model.attention_backend={m.attention_backend!r} is unknown; use one of {', '.join(BACKEND_CHOICES)}"
+        )
     for key in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "seq_length"):
         if getattr(m, key) < 1:
             raise ValueError(f"model.{key}={getattr(m, key)} must be a positive integer")
@@ -365,6 +378,12 @@ def validate(cfg: Any, world_size: int) -> None:
     if t.attention_diagnostics not in ATTENTION_DIAGNOSTICS_MODES:
         raise ValueError(f"trainer.attention_diagnostics={t.attention_diagnostics!r} is unknown; use one of "
                          f"{', '.join(ATTENTION_DIAGNOSTICS_MODES)}")
+    if t.fusions not in FUSION_MODES:
+        raise ValueError(f"trainer.fusions={t.fusions!r} is unknown; use one of {', '.join(FUSION_MODES)}")
+    if t.diff_epilogue not in FUSED_EPILOGUES:
+        raise ValueError(f"trainer.diff_epilogue={t.diff_epilogue!r} is unknown; use one of {', '.join(FUSED_EPILOGUES)}")
+    if t.profile_step is not None and not 1 <= t.profile_step <= t.max_steps:
+        raise ValueError(f"trainer.profile_step={t.profile_step} must be a step of the run, 1..{t.max_steps} (or null)")
     if t.gpu_memory_gib is not None and t.gpu_memory_gib <= 0:
         raise ValueError(f"trainer.gpu_memory_gib={t.gpu_memory_gib} must be positive (or null: the GPU's memory)")
     validate_parallel_switches(p, m.seq_length, dp)
@@ -390,7 +409,7 @@ def validate(cfg: Any, world_size: int) -> None:
 def validate_attention_kind(m: ModelConfig) -> None:
     """The backend and the ablation keys must fit ``model.attention``: a key a kind does not read is refused."""
     kind = ATTENTION_KINDS[m.attention]
-    if m.attention_backend not in kind.backends:
+    if m.attention_backend != "auto" and m.attention_backend not in kind.backends:
         raise ValueError(
             f"model.attention={m.attention} does not run on model.attention_backend={m.attention_backend}; "
             f"use {', '.join(kind.backends)}"

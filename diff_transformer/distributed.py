@@ -59,6 +59,7 @@ def resolve_backend(backend: str) -> str:
 def init_distributed(backend: str, tp: int = 1, pp: int = 1, seed: int = 0) -> None:
     """Start the default process group (torchrun's env, or a single local process) and megatron's TP/PP groups."""
     compat.apply_cpu_patches()
+    compat.apply_grad_norm_patches()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

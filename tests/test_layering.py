@@ -20,7 +20,9 @@ ALLOWED = {
     "diff_transformer.compat": (),
     "diff_transformer.distributed": ("diff_transformer.compat",),
     "data": ("data", "diff_transformer.fileio"),
-    "diff_transformer.models": ("diff_transformer.models", "kernels", "diff_transformer.distributed"),
+    "diff_transformer.models": (
+        "diff_transformer.models", "kernels", "diff_transformer.distributed", "diff_transformer.compat",
+    ),
     "diff_transformer.config": ("data.config", "diff_transformer.models"),
     "diff_transformer.training": (
         "diff_transformer.training", "diff_transformer.models", "diff_transformer.config", "diff_transformer.compat",

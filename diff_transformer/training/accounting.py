@@ -15,10 +15,11 @@ from diff_transformer.models.attention import SIGNED_MASK_BUCKETS
 from diff_transformer.models.gpt import (
     FUSED_ATTENTION_BACKENDS,
     attention_parameters_per_layer,
+    fusions_enabled,
     head_dim,
     num_kv_heads,
 )
-from diff_transformer.models.layer_specs import attention_heads
+from diff_transformer.models.layer_specs import attention_heads, resolved_backend
 
 
 GIB = 2**30
@@ -72,39 +73,42 @@ def parameters_per_stage(cfg: Any, padded_vocab: int) -> Dict[str, int]:
 # ------------------------------------------------------------------------------------------------------------------
 # Activations: what the backward pass needs, per micro-batch, per layer, on one rank
 # ------------------------------------------------------------------------------------------------------------------
-def core_attention_bytes_per_token(model: Any, backend: str, device: str, a: int) -> Tuple[float, bool]:
+def core_attention_bytes_per_token(
+    model: Any, backend: str, device: str, a: int, fused_epilogue: bool = False
+) -> Tuple[float, bool]:
     """(bytes per token the core attention keeps beyond its output, whether it keeps its inputs q, k, v among them):
     what selective recomputation drops (it keeps the inputs itself). ``a``: bytes of an activation element.
 
     - maps: ``eager`` keeps fp32 softmax maps of s keys per head (DIFF: A1, A2 and A1 − λA2 over H heads; the
-      baseline one over 2H); ``sdpa`` on a CPU runs torch's math path for DIFF (V is 2d wide, q/k d), which keeps
-      both maps and contiguous copies of its inputs instead of the inputs; fused kernels (sdpa's on a GPU,
-      ``flash_attn``, ``triton``) keep none;
-    - DIFF's differential core also keeps its two outputs (kernel paths), O2 in fp32 for λ's gradient, and the
-      sub-layer norm's input (on a CPU also its normalised input: torch's CPU rms_norm is not fused).
+      baseline one over 2H); the library kernels (sdpa's flash, cuDNN and memory-efficient kernels, on a CPU torch's
+      flash kernel, all with equal head dims) and ``triton`` keep none;
+    - DIFF on library kernels (``library_layout``) keeps the two halves of V repeated per head pair and the two calls'
+      outputs (with GQA also the map-major copies of q and k); eager its combined output in fp32; ``triton`` its
+      output and the sub-layer norm's input;
+    - DIFF's epilogue: the fused one keeps one rstd per head (nothing here); the unfused one x and x·rstd in fp32 (with
+      the sub-layer norm) and, for a bf16 model, the fp32 copy of map 2's output that λ's gradient reads.
     """
     h_heads, d, s = model.num_heads, head_dim(model), model.seq_length
     hq = 2 * h_heads * d  # query width = output width (DIFF: H heads of 2d)
+    hkv = 2 * num_kv_heads(model) * d
     diff = model.attention == "diff"
-    cpu = device == "cpu"
-    keeps_inputs = True
+    maps = copies = 0
     if backend == "eager":
         maps = 3 * h_heads * s * 4 if diff else 2 * h_heads * s * 4
         copies = 3 * hq * 4 if a == 2 else 0  # q, k, v cast to fp32
-    elif backend == "sdpa" and diff and cpu:
-        maps = 2 * h_heads * s * a
-        copies = 2 * 2 * hq * a  # per map: contiguous q and k halves (hq/2 each) and the 2d-wide V (hq)
-        keeps_inputs = False
-    else:
-        maps, copies = 0, 0
     if not diff:
-        return maps + copies, keeps_inputs
-    outputs = {"sdpa": 0 if cpu else 2 * hq * a, "flash_attn": 2 * hq * a, "triton": hq * a}.get(backend, 0)
-    lambda_grad = hq * 4 if backend != "triton" else 0  # O2 in fp32, which λ's gradient needs
-    norm = 0
-    if model.sublayer_norm:
-        norm = (0 if backend == "triton" else hq * a) + (hq * a if cpu else 0)
-    return maps + copies + outputs + lambda_grad + norm, keeps_inputs
+        return maps + copies, True
+    if backend == "triton":
+        norm = (hq * a if device == "cpu" else 0) if model.sublayer_norm else 0  # torch's CPU rms_norm keeps x·rstd
+        return hq * a + norm, True
+    if backend == "eager":
+        kept = hq * 4  # (A1 − λ·A2)·V in fp32
+    else:
+        gqa = (hq + hkv) * a if hkv < hq else 0
+        kept = 2 * hkv * a + 2 * hq * a + gqa
+    if not fused_epilogue:
+        kept += (2 * hq * 4 if model.sublayer_norm else 0) + (hq * 4 if a == 2 and backend != "eager" else 0)
+    return maps + copies + kept, True
 
 
 def activation_bytes_per_layer(cfg: Any, a: int, device: str) -> Dict[str, float]:
@@ -124,7 +128,8 @@ def activation_bytes_per_layer(cfg: Any, a: int, device: str) -> Dict[str, float
     out = hq * a / p.tp  # the core attention's output: linear_proj's input
     # q, k, v: the QKV output (V stays a view of it) and q and k after RoPE
     inputs = (2 * hq + 3 * hkv) * a / p.tp
-    core, keeps_inputs = core_attention_bytes_per_token(m, m.attention_backend, device, a)
+    fused_epilogue = fusions_enabled(cfg, device) and cfg.model.attention == "diff"
+    core, keeps_inputs = core_attention_bytes_per_token(m, resolved_backend(m), device, a, fused_epilogue)
     core /= p.tp
     return {
         "full": tokens * (norms + mlp + out + core + (inputs if keeps_inputs else 0)),
@@ -150,7 +155,7 @@ def activation_bytes_per_stage(cfg: Any, a: int, device: str, in_flight: int) ->
     t = cfg.trainer
     layers = cfg.model.num_layers // cfg.parallel.pp
     per = activation_bytes_per_layer(cfg, a, device)
-    if t.recompute == "selective" and cfg.model.attention_backend not in FUSED_ATTENTION_BACKENDS:
+    if t.recompute == "selective" and resolved_backend(cfg.model) not in FUSED_ATTENTION_BACKENDS:
         # one layer's core attention, recomputed after its MLP's backward (which frees about as much as the core's
         # own gradients then need)
         return in_flight * layers * per["selective"], per["core"]
@@ -304,7 +309,7 @@ def memory_switches(cfg: Any, world_size: int) -> List[Dict[str, Any]]:
         out.append({"parallel.distributed_optimizer": True})
     if p.tp > 1 and not p.sequence_parallel and _divides(m.seq_length, p.tp):
         out.append({"parallel.sequence_parallel": True})
-    if t.recompute == "none" and m.attention_backend not in FUSED_ATTENTION_BACKENDS:
+    if t.recompute == "none" and resolved_backend(m) not in FUSED_ATTENTION_BACKENDS:
         out.append({"trainer.recompute": "selective"})
     if t.recompute != "full":
         out.append(
