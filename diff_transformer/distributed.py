@@ -56,8 +56,9 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def init_distributed(backend: str, tp: int = 1, pp: int = 1, seed: int = 0) -> None:
-    """Start the default process group (torchrun's env, or a single local process) and megatron's TP/PP groups."""
+def init_distributed(backend: str, tp: int = 1, pp: int = 1, seed: int = 0, cp: int = 1) -> None:
+    """Start the default process group (torchrun's env, or a single local process) and megatron's TP/CP/PP groups
+    (megatron's order tp-cp-ep-dp-pp: the ranks of a TP group are adjacent, then those of a CP group)."""
     compat.apply_cpu_patches()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -71,7 +72,9 @@ def init_distributed(backend: str, tp: int = 1, pp: int = 1, seed: int = 0) -> N
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.distributed.init_process_group(backend=backend)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+        )
     model_parallel_cuda_manual_seed(seed)
 
 
@@ -156,6 +159,41 @@ def all_gather_objects(obj: Any, group: Optional[Any] = None) -> List[Any]:
     gathered: List[Any] = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(gathered, obj, group=group)
     return gathered
+
+
+class RingExchange:
+    """The sends and receives of one step around a ring, in flight; :meth:`wait` returns the received tensors."""
+
+    def __init__(self, requests: List[Any], sent: List[torch.Tensor], received: List[torch.Tensor]):
+        self._requests = requests
+        self._sent = sent  # alive until the sends complete
+        self._received = received
+
+    def wait(self) -> List[torch.Tensor]:
+        for request in self._requests:
+            request.wait()
+        return self._received
+
+
+def ring_exchange(tensors: Sequence[torch.Tensor], group: Any) -> RingExchange:
+    """Start sending ``tensors`` to the next rank of ``group`` (group rank + 1, wrapping) and receiving tensors of the
+    same shapes and dtypes from the previous one, without waiting: the caller computes, then calls ``wait()``.
+    Every rank of the group calls it with the same shapes (context parallelism's ring attention)."""
+    expected = device_type_for_backend(torch.distributed.get_backend(group))
+    for tensor in tensors:
+        if tensor.device.type != expected:
+            raise RuntimeError(
+                f"ring_exchange: a {tensor.device.type} tensor cannot travel over a "
+                f"{torch.distributed.get_backend(group)} group, which needs {expected} tensors"
+            )
+    ranks = torch.distributed.get_process_group_ranks(group)
+    me = torch.distributed.get_rank(group)
+    send_to, receive_from = ranks[(me + 1) % len(ranks)], ranks[(me - 1) % len(ranks)]
+    sent = [t.contiguous() for t in tensors]
+    received = [torch.empty_like(t) for t in sent]
+    operations = [torch.distributed.P2POp(torch.distributed.isend, t, send_to, group) for t in sent]
+    operations += [torch.distributed.P2POp(torch.distributed.irecv, t, receive_from, group) for t in received]
+    return RingExchange(torch.distributed.batch_isend_irecv(operations), sent, received)
 
 
 def barrier() -> None:
