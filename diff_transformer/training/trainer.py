@@ -36,6 +36,7 @@ from diff_transformer.models.layer_specs import variant_label
 from diff_transformer import distributed
 from diff_transformer.training.accounting import (
     check_memory_plan,
+    choose_context_parallel,
     estimate_memory_per_gpu,
     memory_gib,
     model_flops_per_token,
@@ -104,10 +105,13 @@ class Trainer:
         if self.dtype == torch.bfloat16 and not torch.cuda.is_available():
             raise ValueError("trainer.precision=bf16 needs a GPU; use fp32 (or auto) on CPU")
         self.padded_vocab = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp)
+        if cfg.parallel.cp is None:  # parallel.cp=null: the smallest context parallelism whose estimate fits
+            cfg.parallel.cp = choose_context_parallel(cfg, self.dtype, world, self.padded_vocab)
+            validate(cfg, world)
         check_memory_plan(cfg, self.dtype, world, self.padded_vocab)  # refuses a launch that cannot fit
         self._check_engine_support()
 
-        distributed.init_distributed(cfg.parallel.backend, cfg.parallel.tp, cfg.parallel.pp, cfg.seed)
+        distributed.init_distributed(cfg.parallel.backend, cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.cp)
         from megatron.core import parallel_state
 
         self.rank = torch.distributed.get_rank()
@@ -288,8 +292,8 @@ class Trainer:
                 "the whole model trains" if cfg.model.dex.train_base else "only W_D and λ train (model.dex.train_base=false)",
             )
         logger.info(
-            "layout: tp=%d pp=%d dp=%d, %d micro-batches of %d per step, %s tokens per step, dtype %s",
-            cfg.parallel.tp, cfg.parallel.pp, self.dp_size, self.num_microbatches, cfg.trainer.micro_batch_size,
+            "layout: tp=%d pp=%d cp=%d dp=%d, %d micro-batches of %d per step, %s tokens per step, dtype %s",
+            cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, self.dp_size, self.num_microbatches, cfg.trainer.micro_batch_size,
             f"{self.tokens_per_step:,}", str(self.dtype).replace("torch.", ""),
         )
         logger.info(
@@ -535,7 +539,8 @@ class Trainer:
             "global_batch_size": self.cfg.trainer.global_batch_size,
             "max_steps": self.cfg.trainer.max_steps,
             "data": self._data_description(),
-            "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "dp": self.dp_size},
+            "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "cp": self.cfg.parallel.cp,
+                       "dp": self.dp_size},
             "engine": self.cfg.engine.name,
         }
         atomic_write_json(os.path.join(self.run_dir, "run.json"), info)

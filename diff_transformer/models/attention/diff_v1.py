@@ -18,6 +18,7 @@ from diff_transformer.models.attention.base import (
     subtract_in_fp32,
 )
 from diff_transformer.models.attention_maps import AttentionMaps
+from diff_transformer.models.ring_attention import ring_attention
 
 class DifferentialCoreAttention(CoreAttentionBase):
     """Differential attention V1: (softmax(Q1K1ᵀ·s) − λ·softmax(Q2K2ᵀ·s))·V per head, then per-head RMSNorm·(1−λ_init).
@@ -27,6 +28,8 @@ class DifferentialCoreAttention(CoreAttentionBase):
     vectors: λ is the constant λ_init, and the output multiplier stays (1 − λ_init(l)) of the depth schedule, because
     (1 − λ) would zero the attention output when λ is frozen at 1 (pure cancellation).
     """
+
+    supports_context_parallel = True
 
     def __init__(
         self,
@@ -109,7 +112,8 @@ class DifferentialCoreAttention(CoreAttentionBase):
         # (s, b, heads, d) -> (b, s, heads, d): the layout every backend below starts from.
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))
         v = v.reshape(b, s, two_g // 2, 2 * d)
-        out = getattr(self, f"_forward_{self.backend}")(q, k, v, lam)  # (b, s, H, 2d)
+        forward = self._forward_ring if self.ring is not None else getattr(self, f"_forward_{self.backend}")
+        out = forward(q, k, v, lam)  # (b, s, H, 2d)
         if self.sublayer_norm is not None:
             out = self.sublayer_norm(out)
         out = out * self.output_scale
@@ -120,6 +124,14 @@ class DifferentialCoreAttention(CoreAttentionBase):
         q = q.transpose(1, 2)
         k = k.transpose(1, 2)
         return q[:, 0::2], q[:, 1::2], k[:, 0::2], k[:, 1::2]
+
+    def _forward_ring(self, q, k, v, lam):
+        """The sequence split over the context-parallel group: both maps merged by their own LSEs around the ring
+        (models/ring_attention.py), then subtracted."""
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        o1, o2 = ring_attention([q[:, 0::2], q[:, 1::2]], k, v, (slice(0, None, 2), slice(1, None, 2)),
+                                self.softmax_scale, self.ring, self.backend)
+        return subtract_in_fp32(o1, lam, o2).transpose(1, 2)
 
     def _forward_eager(self, q, k, v, lam):
         q1, q2, k1, k2 = self._split_pairs(q, k)

@@ -12,12 +12,15 @@ from megatron.core.transformer.spec_utils import build_module
 
 from diff_transformer.models.attention.base import CoreAttentionBase, eager_attention_probs, load_flash_attn_func
 from diff_transformer.models.attention_maps import AttentionMaps
+from diff_transformer.models.ring_attention import ring_attention
 
 class DiffV2CoreAttention(CoreAttentionBase):
     """Differential attention V2: one causal attention of 2H query heads of d over Hkv KV heads of d (GQA; head
     pair (2h, 2h+1) lies in one KV group because Hkv divides H), then head_h = O[2h] − λ_h,t·O[2h+1] in fp32, with
     λ_h,t = sigmoid(x_t·W_λ)_h computed by ``DiffV2SelfAttention`` and passed in as ``attention_bias`` (its logits,
     [s, b, H per rank]). No sub-layer norm. Output [s, b, H per rank · d]."""
+
+    supports_context_parallel = True
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None) -> torch.Tensor:
@@ -32,7 +35,8 @@ class DiffV2CoreAttention(CoreAttentionBase):
         if self.backend == "triton":
             out = self._forward_triton(q, k, v, lam)
         else:
-            o = getattr(self, f"_forward_{self.backend}")(q, k, v).float()  # (b, s, 2H, d)
+            forward = self._forward_ring if self.ring is not None else getattr(self, f"_forward_{self.backend}")
+            o = forward(q, k, v).float()  # (b, s, 2H, d)
             out = o[:, :, 0::2] - lam.unsqueeze(-1) * o[:, :, 1::2]
         return out.to(query.dtype).transpose(0, 1).reshape(s, b, two_h // 2 * d)
 
@@ -47,6 +51,12 @@ class DiffV2CoreAttention(CoreAttentionBase):
             components={"A1": a1, "A2": a2}, logits={"A1": logits[:, 0::2], "A2": logits[:, 1::2]},
             combined=a1 - lam * a2, rows=rows, lam=lam,
         )
+
+    def _forward_ring(self, q, k, v):
+        """The sequence split over the context-parallel group: one map around the ring (models/ring_attention.py)."""
+        (o,) = ring_attention([q.transpose(1, 2)], k.transpose(1, 2), v.transpose(1, 2), (slice(None),),
+                              self.softmax_scale, self.ring, self.backend)
+        return o.transpose(1, 2)
 
     def _forward_eager(self, q, k, v):
         groups = q.shape[2] // k.shape[2]
