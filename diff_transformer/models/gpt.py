@@ -91,6 +91,7 @@ def transformer_config(
         init_method_std=m.init_std,
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
+        context_parallel_size=p.cp,  # the core attentions' ring path, RoPE's positions of each rank's chunks
         # refused at TP=1 by config validation; a saved config rebuilt at TP=1 (checkpoint convert) drops it
         sequence_parallel=bool(getattr(p, "sequence_parallel", False)) and p.tp > 1,
         params_dtype=dtype,
