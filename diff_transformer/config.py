@@ -529,6 +529,24 @@ def _shown(value: Any) -> str:
     return "null" if value is None else str(value)
 
 
+def validate_ring_attention(m: Any, shown: str, backend_key: str = "model.attention_backend") -> None:
+    """The attention kind and backend of ``m`` have a ring-attention path (``shown``: the CP setting, for the message;
+    ``backend_key``: how the user sets the backend)."""
+    kinds = context_parallel_kinds(m)
+    if m.attention not in kinds:
+        why = " (its head calibration reads whole attention maps)" if m.attention == "dex" else ""
+        raise ValueError(
+            f"model.attention={m.attention} has no ring-attention path for context parallelism ({shown}){why}; "
+            f"use one of {', '.join(kinds)}, or no context parallelism"
+        )
+    if m.attention_backend not in RING_IMPLEMENTATIONS:
+        raise ValueError(
+            f"model.attention_backend={m.attention_backend} has no ring-attention path for context parallelism "
+            f"({shown}): the ring merges each softmax map by its log-sum-exp, which this backend does not expose; "
+            f"use {backend_key}=sdpa (or eager)"
+        )
+
+
 def validate_context_parallel(cfg: Any) -> None:
     """``parallel.cp`` > 1 (or null, which may choose it): a sequence that splits into 2·cp equal chunks, and an
     attention kind and backend with a ring-attention path (models/ring_attention.py)."""
@@ -536,19 +554,7 @@ def validate_context_parallel(cfg: Any) -> None:
     if p.cp == 1:
         return
     shown = f"parallel.cp={_shown(p.cp)}"
-    kinds = context_parallel_kinds(m)
-    if m.attention not in kinds:
-        why = " (its head calibration reads whole attention maps)" if m.attention == "dex" else ""
-        raise ValueError(
-            f"model.attention={m.attention} has no ring-attention path for context parallelism ({shown}){why}; "
-            f"use parallel.cp=1, or one of {', '.join(kinds)}"
-        )
-    if m.attention_backend not in RING_IMPLEMENTATIONS:
-        raise ValueError(
-            f"model.attention_backend={m.attention_backend} has no ring-attention path for context parallelism "
-            f"({shown}): the ring merges each softmax map by its log-sum-exp, which this backend does not expose; "
-            f"use model.attention_backend=sdpa (or eager)"
-        )
+    validate_ring_attention(m, shown)
     if t.attention_diagnostics == "on":
         raise ValueError(
             f"trainer.attention_diagnostics=on reads whole attention maps, which context parallelism ({shown}) "

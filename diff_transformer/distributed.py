@@ -105,14 +105,29 @@ def all_reduce_tensor(tensor: torch.Tensor, group: Optional[Any] = None) -> torc
     """Sum ``tensor`` in place over ``group``; it must already live where the group's backend reduces."""
     if _is_trivial(group):
         return tensor
+    _check_device(tensor, group, "all_reduce_tensor")
+    torch.distributed.all_reduce(tensor, group=group)
+    return tensor
+
+
+def all_gather_tensor(tensor: torch.Tensor, group: Optional[Any] = None) -> List[torch.Tensor]:
+    """Every rank's ``tensor`` (the same shape and dtype on every rank of ``group``), in group-rank order; it must
+    already live where the group's backend gathers."""
+    if _is_trivial(group):
+        return [tensor]
+    _check_device(tensor, group, "all_gather_tensor", "gathered over")
+    gathered = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(gathered, tensor.contiguous(), group=group)
+    return gathered
+
+
+def _check_device(tensor: torch.Tensor, group: Optional[Any], what: str, verb: str = "reduced over") -> None:
     expected = device_type_for_backend(torch.distributed.get_backend(group))
     if tensor.device.type != expected:
         raise RuntimeError(
-            f"all_reduce_tensor: a {tensor.device.type} tensor cannot be reduced over a "
+            f"{what}: a {tensor.device.type} tensor cannot be {verb} a "
             f"{torch.distributed.get_backend(group)} group, which needs {expected} tensors"
         )
-    torch.distributed.all_reduce(tensor, group=group)
-    return tensor
 
 
 def _is_trivial(group: Optional[Any]) -> bool:
@@ -179,13 +194,8 @@ def ring_exchange(tensors: Sequence[torch.Tensor], group: Any) -> RingExchange:
     """Start sending ``tensors`` to the next rank of ``group`` (group rank + 1, wrapping) and receiving tensors of the
     same shapes and dtypes from the previous one, without waiting: the caller computes, then calls ``wait()``.
     Every rank of the group calls it with the same shapes (context parallelism's ring attention)."""
-    expected = device_type_for_backend(torch.distributed.get_backend(group))
     for tensor in tensors:
-        if tensor.device.type != expected:
-            raise RuntimeError(
-                f"ring_exchange: a {tensor.device.type} tensor cannot travel over a "
-                f"{torch.distributed.get_backend(group)} group, which needs {expected} tensors"
-            )
+        _check_device(tensor, group, "ring_exchange", "sent around")
     ranks = torch.distributed.get_process_group_ranks(group)
     me = torch.distributed.get_rank(group)
     send_to, receive_from = ranks[(me + 1) % len(ranks)], ranks[(me - 1) % len(ranks)]
