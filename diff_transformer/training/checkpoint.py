@@ -44,8 +44,9 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 # Model settings that may differ between the run that saved and the run that loads: same parameters, same math.
 MODEL_KEYS_FREE_TO_CHANGE = ("attention_backend",)
-# ... and those a run that starts from a checkpoint's weights may change too: same tensors, another context or label.
-WEIGHTS_KEYS_FREE_TO_CHANGE = MODEL_KEYS_FREE_TO_CHANGE + ("name", "seq_length", "init_std")
+# ... and those a run that starts from a checkpoint's weights may change too: same tensors, another context or label
+# (rope_base: the long-context extension raises RoPE's θ with the sequence length).
+WEIGHTS_KEYS_FREE_TO_CHANGE = MODEL_KEYS_FREE_TO_CHANGE + ("name", "seq_length", "init_std", "rope_base")
 
 
 # ------------------------------------------------------------------------------------------------------------------
