@@ -449,10 +449,13 @@ def memory_plan_problem(
     )
 
 
-def choose_context_parallel(cfg: Any, dtype: torch.dtype, world_size: int, padded_vocab: int) -> int:
+def choose_context_parallel(
+    cfg: Any, dtype: torch.dtype, world_size: int, padded_vocab: int, device: Optional[str] = None
+) -> int:
     """``parallel.cp=null``: the smallest context parallelism whose memory estimate fits the budget of
     :func:`device_memory_gib` (1 without a budget), among those the world, the sequence and the batch allow; the
-    largest of them when none fits (the plan then refuses it, naming what else would fit)."""
+    largest of them when none fits (the plan then refuses it, naming what else would fit). ``device`` as in
+    :func:`estimate_memory_per_gpu`."""
     m, p = cfg.model, cfg.parallel
     rest = world_size // (p.tp * p.pp)
     allowed = [cp for cp in range(1, rest + 1) if _fits_layout(cfg, world_size, p.tp, p.pp, cp)
@@ -461,7 +464,7 @@ def choose_context_parallel(cfg: Any, dtype: torch.dtype, world_size: int, padde
     if not allowed or budget is None:
         return 1
     for cp in allowed:
-        estimate = estimate_memory_per_gpu(_with(cfg, **{"parallel.cp": cp}), dtype, world_size, padded_vocab)
+        estimate = estimate_memory_per_gpu(_with(cfg, **{"parallel.cp": cp}), dtype, world_size, padded_vocab, device)
         if estimate["total"] <= USABLE_MEMORY_FRACTION * budget:
             return cp
     return allowed[-1]
