@@ -1,14 +1,18 @@
-"""What context parallelism must get right, checked over a real gloo ring in one torchrun launch of two processes
-(``tests/test_context_parallel.py`` starts it and asserts on the JSON it writes):
+"""What context parallelism must get right, checked over real gloo groups in one torchrun launch of four processes
+(``tests/test_context_parallel.py`` starts it and asserts on the JSON it writes; one launch, because a process's
+start, mostly importing megatron-core, costs more than all of its checks):
 
-- ``ring``: ring attention (DIFF V1's two maps, V2's one map over shared K/V, the baseline's one) in fp64 over the
-  real ring, both block implementations, against full causal attention: outputs and the gradients of q, k and v;
-- ``model``: the debug model at CP=2 against the same model at CP=1, fp32: every token's loss and every parameter's
+- ``ring``: ring attention (DIFF V1's two maps, V2's one map over shared K/V, the baseline's one) in fp64 around the
+  world's ring of four, both block implementations, against full causal attention: outputs and the gradients of q,
+  k and v;
+- ``model``: the debug model at CP=4 against the same model at CP=1, fp32: every token's loss and every parameter's
   gradient (summed over the CP group, as DDP does);
-- ``training``: ten trainer steps at CP=2 (DP=1) and at CP=1 (DP=2, the same global batches): losses, gradient
-  norms, validation losses and λ.
+- ``training``: ten trainer steps of diff, diff_v2 and vanilla at CP=2 (DP=2) and at CP=1 (DP=4, the same global
+  batches); DIFF at CP=2 x TP=2 (sequence parallelism, the distributed optimizer), at CP=2 x PP=2 (selective
+  recomputation), and at CP=2 resumed from the CP=1 run's checkpoint of step 5: losses, gradient norms, validation
+  losses and λ. The CP=1 DIFF run's checkpoints stay in RUN_DIR/diff-cp1 for the tests that start from them.
 
-    python -m torch.distributed.run --nproc_per_node=2 tests/context_parallel_worker.py OUT_JSON RUN_DIR
+    python -m torch.distributed.run --nproc_per_node=4 tests/context_parallel_worker.py OUT_JSON RUN_DIR
 """
 
 import json
@@ -33,7 +37,21 @@ from tests.ring_reference import KINDS, SCALE, full_attention, ring_inputs  # no
 
 KIND_NAMES = ("diff", "diff_v2", "vanilla")
 TRAINING_OVERRIDES = ["experiment=smoke", "trainer.max_steps=10", "trainer.eval_interval=5", "optim.warmup_steps=2",
-                      "checkpoint.interval=0", "checkpoint.save_at_end=false"]
+                      "trainer.micro_batch_size=2", "checkpoint.interval=0", "checkpoint.save_at_end=false"]
+SAVES = ["checkpoint.interval=5", "checkpoint.save_at_end=true"]
+# name: overrides of each trainer run (the CP=1 DIFF run first: the resumed run starts from its checkpoint)
+TRAINING_RUNS = {
+    "diff-cp1": ["model.attention=diff", "parallel.cp=1", *SAVES],
+    "diff-cp2": ["model.attention=diff", "parallel.cp=2"],
+    "diff_v2-cp1": ["model.attention=diff_v2", "parallel.cp=1"],
+    "diff_v2-cp2": ["model.attention=diff_v2", "parallel.cp=2"],
+    "vanilla-cp1": ["model.attention=vanilla", "parallel.cp=1"],
+    "vanilla-cp2": ["model.attention=vanilla", "parallel.cp=2"],
+    "diff-cp2-tp2": ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                     "parallel.distributed_optimizer=true"],
+    "diff-cp2-pp2": ["parallel.cp=2", "parallel.pp=2", "trainer.recompute=selective"],
+    "diff-cp2-resumed": ["parallel.cp=2", "checkpoint.resume={run_dir}/diff-cp1/checkpoints/step_00000005"],
+}
 
 
 def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,7 +63,8 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def ring_checks(rank: int, size: int):
-    """Largest absolute error of each output and gradient against full attention, per kind and implementation."""
+    """Largest absolute error of each output and gradient against full attention, per kind and implementation, around
+    the ring of the whole world."""
     ring = ProcessGroupRing(torch.distributed.group.WORLD)
     errors = {}
     for kind in KINDS:
@@ -109,7 +128,7 @@ def model_checks(rank: int, size: int):
     """Per kind: the largest error of the per-token losses, and the largest relative error of any gradient."""
     generator = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, 4000, (2, 65), generator=generator)
-    index = load_balanced_indices(64, size, rank)
+    index = load_balanced_indices(64, size, rank)  # CP = the world: the CP rank is the rank
     out = {}
     for kind in KIND_NAMES:
         split_losses, split_grads = model_loss_and_grads(kind, size, tokens)
@@ -123,19 +142,18 @@ def model_checks(rank: int, size: int):
 
 
 def training_checks(run_dir: Path):
+    from megatron.core import parallel_state
+
     from diff_transformer.training.trainer import Trainer
 
     histories = {}
-    for kind in KIND_NAMES:
-        for cp in (2, 1):
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-            cfg = compose(*TRAINING_OVERRIDES, f"model.attention={kind}", f"parallel.cp={cp}")
-            trainer = Trainer(cfg, str(run_dir / f"{kind}-cp{cp}"))
-            trainer.setup()
-            keys = ("loss", "grad_norm", "val_loss", "lambda")
-            histories[f"{kind}-cp{cp}"] = [{k: r.get(k) for k in keys} for r in trainer.fit()]
+    for name, overrides in TRAINING_RUNS.items():
+        parallel_state.destroy_model_parallel()
+        cfg = compose(*TRAINING_OVERRIDES, *(o.format(run_dir=run_dir) for o in overrides))
+        trainer = Trainer(cfg, str(run_dir / name))
+        trainer.setup()
+        keys = ("step", "loss", "grad_norm", "val_loss", "lambda")
+        histories[name] = [{k: r.get(k) for k in keys} for r in trainer.fit()]
     return histories
 
 

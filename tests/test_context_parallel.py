@@ -2,12 +2,11 @@
 
 - In process: the ring's math on a ring of threads (fp64, against full causal attention: outputs and every gradient,
   DIFF V1's two maps, V2's one over shared K/V, the baseline's), the load-balanced layout, refusals, the memory plan.
-- One torchrun launch of two processes (``tests/context_parallel_worker.py``): the ring over a real gloo group, the
-  debug model at CP=2 against CP=1 (every token's loss and every gradient, fp32), ten trainer steps at CP=2 against
-  CP=1 for diff, diff_v2 and vanilla.
-- train.py: CP=2 with TP=2 (sequence parallelism, distributed optimizer) for ten steps, and CP=2 with PP=2 (selective
-  recomputation) resumed from a CP=1 checkpoint, against the uninterrupted CP=1 run; the long-context preset at CP=2
-  from that run's weights, resumed at CP=1; evaluate past the training length with and without CP.
+- One torchrun launch of four processes (``tests/context_parallel_worker.py``): the ring around a real gloo group of
+  four, the debug model at CP=4 against CP=1 (every token's loss and every gradient, fp32), ten trainer steps at CP=2
+  against CP=1 for diff, diff_v2 and vanilla, DIFF at CP=2 x TP=2 and CP=2 x PP=2, and a CP=1 run resumed at CP=2.
+- train.py: the long-context preset at CP=2 from the CP=1 run's weights, resumed at CP=1; refused in one line.
+- evaluate past the training length: in process, and under torchrun with the sequence split over two ranks.
 """
 
 import json
@@ -214,44 +213,58 @@ def worker(tmp_path_factory):
     from diff_transformer.distributed import free_port
 
     root = tmp_path_factory.mktemp("cp_worker")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--master_addr=127.0.0.1",
                f"--master_port={free_port()}", str(REPO / "tests" / "context_parallel_worker.py"),
                str(root / "results.json"), str(root)]
     proc = subprocess.run(command, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    return json.loads((root / "results.json").read_text())
+    return json.loads((root / "results.json").read_text()), root
 
 
 @pytest.mark.multiproc
 def test_ring_over_gloo_equals_full_attention_fp64(worker):
-    for rank, results in enumerate(worker):
-        for case, errors in results["ring"].items():
+    results, _ = worker
+    for rank, result in enumerate(results):
+        for case, errors in result["ring"].items():
             assert max(errors.values()) < FP64_TOLERANCE, (rank, case, errors)
-        assert len(results["ring"]) == len(KINDS) * len(IMPLEMENTATIONS)
+        assert len(result["ring"]) == len(KINDS) * len(IMPLEMENTATIONS)
 
 
 @pytest.mark.multiproc
-def test_model_at_cp2_equals_cp1_losses_and_every_gradient(worker):
-    for rank, results in enumerate(worker):
-        for kind, errors in results["model"].items():
+def test_model_at_cp4_equals_cp1_losses_and_every_gradient(worker):
+    results, _ = worker
+    for rank, result in enumerate(results):
+        for kind, errors in result["model"].items():
             assert errors["loss"] < 1e-5, (rank, kind, errors)  # measured: <= 1e-6 on losses of ~8.3
             assert errors["grad"] < 2e-5, (rank, kind, errors)  # relative, of the worst of every parameter's gradient
-        assert set(results["model"]) == {"diff", "diff_v2", "vanilla"}
+        assert set(result["model"]) == {"diff", "diff_v2", "vanilla"}
+
+
+def assert_same_steps(got, want):
+    want = {r["step"]: r for r in want}
+    for r in got:
+        w = want[r["step"]]
+        assert r["loss"] == pytest.approx(w["loss"], abs=LOSS_TOLERANCE, rel=0), r["step"]
+        assert r["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), r["step"]
+        if w.get("val_loss") is not None:
+            assert r["val_loss"] == pytest.approx(w["val_loss"], abs=LOSS_TOLERANCE, rel=0), r["step"]
+        if w.get("lambda") is not None:
+            assert r["lambda"] == pytest.approx(w["lambda"], abs=LOSS_TOLERANCE), r["step"]
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("kind", ["diff", "diff_v2", "vanilla"])
-def test_ten_trainer_steps_at_cp2_equal_cp1(worker, kind):
-    split, whole = worker[0]["training"][f"{kind}-cp2"], worker[0]["training"][f"{kind}-cp1"]
-    assert len(split) == len(whole) == STEPS
-    for step, (got, want) in enumerate(zip(split, whole), start=1):
-        assert got["loss"] == pytest.approx(want["loss"], abs=LOSS_TOLERANCE, rel=0), step
-        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), step
-        if want["val_loss"] is not None:
-            assert got["val_loss"] == pytest.approx(want["val_loss"], abs=LOSS_TOLERANCE, rel=0), step
-        if kind == "diff":
-            assert got["lambda"] == pytest.approx(want["lambda"], abs=LOSS_TOLERANCE)
-    assert len({round(r["loss"], 4) for r in whole}) > 1
+@pytest.mark.parametrize("run", ["diff-cp2", "diff_v2-cp2", "vanilla-cp2", "diff-cp2-tp2", "diff-cp2-pp2",
+                                 "diff-cp2-resumed"])
+def test_trainer_steps_at_cp2_equal_cp1(worker, run):
+    """Ten steps at CP=2 (alone, with TP=2 and sequence parallelism and the distributed optimizer, with PP=2 and
+    selective recomputation) equal ten at CP=1; a CP=1 checkpoint of step 5 resumed at CP=2 continues the same."""
+    training = worker[0][0]["training"]
+    kind = run.split("-")[0]
+    got, want = training[run], training[f"{kind}-cp1"]
+    steps = list(range(6 if run.endswith("resumed") else 1, STEPS + 1))
+    assert [r["step"] for r in got] == steps and len(want) == STEPS
+    assert_same_steps(got, want)
+    assert len({round(r["loss"], 4) for r in want}) > 1
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -262,83 +275,59 @@ def ckpt(run_dir, step):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """DIFF at CP=1 (saving at step 5), the same at CP=2 x TP=2 and CP=2 x PP=2 from its step 5, the long-context
-    preset at CP=2 from its weights (saving at step 2), and that run resumed at CP=1 from step 2."""
-    root = tmp_path_factory.mktemp("cp_runs")
-    run_train(root / "cp1", COMMON + ["checkpoint.interval=5"])
-    run_train(root / "cp2_tp2", COMMON + ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
-                                          "parallel.distributed_optimizer=true", "checkpoint.save_at_end=false"],
-              nproc=4)
-    run_train(root / "cp2_pp2", COMMON + ["parallel.cp=2", "parallel.pp=2", "trainer.recompute=selective",
-                                          "checkpoint.save_at_end=false", f"checkpoint.resume={ckpt(root / 'cp1', 5)}"],
-              nproc=4)
+def preset_runs(worker):
+    """The long-context preset at CP=2 from the CP=1 DIFF run's weights (saving at step 2), then resumed at CP=1."""
+    _, root = worker
     preset = ["experiment=long_context", "model=debug", "model.seq_length=128", "trainer.max_steps=4",
               "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "trainer.eval_interval=4",
               "trainer.eval_iters=1", "optim.warmup_steps=1", "checkpoint.interval=2", "logging.wandb.mode=disabled",
-              f"checkpoint.load_weights_only={root / 'cp1'}"]
+              f"checkpoint.load_weights_only={root / 'diff-cp1'}"]
     run_train(root / "long", preset + ["parallel.cp=2"], nproc=2)
     run_train(root / "long_cp1", preset + ["parallel.cp=1", f"checkpoint.resume={ckpt(root / 'long', 2)}"])
     return root
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", ["cp2_tp2", "cp2_pp2"])
-def test_cp2_with_tp2_or_pp2_equals_cp1(runs, layout):
-    reference = {r["step"]: r for r in read_metrics(runs / "cp1")}
-    got = read_metrics(runs / layout)
-    assert [r["step"] for r in got] == list(range(1 if layout == "cp2_tp2" else 6, STEPS + 1))
-    for r in got:  # cp2_pp2 resumed from the CP=1 checkpoint of step 5: data position and RNG line up across CP
-        want = reference[r["step"]]
-        assert r["loss"] == pytest.approx(want["loss"], abs=LOSS_TOLERANCE, rel=0), r["step"]
-        assert r["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), r["step"]
-        assert r["lambda"] == pytest.approx(want["lambda"], abs=LOSS_TOLERANCE), r["step"]
-        if "val_loss" in want:
-            assert r["val_loss"] == pytest.approx(want["val_loss"], abs=LOSS_TOLERANCE, rel=0), r["step"]
+def test_long_context_preset_at_cp2_resumes_at_cp1(preset_runs):
+    config = (preset_runs / "long" / "config.yaml").read_text()
+    assert "rope_base: 640000" in config and "seq_length: 128" in config and "cp: 2" in config
+    full = read_metrics(preset_runs / "long")
+    resumed = read_metrics(preset_runs / "long_cp1")
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert_same_steps(resumed, full)
+    assert [r["tokens"] for r in resumed] == [r["tokens"] for r in full[2:]]  # the data position lines up
+    assert "RNG states restart" not in (preset_runs / "long_cp1" / "train.log").read_text()  # loaded, not reseeded
+
+
+EVALUATE_ARGS = ["--tasks", "niah,ppl", "--seq-length", "256", "--max-tokens", "3000", "--samples", "2", "--needles",
+                 "2", "--asked", "1", "--depths", "0,0.5,1", "--batch-size", "4"]
 
 
 @pytest.mark.multiproc
-def test_long_context_preset_at_cp2_resumes_at_cp1(runs):
-    config = (runs / "long" / "config.yaml").read_text()
-    assert "rope_base: 640000" in config and "seq_length: 128" in config and "cp: 2" in config
-    full = {r["step"]: r for r in read_metrics(runs / "long")}
-    resumed = read_metrics(runs / "long_cp1")
-    assert [r["step"] for r in resumed] == [3, 4]
-    for r in resumed:
-        for key in ("loss", "val_loss"):
-            if key in full[r["step"]]:
-                assert r[key] == pytest.approx(full[r["step"]][key], abs=LOSS_TOLERANCE, rel=0), (r["step"], key)
-        assert r["grad_norm"] == pytest.approx(full[r["step"]]["grad_norm"], rel=1e-4)
-        assert r["tokens"] == full[r["step"]]["tokens"]
-
-
-def evaluate(run, out, nproc=1, extra=()):
+def test_evaluate_past_the_training_length_with_and_without_cp(preset_runs, tmp_path, megatron_single_process):
+    """The preset's model trained at 128 tokens, evaluated at 256: in this process, then by evaluate under torchrun
+    with each sequence split over two ranks; the same seed draws the same needles and gives the same answers."""
+    from diff_transformer import evaluate
     from diff_transformer.distributed import free_port
+    from diff_transformer.evaluation.inference import load_for_inference, resolve_run
 
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}"]
-    command = launcher + ["-m", "diff_transformer.evaluate", str(run), "--tasks", "niah,ppl", "--seq-length", "256",
-                          "--max-tokens", "3000", "--samples", "2", "--needles", "2", "--asked", "1",
-                          "--depths", "0,0.5,1", "--batch-size", "4", "--out", str(out), *extra]
+    args = evaluate.parse_args([str(preset_runs / "long"), *EVALUATE_ARGS])
+    run = resolve_run(args.runs[0])
+    model = load_for_inference(run, seq_length=args.seq_length)
+    whole = evaluate.evaluate_one(model, run, args, ["ppl", "niah"], evaluate.niah_config(args, run))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", "-m", "diff_transformer.evaluate", str(preset_runs / "long"),
+               *EVALUATE_ARGS, "--cp", "2", "--out", str(tmp_path)]
     proc = subprocess.run(command, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    return json.loads((out / "eval.json").read_text())
-
-
-@pytest.mark.multiproc
-def test_evaluate_past_the_training_length_with_and_without_cp(runs, tmp_path):
-    """The preset's model trained at 128 tokens, evaluated at 256: one process, then the sequence split over two."""
-    whole = evaluate(runs / "long", tmp_path / "whole")
-    split = evaluate(runs / "long", tmp_path / "split", nproc=2, extra=["--cp", "2"])
+    split = json.loads((tmp_path / "eval.json").read_text())
     assert whole["run"]["seq_length"] == 128 and whole["run"]["evaluated_length"] == 256
-    assert split["run"]["context_parallel"] == 2 and whole["run"]["rope_base"] == 640000
-    assert max(whole["niah"]["config"]["lengths"]) == 256
+    assert split["run"]["context_parallel"] == 2 and split["run"]["rope_base"] == 640000
+    assert max(split["niah"]["config"]["lengths"]) == 256
     position = whole["ppl"]["validation"]["position_nll"]
     assert len(position) == 256 and position[200] is not None  # losses at positions the model never trained on
     assert split["ppl"]["validation"]["nll"] == pytest.approx(whole["ppl"]["validation"]["nll"], abs=1e-6)
     assert split["ppl"]["validation"]["position_nll"] == pytest.approx(position, abs=1e-5)
-    # the same seed draws the same needles: the same prompts, the same greedy answers
     assert split["niah"]["example"] == whole["niah"]["example"]
     assert split["niah"]["accuracy_by_length_depth"] == whole["niah"]["accuracy_by_length_depth"]
     assert whole["niah"]["attention_allocation"] and split["niah"]["attention_allocation"] == {}
