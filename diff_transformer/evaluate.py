@@ -31,6 +31,7 @@ import argparse
 import gc
 import logging
 import sys
+import time
 import warnings
 from typing import Dict, List, Optional, Sequence
 
@@ -155,7 +156,9 @@ def evaluate(args: argparse.Namespace) -> int:
 def evaluate_one(model, run, args, tasks: List[str], config) -> Dict:
     from diff_transformer.evaluation import tasks as task_lib
     from diff_transformer.evaluation.inference import load_run_tokenizer
+    from diff_transformer.training.accounting import memory_gib
 
+    start = time.perf_counter()
     tokenizer = load_run_tokenizer(run)
     result: Dict = {"run": {"label": run.label, "checkpoint": run.checkpoint, "step": run.step,
                             "attention": run.attention, "seq_length": run.seq_length,
@@ -170,6 +173,8 @@ def evaluate_one(model, run, args, tasks: List[str], config) -> Dict:
         result["niah"] = task_lib.run_niah(model, tokenizer, config, haystack, args.batch_size)
     if model.lambdas():
         result["lambda"] = model.lambdas()
+    result["seconds"] = time.perf_counter() - start
+    result["peak_memory_gib"] = memory_gib()  # this process's peak GPU memory (resident memory on a CPU)
     return result
 
 

@@ -41,7 +41,8 @@ LOSS_TOLERANCE = 1e-5  # measured: <= 1e-6 over ten fp32 steps
 # The ring's math, in process: a ring of threads
 # ------------------------------------------------------------------------------------------------------------------
 class ThreadRing:
-    """Rank ``rank`` of a ring of threads in one process: each exchange hands copies to the next rank's mailbox."""
+    """Rank ``rank`` of a ring of threads in one process (on one device): each exchange hands copies to the next
+    rank's mailbox."""
 
     def __init__(self, mailboxes, rank):
         self.mailboxes, self.rank, self.size = mailboxes, rank, len(mailboxes)
@@ -57,9 +58,13 @@ class ThreadRing:
         return Pending()
 
 
-def run_thread_ring(kind, impl, ranks, dtype=torch.float64):
-    """Each rank's (outputs, dq, dk, dv) on its chunks, and the full-attention reference."""
-    q, k, v, grads_out, maps = ring_inputs(kind, ranks, dtype)
+def run_thread_ring(kind, impl, ranks, dtype=torch.float64, device="cpu", chunk=4):
+    """Each rank's (outputs, dq, dk, dv) on its chunks, and the full-attention reference (computed in fp64 on the
+    CPU from the same inputs)."""
+    q, k, v, grads_out, maps = ring_inputs(kind, ranks, dtype, chunk=chunk)
+    reference = full_attention(*(t.double() for t in (q, k, v)), [g.double() for g in grads_out], maps)
+    q, k, v = (t.to(device) for t in (q, k, v))
+    grads_out = [g.to(device) for g in grads_out]
     mailboxes = [queue.Queue() for _ in range(ranks)]
     results, failures = [None] * ranks, []
 
@@ -79,7 +84,7 @@ def run_thread_ring(kind, impl, ranks, dtype=torch.float64):
     for t in threads:
         t.join()
     assert not failures, failures
-    return results, full_attention(q, k, v, grads_out, maps)
+    return [[x.cpu() if torch.is_tensor(x) else [o.cpu() for o in x] for x in r] for r in results], reference
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
@@ -97,12 +102,33 @@ def test_ring_attention_equals_full_causal_attention_fp64(kind, impl, ranks):
                                        msg=f"{name} of rank {rank}")
 
 
+def assert_close_to_reference(results, reference, ranks, tolerance):
+    """Relative RMS error of every rank's outputs and gradients against the fp64 reference."""
+    seq = reference["dq"].shape[2]
+    for rank, (outs, dq, dk, dv) in enumerate(results):
+        index = load_balanced_indices(seq, ranks, rank)
+        got = {f"out{m}": o for m, o in enumerate(outs)}
+        got.update(dq=dq, dk=dk, dv=dv)
+        for name, tensor in got.items():
+            want = reference[name][:, :, index]
+            error = float((tensor.double() - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
+            assert error < tolerance, (name, rank, error)
+
+
 def test_ring_in_fp32_within_its_rounding():
     results, reference = run_thread_ring("diff", "sdpa", 2, torch.float32)
-    for rank, (outs, dq, dk, dv) in enumerate(results):
-        index = load_balanced_indices(reference["dq"].shape[2], 2, rank)
-        torch.testing.assert_close(outs[0], reference["out0"][:, :, index].float(), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(dk, reference["dk"][:, :, index].float(), rtol=1e-5, atol=1e-5)
+    assert_close_to_reference(results, reference, 2, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_ring_on_cuda_sdpa_kernels(kind, dtype):
+    """The CUDA block primitive inside the ring (two threads sharing the GPU): flash for bf16 with equal head sizes,
+    the memory-efficient kernel otherwise (fp32, DIFF V1's 2d-wide V), against the fp64 reference; chunks of 100
+    positions, so that the efficient kernel's LSE is padded (to multiples of 32 rows)."""
+    results, reference = run_thread_ring(kind, "sdpa", 2, dtype, device="cuda", chunk=100)  # not a multiple of 32
+    assert_close_to_reference(results, reference, 2, 2e-2 if dtype == torch.bfloat16 else 1e-4)
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])

@@ -1,0 +1,175 @@
+"""Context parallelism on a CPU: what the ring costs at CP=2 against CP=1 on the same total sequence.
+
+    python benchmarks/context_parallel.py [--seq 2048] [--repeats 5] [--out benchmarks/results]
+
+Forward + backward, median of --repeats after a warm-up, each process one thread (OMP_NUM_THREADS=1):
+- the core attention of diff, diff_v2 and vanilla (``sdpa``; the modules training builds, hidden 512, 4 differential
+  heads of d = 64, batch 1): at CP=1 the usual path over the whole sequence in one process; at CP=2 the ring
+  (``models/ring_attention.py``) in two processes over gloo, each holding its two chunks of half the sequence;
+- the whole ``tiny`` model (4 layers, hidden 128, DIFF) at the same sequence, forward and backward of the loss.
+CP=2 has twice the cores of CP=1, so with no overhead it would take half the time: speedup = t(CP=1) / t(CP=2),
+efficiency = speedup / 2. What keeps efficiency under 1 is the ring's own cost: its exchanges (gloo copies on a CPU),
+the LSE merges, blocks computed separately instead of one kernel call, the backward's dK/dV round. t(CP=2) is the
+slower rank's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+KINDS = ("diff", "diff_v2", "vanilla")
+CORE_MODEL = ["model.hidden_size=512", "model.num_heads=4", "model.num_layers=2", "model.ffn_hidden_size=1024"]
+
+
+def compose(*overrides):
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from diff_transformer.config import register_configs, to_object
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        return to_object(hydra_compose("config", overrides=list(overrides)))
+
+
+def median_seconds(step, repeats: int) -> float:
+    import torch
+
+    step()  # warm-up
+    times = []
+    for _ in range(repeats):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def core_attention_step(kind: str, seq: int, cp: int):
+    """forward + backward of one layer's core attention on this rank's chunks, as the model calls it."""
+    import torch
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from diff_transformer.models.gpt import transformer_config
+    from diff_transformer.models.layer_specs import attention_heads, layer_spec_for
+
+    cfg = compose("model=tiny", *CORE_MODEL, f"model.attention={kind}", f"model.seq_length={seq}", f"parallel.cp={cp}")
+    spec = layer_spec_for(cfg.model).submodules.self_attention.submodules.core_attention
+    module = spec.module(config=transformer_config(cfg), layer_number=1, attn_mask_type=AttnMaskType.causal,
+                         **spec.params)
+    query_heads, kv_heads, d = attention_heads(cfg.model)
+    s = seq // cp
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, 1, h, d, generator=generator).requires_grad_() for h in (query_heads, kv_heads, kv_heads))
+    bias = torch.randn(s, 1, cfg.model.num_heads, generator=generator) if kind == "diff_v2" else None
+
+    def step():
+        out = module(q, k, v, None, attention_bias=bias)
+        out.backward(torch.ones_like(out))
+
+    return step
+
+
+def model_step(seq: int, cp: int):
+    """forward + backward of the tiny DIFF model's loss on this rank's chunks of one sequence."""
+    import torch
+
+    from diff_transformer.models.gpt import build_model_chunk
+    from diff_transformer.training.steps import context_parallel_batch, loss_func
+
+    cfg = compose("model=tiny", f"model.seq_length={seq}", f"parallel.cp={cp}")
+    model = build_model_chunk(cfg, 4096)
+    tokens = torch.randint(0, 4000, (1, seq + 1), generator=torch.Generator().manual_seed(0))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(1, seq),
+             "position_ids": torch.arange(seq)[None]}
+    local, group = context_parallel_batch(batch)
+
+    def step():
+        losses = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
+        loss, _ = loss_func(local["loss_mask"], losses, cp_group=group)
+        loss.backward()
+
+    return step
+
+
+def worker(out_json: str, seq: int, repeats: int) -> None:
+    import torch
+
+    from diff_transformer import distributed
+
+    cp = distributed.world_size_from_env()
+    distributed.init_distributed("gloo", tp=1, pp=1, seed=0, cp=cp)
+    results = {f"core {kind}": median_seconds(core_attention_step(kind, seq, cp), repeats) for kind in KINDS}
+    results["tiny model (diff)"] = median_seconds(model_step(seq, cp), repeats)
+    slowest = {name: max(t for t in times) for name, times in
+               zip(results, zip(*distributed.all_gather_objects(list(results.values()))))}
+    if torch.distributed.get_rank() == 0:
+        Path(out_json).write_text(json.dumps(slowest))
+    distributed.destroy_distributed()
+
+
+def measure(cp: int, seq: int, repeats: int, tmp: Path) -> dict:
+    from diff_transformer.distributed import free_port
+
+    out = tmp / f"cp{cp}.json"
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cp}", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", str(Path(__file__).resolve()), "--worker", str(out),
+               "--seq", str(seq), "--repeats", str(repeats)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    subprocess.run(command, cwd=REPO, env=env, check=True, capture_output=True)
+    return json.loads(out.read_text())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.seq, args.repeats)
+        return 0
+    from benchmarks.reports import machine_name, write_report
+
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        one, two = (measure(cp, args.seq, args.repeats, Path(tmp)) for cp in (1, 2))
+    load_after = os.getloadavg()[0]
+    rows = [f"| {name} | {1000 * one[name]:.1f} | {1000 * two[name]:.1f} | {one[name] / two[name]:.2f}x | "
+            f"{one[name] / two[name] / 2:.0%} |" for name in one]
+    report = "\n".join([
+        f"# Context parallelism: CP=2 against CP=1 on {machine_name()}",
+        "",
+        f"Forward + backward at sequence {args.seq}, batch 1, fp32, median of {args.repeats} after a warm-up; one "
+        "thread a process; CP=2 is two processes over gloo, each with half the sequence (t: the slower rank). Core "
+        "attention: the modules training builds (`sdpa`; hidden 512, 4 differential heads of d = 64, the baseline "
+        "8 heads of 64); at CP=1 their usual path, at CP=2 the ring. The model: `tiny` DIFF (4 layers, hidden 128). "
+        "Efficiency = speedup / 2 (CP=2 has twice the cores).",
+        "",
+        f"The machine was shared with other jobs while this ran (1-minute load average {load_before:.1f} before, "
+        f"{load_after:.1f} after, on {os.cpu_count()} cores): the times are noisy and slower than on an idle machine.",
+        "",
+        "| what | CP=1 (ms) | CP=2 (ms) | speedup | efficiency |",
+        "|---|---|---|---|---|",
+        *rows,
+        "",
+        f"`python benchmarks/context_parallel.py --seq {args.seq} --repeats {args.repeats}`",
+        "",
+    ])
+    write_report(report, args.out, "context_parallel")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
