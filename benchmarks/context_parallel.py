@@ -4,13 +4,15 @@
 
 Forward + backward, median of --repeats after a warm-up, each process one thread (OMP_NUM_THREADS=1):
 - the core attention of diff, diff_v2 and vanilla (``sdpa``; the modules training builds, hidden 512, 4 differential
-  heads of d = 64, batch 1): at CP=1 the usual path over the whole sequence in one process; at CP=2 the ring
+  heads of d = 64, batch 1): at CP=1 the usual path over the whole sequence in one process, and the ring's code on a
+  ring of one (its block primitive on the whole causal sequence, no exchange); at CP=2 the ring
   (``models/ring_attention.py``) in two processes over gloo, each holding its two chunks of half the sequence;
 - the whole ``tiny`` model (4 layers, hidden 128, DIFF) at the same sequence, forward and backward of the loss.
-CP=2 has twice the cores of CP=1, so with no overhead it would take half the time: speedup = t(CP=1) / t(CP=2),
-efficiency = speedup / 2. What keeps efficiency under 1 is the ring's own cost: its exchanges (gloo copies on a CPU),
-the LSE merges, blocks computed separately instead of one kernel call, the backward's dK/dV round. t(CP=2) is the
-slower rank's time.
+CP=2 has twice the cores of CP=1, so with no overhead it would take half the time: efficiency = t(ring of one) /
+(2 · t(CP=2)) measures the ring's own cost (its exchanges, gloo copies on a CPU; the LSE merges; blocks computed
+separately instead of one kernel call; the backward's dK/dV round). Against the usual CP=1 path the block primitive
+differs too (DIFF V1's sdpa path on a CPU runs torch's math kernel, V being twice as wide as Q and K; the ring attends
+V in halves with the flash kernel). t(CP=2) is the slower rank's time.
 """
 
 from __future__ import annotations
@@ -55,7 +57,13 @@ def median_seconds(step, repeats: int) -> float:
     return statistics.median(times)
 
 
-def core_attention_step(kind: str, seq: int, cp: int):
+class RingOfOne:
+    """The ring's code on one rank: its block primitive over the whole causal sequence, nothing exchanged."""
+
+    rank, size = 0, 1
+
+
+def core_attention_step(kind: str, seq: int, cp: int, ring_of_one: bool = False):
     """forward + backward of one layer's core attention on this rank's chunks, as the model calls it."""
     import torch
     from megatron.core.transformer.enums import AttnMaskType
@@ -67,6 +75,8 @@ def core_attention_step(kind: str, seq: int, cp: int):
     spec = layer_spec_for(cfg.model).submodules.self_attention.submodules.core_attention
     module = spec.module(config=transformer_config(cfg), layer_number=1, attn_mask_type=AttnMaskType.causal,
                          **spec.params)
+    if ring_of_one:
+        module.ring = RingOfOne()
     query_heads, kv_heads, d = attention_heads(cfg.model)
     s = seq // cp
     generator = torch.Generator().manual_seed(0)
@@ -110,6 +120,9 @@ def worker(out_json: str, seq: int, repeats: int) -> None:
     cp = distributed.world_size_from_env()
     distributed.init_distributed("gloo", tp=1, pp=1, seed=0, cp=cp)
     results = {f"core {kind}": median_seconds(core_attention_step(kind, seq, cp), repeats) for kind in KINDS}
+    if cp == 1:
+        results.update({f"core {kind} ring": median_seconds(core_attention_step(kind, seq, 1, True), repeats)
+                        for kind in KINDS})
     results["tiny model (diff)"] = median_seconds(model_step(seq, cp), repeats)
     slowest = {name: max(t for t in times) for name, times in
                zip(results, zip(*distributed.all_gather_objects(list(results.values()))))}
@@ -146,8 +159,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         one, two = (measure(cp, args.seq, args.repeats, Path(tmp)) for cp in (1, 2))
     load_after = os.getloadavg()[0]
-    rows = [f"| {name} | {1000 * one[name]:.1f} | {1000 * two[name]:.1f} | {one[name] / two[name]:.2f}x | "
-            f"{one[name] / two[name] / 2:.0%} |" for name in one]
+    rows = []
+    for name in two:
+        ring = one.get(f"{name} ring")
+        rows.append(f"| {name} | {1000 * one[name]:.1f} | " + (f"{1000 * ring:.1f}" if ring else "–") +
+                    f" | {1000 * two[name]:.1f} | {one[name] / two[name]:.2f}x | " +
+                    (f"{ring / two[name] / 2:.0%}" if ring else "–") + " |")
     report = "\n".join([
         f"# Context parallelism: CP=2 against CP=1 on {machine_name()}",
         "",
@@ -155,13 +172,14 @@ def main() -> int:
         "thread a process; CP=2 is two processes over gloo, each with half the sequence (t: the slower rank). Core "
         "attention: the modules training builds (`sdpa`; hidden 512, 4 differential heads of d = 64, the baseline "
         "8 heads of 64); at CP=1 their usual path, at CP=2 the ring. The model: `tiny` DIFF (4 layers, hidden 128). "
-        "Efficiency = speedup / 2 (CP=2 has twice the cores).",
+        "Speedup: CP=1's usual path over CP=2. Efficiency: the ring of one over twice CP=2 (CP=2 has twice the "
+        "cores; 100% would be a ring that costs nothing).",
         "",
         f"The machine was shared with other jobs while this ran (1-minute load average {load_before:.1f} before, "
         f"{load_after:.1f} after, on {os.cpu_count()} cores): the times are noisy and slower than on an idle machine.",
         "",
-        "| what | CP=1 (ms) | CP=2 (ms) | speedup | efficiency |",
-        "|---|---|---|---|---|",
+        "| what | CP=1 (ms) | ring of one (ms) | CP=2 (ms) | speedup | efficiency |",
+        "|---|---|---|---|---|---|",
         *rows,
         "",
         f"`python benchmarks/context_parallel.py --seq {args.seq} --repeats {args.repeats}`",
