@@ -5,8 +5,8 @@ start, mostly importing megatron-core, costs more than all of its checks):
 - ``ring``: ring attention (DIFF V1's two maps, V2's one map over shared K/V, the baseline's one) in fp64 around the
   world's ring of four, both block implementations, against full causal attention: outputs and the gradients of q,
   k and v;
-- ``model``: the debug model at CP=4 against the same model at CP=1, fp32: every token's loss and every parameter's
-  gradient (summed over the CP group, as DDP does);
+- ``model``: the debug model at CP=4 against the same model at CP=1, fp32, for every kind with a ring path: every
+  token's loss and every parameter's gradient (summed over the CP group, as DDP does);
 - ``training``: ten trainer steps of diff, diff_v2 and vanilla at CP=2 (DP=2) and at CP=1 (DP=4, the same global
   batches); DIFF at CP=2 x TP=2 (sequence parallelism, the distributed optimizer), at CP=2 x PP=2 (selective
   recomputation), and at CP=2 resumed from the CP=1 run's checkpoint of step 5: losses, gradient norms, validation
@@ -35,7 +35,7 @@ from diff_transformer.models.ring_attention import (  # noqa: E402
 )
 from tests.ring_reference import KINDS, SCALE, full_attention, ring_inputs  # noqa: E402
 
-KIND_NAMES = ("diff", "diff_v2", "vanilla")
+KIND_NAMES = ("diff", "diff_v2", "vanilla", "vanilla_wide", "vanilla_subln")
 TRAINING_OVERRIDES = ["experiment=smoke", "trainer.max_steps=10", "trainer.eval_interval=5", "optim.warmup_steps=2",
                       "trainer.micro_batch_size=2", "checkpoint.interval=0", "checkpoint.save_at_end=false"]
 SAVES = ["checkpoint.interval=5", "checkpoint.save_at_end=true"]

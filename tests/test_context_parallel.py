@@ -3,7 +3,8 @@
 - In process: the ring's math on a ring of threads (fp64, against full causal attention: outputs and every gradient,
   DIFF V1's two maps, V2's one over shared K/V, the baseline's), the load-balanced layout, refusals, the memory plan.
 - One torchrun launch of four processes (``tests/context_parallel_worker.py``): the ring around a real gloo group of
-  four, the debug model at CP=4 against CP=1 (every token's loss and every gradient, fp32), ten trainer steps at CP=2
+  four, the debug model at CP=4 against CP=1 (every token's loss and every gradient, fp32, every kind with a ring
+  path), ten trainer steps at CP=2
   against CP=1 for diff, diff_v2 and vanilla, DIFF at CP=2 x TP=2 and CP=2 x PP=2, and a CP=1 run resumed at CP=2.
 - train.py: the long-context preset at CP=2 from the CP=1 run's weights, resumed at CP=1; refused in one line.
 - evaluate past the training length: in process, and under torchrun with the sequence split over two ranks.
@@ -263,7 +264,7 @@ def test_model_at_cp4_equals_cp1_losses_and_every_gradient(worker):
         for kind, errors in result["model"].items():
             assert errors["loss"] < 1e-5, (rank, kind, errors)  # measured: <= 1e-6 on losses of ~8.3
             assert errors["grad"] < 2e-5, (rank, kind, errors)  # relative, of the worst of every parameter's gradient
-        assert set(result["model"]) == {"diff", "diff_v2", "vanilla"}
+        assert set(result["model"]) == {"diff", "diff_v2", "vanilla", "vanilla_wide", "vanilla_subln"}
 
 
 def assert_same_steps(got, want):
@@ -357,3 +358,12 @@ def test_evaluate_past_the_training_length_with_and_without_cp(preset_runs, tmp_
     assert split["niah"]["example"] == whole["niah"]["example"]
     assert split["niah"]["accuracy_by_length_depth"] == whole["niah"]["accuracy_by_length_depth"]
     assert whole["niah"]["attention_allocation"] and split["niah"]["attention_allocation"] == {}
+
+
+@pytest.mark.multiproc
+def test_a_cp2_checkpoint_rebuilds_on_one_process_without_cp(preset_runs, megatron_single_process):
+    """checkpoint convert, inspect and the export rebuild a checkpoint at TP=PP=CP=1: a CP=2 run's too."""
+    from diff_transformer.training.checkpoint_tools import load_single_rank_model
+
+    chunk, cfg, state = load_single_rank_model(ckpt(preset_runs / "long", 4))
+    assert state["layout"]["cp"] == 2 and cfg.parallel.cp == 1 and chunk.config.context_parallel_size == 1
