@@ -367,3 +367,21 @@ def test_a_cp2_checkpoint_rebuilds_on_one_process_without_cp(preset_runs, megatr
 
     chunk, cfg, state = load_single_rank_model(ckpt(preset_runs / "long", 4))
     assert state["layout"]["cp"] == 2 and cfg.parallel.cp == 1 and chunk.config.context_parallel_size == 1
+
+
+def test_inspect_reports_the_share_of_tokens_in_documents_a_sequence_long():
+    """What long-context training learns long-range dependencies from: documents at least a sequence long."""
+    import numpy as np
+
+    from data import indexed
+    from data.config import DataConfig
+    from data.datasets import prepare
+    from data.inspect import summarise_blend
+
+    prefix = prepare(DataConfig()).prefixes[0]
+    index = indexed.verify_shard(prefix)
+    lengths = np.add.reduceat(index.sequence_lengths.astype(np.int64), index.document_indices[:-1])
+    shares = [summarise_blend([prefix], None, "969,30,1", seq_length=n)[0].long_share
+              for n in (1, int(np.median(lengths)), int(lengths.max()) + 1)]
+    assert shares[0] == 1.0 and 0.5 <= shares[1] < 1.0 and shares[2] == 0.0  # the longer half holds >= half the tokens
+    assert summarise_blend([prefix], None, "969,30,1")[0].long_share is None
