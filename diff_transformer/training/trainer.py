@@ -649,8 +649,10 @@ class Trainer:
         enabled = diagnostics_enabled(self.cfg, self._flops_per_token)
         if self.rank == 0:
             logger.info("attention diagnostics %s (trainer.attention_diagnostics=%s; estimated cost %.3f%% of the "
-                        "training between evaluations)", "on" if enabled else "off",
-                        self.cfg.trainer.attention_diagnostics, 100 * fraction)
+                        "training between evaluations%s)", "on" if enabled else "off",
+                        self.cfg.trainer.attention_diagnostics, 100 * fraction,
+                        "; off under context parallelism, where no rank holds a whole map" if self.cfg.parallel.cp > 1
+                        else "")
         return AttentionDiagnostics(self) if enabled else None
 
     def _reads_weights_this_step(self) -> bool:
