@@ -292,8 +292,9 @@ class Trainer:
                 "the whole model trains" if cfg.model.dex.train_base else "only W_D and λ train (model.dex.train_base=false)",
             )
         logger.info(
-            "layout: tp=%d pp=%d cp=%d dp=%d, %d micro-batches of %d per step, %s tokens per step, dtype %s",
-            cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, self.dp_size, self.num_microbatches, cfg.trainer.micro_batch_size,
+            "layout: tp=%d pp=%d dp=%d%s, %d micro-batches of %d per step, %s tokens per step, dtype %s",
+            cfg.parallel.tp, cfg.parallel.pp, self.dp_size, f" cp={cfg.parallel.cp}" if cfg.parallel.cp > 1 else "",
+            self.num_microbatches, cfg.trainer.micro_batch_size,
             f"{self.tokens_per_step:,}", str(self.dtype).replace("torch.", ""),
         )
         logger.info(
