@@ -1,6 +1,6 @@
 """Context parallelism on a CPU: what the ring costs at CP=2 against CP=1 on the same total sequence.
 
-    python benchmarks/context_parallel.py [--seq 2048] [--repeats 5] [--out benchmarks/results]
+    python benchmarks/context_parallel.py [--seq 2048 4096] [--repeats 5] [--out benchmarks/results]
 
 Forward + backward, median of --repeats after a warm-up, each process one thread (OMP_NUM_THREADS=1):
 - the core attention of diff, diff_v2 and vanilla (``sdpa``; the modules training builds, hidden 512, 4 differential
@@ -10,9 +10,13 @@ Forward + backward, median of --repeats after a warm-up, each process one thread
 - the whole ``tiny`` model (4 layers, hidden 128, DIFF) at the same sequence, forward and backward of the loss.
 CP=2 has twice the cores of CP=1, so with no overhead it would take half the time: efficiency = t(ring of one) /
 (2 · t(CP=2)) measures the ring's own cost (its exchanges, gloo copies on a CPU; the LSE merges; blocks computed
-separately instead of one kernel call; the backward's dK/dV round). Against the usual CP=1 path the block primitive
-differs too (DIFF V1's sdpa path on a CPU runs torch's math kernel, V being twice as wide as Q and K; the ring attends
-V in halves with the flash kernel). t(CP=2) is the slower rank's time.
+separately instead of one kernel call; the backward's dK/dV round; waiting for the slower rank). Against the usual
+CP=1 path the block primitive differs too (DIFF V1's sdpa path on a CPU runs torch's math kernel, V being twice as
+wide as Q and K; the ring attends V in halves with the flash kernel). t(CP=2) is the slower rank's time.
+
+Wall-clock times on a machine shared with other jobs move with their load; the CPU seconds the processes use move
+much less: "extra CPU" = CPU seconds of both CP=2 ranks over those of the ring of one, minus 1, the work the ring adds
+(exchanges, merges, smaller blocks), without its waiting.
 """
 
 from __future__ import annotations
@@ -44,17 +48,19 @@ def compose(*overrides):
         return to_object(hydra_compose("config", overrides=list(overrides)))
 
 
-def median_seconds(step, repeats: int) -> float:
+def median_seconds(step, repeats: int):
+    """(median wall seconds, median CPU seconds of this process) of ``step``."""
     import torch
 
     step()  # warm-up
-    times = []
+    wall, cpu = [], []
     for _ in range(repeats):
         torch.distributed.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 class RingOfOne:
@@ -124,10 +130,11 @@ def worker(out_json: str, seq: int, repeats: int) -> None:
         results.update({f"core {kind} ring": median_seconds(core_attention_step(kind, seq, 1, True), repeats)
                         for kind in KINDS})
     results["tiny model (diff)"] = median_seconds(model_step(seq, cp), repeats)
-    slowest = {name: max(t for t in times) for name, times in
-               zip(results, zip(*distributed.all_gather_objects(list(results.values()))))}
+    # per measurement: the slower rank's wall time, and the CPU seconds of all ranks together
+    per_rank = zip(*distributed.all_gather_objects(list(results.values())))
+    summary = {name: (max(w for w, _ in ranks), sum(c for _, c in ranks)) for name, ranks in zip(results, per_rank)}
     if torch.distributed.get_rank() == 0:
-        Path(out_json).write_text(json.dumps(slowest))
+        Path(out_json).write_text(json.dumps(summary))
     distributed.destroy_distributed()
 
 
@@ -145,44 +152,51 @@ def measure(cp: int, seq: int, repeats: int, tmp: Path) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--seq", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.seq, args.repeats)
+        worker(args.worker, args.seq[0], args.repeats)
         return 0
     from benchmarks.reports import machine_name, write_report
 
     load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as tmp:
-        one, two = (measure(cp, args.seq, args.repeats, Path(tmp)) for cp in (1, 2))
-    load_after = os.getloadavg()[0]
     rows = []
-    for name in two:
-        ring = one.get(f"{name} ring")
-        rows.append(f"| {name} | {1000 * one[name]:.1f} | " + (f"{1000 * ring:.1f}" if ring else "–") +
-                    f" | {1000 * two[name]:.1f} | {one[name] / two[name]:.2f}x | " +
-                    (f"{ring / two[name] / 2:.0%}" if ring else "–") + " |")
+    for seq in args.seq:
+        with tempfile.TemporaryDirectory() as tmp:
+            one, two = (measure(cp, seq, args.repeats, Path(tmp)) for cp in (1, 2))
+        for name in two:
+            (wall1, cpu1), (wall2, cpu2) = one[name], two[name]
+            ring = one.get(f"{name} ring")
+            rows.append(
+                f"| {seq} | {name} | {1000 * wall1:.0f} | " + (f"{1000 * ring[0]:.0f}" if ring else "–") +
+                f" | {1000 * wall2:.0f} | {wall1 / wall2:.2f}x | " + (f"{ring[0] / wall2 / 2:.0%}" if ring else "–") +
+                f" | {1000 * cpu1:.0f} | " + (f"{1000 * ring[1]:.0f}" if ring else "–") + f" | {1000 * cpu2:.0f} | " +
+                (f"{cpu2 / ring[1] - 1:+.0%}" if ring else f"{cpu2 / cpu1 - 1:+.0%} (against CP=1)") + " |")
+    load_after = os.getloadavg()[0]
     report = "\n".join([
         f"# Context parallelism: CP=2 against CP=1 on {machine_name()}",
         "",
-        f"Forward + backward at sequence {args.seq}, batch 1, fp32, median of {args.repeats} after a warm-up; one "
+        f"Forward + backward of one sequence, batch 1, fp32, median of {args.repeats} after a warm-up; one "
         "thread a process; CP=2 is two processes over gloo, each with half the sequence (t: the slower rank). Core "
         "attention: the modules training builds (`sdpa`; hidden 512, 4 differential heads of d = 64, the baseline "
         "8 heads of 64); at CP=1 their usual path, at CP=2 the ring. The model: `tiny` DIFF (4 layers, hidden 128). "
-        "Speedup: CP=1's usual path over CP=2. Efficiency: the ring of one over twice CP=2 (CP=2 has twice the "
-        "cores; 100% would be a ring that costs nothing).",
+        "Speedup: CP=1's usual path over CP=2 (wall). Efficiency: the ring of one over twice CP=2 (wall; CP=2 has "
+        "twice the cores; 100% would be a ring that costs nothing). Extra CPU: CP=2's CPU seconds (both ranks) over "
+        "the ring of one's, minus 1: the work the ring adds, which the other jobs on the machine disturb much less "
+        "than the wall-clock times.",
         "",
         f"The machine was shared with other jobs while this ran (1-minute load average {load_before:.1f} before, "
         f"{load_after:.1f} after, on {os.cpu_count()} cores): the times are noisy and slower than on an idle machine.",
         "",
-        "| what | CP=1 (ms) | ring of one (ms) | CP=2 (ms) | speedup | efficiency |",
-        "|---|---|---|---|---|---|",
+        "| sequence | what | CP=1 wall (ms) | ring of one wall | CP=2 wall | speedup | efficiency | CP=1 CPU (ms) | "
+        "ring of one CPU | CP=2 CPU (both ranks) | extra CPU of the ring |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
-        f"`python benchmarks/context_parallel.py --seq {args.seq} --repeats {args.repeats}`",
+        f"`python benchmarks/context_parallel.py --seq {' '.join(map(str, args.seq))} --repeats {args.repeats}`",
         "",
     ])
     write_report(report, args.out, "context_parallel")
