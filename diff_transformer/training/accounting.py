@@ -84,7 +84,6 @@ def core_attention_bytes_per_token(model: Any, backend: str, device: str, a: int
 
     - context parallelism (``cp`` > 1, models/ring_attention.py): the ring keeps no map (each block's is recomputed in
       the backward), only each softmax map's merged output and its fp32 LSE (DIFF: two maps over H heads of 2d);
-
     - maps: ``eager`` keeps fp32 softmax maps of s keys per head (DIFF: A1, A2 and A1 − λA2 over H heads; the
       baseline one over 2H); ``sdpa`` on a CPU runs torch's math path for DIFF (V is 2d wide, q/k d), which keeps
       both maps and contiguous copies of its inputs instead of the inputs; fused kernels (sdpa's on a GPU,
@@ -125,7 +124,7 @@ def ring_bytes_per_token(model: Any, backend: str, device: str, a: int, cp: int)
     """Bytes per local token that one layer's ring attention holds while it runs (then frees), at its backward's peak:
     the K and V in flight (the block computed and the one arriving), the visiting block's dK and dV accumulating in
     fp32 and the ones arriving, the block's K and V repeated to the query heads (GQA), and with ``eager`` (or on a
-    CPU) a block's fp32 scores, probabilities and their gradient over the 2·(s/cp)... keys of a block."""
+    CPU) a block's fp32 scores, probabilities and their gradient, over the at most s/cp keys of a block."""
     if cp == 1:
         return 0.0
     query_heads, kv_heads, d = attention_heads(model)
