@@ -34,6 +34,7 @@ from diff_transformer.models.ring_attention import (  # noqa: E402
     ring_attention,
 )
 from tests.ring_reference import KINDS, SCALE, full_attention, ring_inputs  # noqa: E402
+from tests.test_config import compose_cfg as compose  # noqa: E402
 
 KIND_NAMES = ("diff", "diff_v2", "vanilla", "vanilla_wide", "vanilla_subln")
 TRAINING_OVERRIDES = ["experiment=smoke", "trainer.max_steps=10", "trainer.eval_interval=5", "optim.warmup_steps=2",
@@ -80,16 +81,6 @@ def ring_checks(rank: int, size: int):
             got.update(dq=local[0].grad, dk=local[1].grad, dv=local[2].grad)
             errors[f"{kind}-{impl}"] = {name: max_error(t, reference[name][:, :, index]) for name, t in got.items()}
     return errors
-
-
-def compose(*overrides):
-    from hydra import compose as hydra_compose, initialize_config_dir
-
-    from diff_transformer.config import register_configs, to_object
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        return to_object(hydra_compose("config", overrides=list(overrides)))
 
 
 def set_layout(cp: int) -> None:
