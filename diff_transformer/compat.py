@@ -102,6 +102,7 @@ _MODULES_WITH_LITERAL_CUDA = (
     "megatron.core.dist_checkpointing.exchange_utils",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.utils",
+    "megatron.core.models.common.embeddings.rope_utils",
 )
 
 PATCH_SITES = (
@@ -150,6 +151,8 @@ PATCH_SITES = (
               "softmax, target_mask, masked_target_1d = ctx.saved_tensors"),
     PatchSite("fused cross-entropy", "megatron.core.tensor_parallel.cross_entropy",
               "VocabParallelCrossEntropy.prepare_gradient_calculation_operands"),
+    PatchSite("pinned memory", "megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank",
+              "pin_memory=True"),
     PatchSite("deepspeed shm op", "deepspeed.comm.torch", "build_shm_op", "ShareMemCommBuilder"),
     PatchSite("deepspeed shm op", "deepspeed.comm.torch", "TorchBackend.__init__", "build_shm_op()"),
     # not patched, but private functions engine=deepspeed calls: megatron-core's parameter groups (no weight decay on
@@ -268,6 +271,7 @@ def _on_cpu(factory, *args, **kwargs):
     device = kwargs.get("device")
     if device is not None and torch.device(device).type == "cuda":
         kwargs["device"] = "cpu"
+    kwargs.pop("pin_memory", None)  # a CPU-only torch has no pinned-memory allocator and refuses the request
     return factory(*args, **kwargs)
 
 
@@ -275,7 +279,9 @@ def _on_cpu(factory, *args, **kwargs):
 # Literal device="cuda": pipeline_parallel/schedules.py:596,983,2138 (token counters),
 # optimizer/optimizer.py:473,481,485,907 (loss-scale tensors), optimizer/clip_grads.py:90,103,115,174,207,
 # dist_checkpointing/strategies/state_dict_saver.py:204, dist_checkpointing/exchange_utils.py:104,110,326,
-# utils.py:1207 (local_multi_tensor_l2_norm, the grad-norm fallback without apex/TE).
+# utils.py:1207 (local_multi_tensor_l2_norm, the grad-norm fallback without apex/TE). Pinned staging buffers
+# (refused without CUDA): models/common/embeddings/rope_utils.py:62-64 (get_pos_emb_on_this_cp_rank, the rotary
+# positions of a context-parallel rank's chunks).
 # Tensor.cuda(): models/common/language_module/language_module.py:244 (tied embeddings across PP stages),
 # dist_checkpointing/exchange_utils.py:336,499 (resharding exchange); ShardedTensor.init_data("cuda"):
 # exchange_utils.py:98,106.

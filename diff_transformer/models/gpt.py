@@ -114,6 +114,7 @@ def transformer_config(
         init_method_std=m.init_std,
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
+        context_parallel_size=p.cp,  # the core attentions' ring path, RoPE's positions of each rank's chunks
         # refused at TP=1 by config validation; a saved config rebuilt at TP=1 (checkpoint convert) drops it
         sequence_parallel=bool(getattr(p, "sequence_parallel", False)) and p.tp > 1,
         params_dtype=dtype,
@@ -169,7 +170,8 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens=None, pg_colle
     own heads; megatron-core reduces such gradients only for sequence-parallel norms, so we sum them here. The core
     attention sees the whole sequence (its heads are split, not the sequence), so with sequence parallelism these
     gradients are still partial over heads and still need exactly this one sum; a parameter that is also marked
-    ``sequence_parallel`` has had it from megatron-core already and is skipped, so none is summed twice.
+    ``sequence_parallel`` has had it from megatron-core already and is skipped, so none is summed twice. Over context
+    parallelism (each rank a part of the sequence, every parameter whole) DDP has averaged them with every gradient.
     """
     megatron_finalize_model_grads(model, num_tokens=num_tokens, pg_collection=pg_collection, **kwargs)
     if parallel_state.get_tensor_model_parallel_world_size() == 1:

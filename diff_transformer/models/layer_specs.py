@@ -217,3 +217,14 @@ def variant_label(model_cfg) -> str:
         if getattr(model_cfg, key) is not None:
             parts.append(f"{key}={getattr(model_cfg, key)}")
     return " ".join(parts)
+
+
+def core_attention_class(model_cfg, kind: str) -> type:
+    """The core-attention module class of attention kind ``kind`` (built from ``model_cfg``'s other settings)."""
+    spec = ATTENTION_KINDS[kind].layer_spec(model_cfg)
+    return spec.submodules.self_attention.submodules.core_attention.module
+
+
+def context_parallel_kinds(model_cfg) -> Tuple[str, ...]:
+    """The attention kinds with a ring-attention path for a sequence split over a context-parallel group."""
+    return tuple(kind for kind in ATTENTION_KINDS if core_attention_class(model_cfg, kind).supports_context_parallel)

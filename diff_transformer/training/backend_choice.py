@@ -123,6 +123,8 @@ def decide_attention_backend(
                         timings_ms=recorded.get("timings_ms"), key=recorded.get("key"))
     elif not cuda:
         decision.update(backend="sdpa", how="no GPU")
+    elif (cfg.parallel.cp or 1) > 1:  # only the ring's block implementations split a sequence over ranks
+        decision.update(backend="sdpa", how="context parallelism (the ring's)")
     else:
         options = candidates(cfg.model)
         if len(options) == 1:

@@ -42,6 +42,7 @@ from diff_transformer.models.layer_specs import variant_label
 from diff_transformer import distributed
 from diff_transformer.training.accounting import (
     check_memory_plan,
+    choose_context_parallel,
     estimate_memory_per_gpu,
     memory_gib,
     model_flops_per_token,
@@ -111,10 +112,13 @@ class Trainer:
         if self.dtype == torch.bfloat16 and not torch.cuda.is_available():
             raise ValueError("trainer.precision=bf16 needs a GPU; use fp32 (or auto) on CPU")
         self.padded_vocab = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp)
+        if cfg.parallel.cp is None:  # parallel.cp=null: the smallest context parallelism whose estimate fits
+            cfg.parallel.cp = choose_context_parallel(cfg, self.dtype, world, self.padded_vocab)
+            validate(cfg, world)
         check_memory_plan(cfg, self.dtype, world, self.padded_vocab)  # refuses a launch that cannot fit
         self._check_engine_support()
 
-        distributed.init_distributed(cfg.parallel.backend, cfg.parallel.tp, cfg.parallel.pp, cfg.seed)
+        distributed.init_distributed(cfg.parallel.backend, cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.cp)
         from megatron.core import parallel_state
 
         self.rank = torch.distributed.get_rank()
@@ -318,8 +322,9 @@ class Trainer:
                 "the whole model trains" if cfg.model.dex.train_base else "only W_D and λ train (model.dex.train_base=false)",
             )
         logger.info(
-            "layout: tp=%d pp=%d dp=%d, %d micro-batches of %d per step, %s tokens per step, dtype %s",
-            cfg.parallel.tp, cfg.parallel.pp, self.dp_size, self.num_microbatches, cfg.trainer.micro_batch_size,
+            "layout: tp=%d pp=%d dp=%d%s, %d micro-batches of %d per step, %s tokens per step, dtype %s",
+            cfg.parallel.tp, cfg.parallel.pp, self.dp_size, f" cp={cfg.parallel.cp}" if cfg.parallel.cp > 1 else "",
+            self.num_microbatches, cfg.trainer.micro_batch_size,
             f"{self.tokens_per_step:,}", str(self.dtype).replace("torch.", ""),
         )
         logger.info(
@@ -591,7 +596,8 @@ class Trainer:
             "global_batch_size": self.cfg.trainer.global_batch_size,
             "max_steps": self.cfg.trainer.max_steps,
             "data": self._data_description(),
-            "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "dp": self.dp_size},
+            "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "cp": self.cfg.parallel.cp,
+                       "dp": self.dp_size},
             "engine": self.cfg.engine.name,
             "attention_backend": self.cfg.model.attention_backend,
             # the memory plan's estimate of this rank's peak (GiB), next to which benchmarks put the measured one
@@ -722,8 +728,10 @@ class Trainer:
         enabled = diagnostics_enabled(self.cfg, self._flops_per_token)
         if self.rank == 0:
             logger.info("attention diagnostics %s (trainer.attention_diagnostics=%s; estimated cost %.3f%% of the "
-                        "training between evaluations)", "on" if enabled else "off",
-                        self.cfg.trainer.attention_diagnostics, 100 * fraction)
+                        "training between evaluations%s)", "on" if enabled else "off",
+                        self.cfg.trainer.attention_diagnostics, 100 * fraction,
+                        "; off under context parallelism, where no rank holds a whole map" if self.cfg.parallel.cp > 1
+                        else "")
         return AttentionDiagnostics(self) if enabled else None
 
     def _logs_this_step(self) -> bool:

@@ -23,11 +23,14 @@ from typing import Iterator, List, Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from diff_transformer.models.attention_maps import AttentionMaps, causal_logits, query_rows
+from diff_transformer.models.ring_attention import IMPLEMENTATIONS as RING_IMPLEMENTATIONS
+from diff_transformer.models.ring_attention import ProcessGroupRing
 
 BACKENDS = ("eager", "sdpa", "flash_attn", "triton")
 
@@ -127,6 +130,10 @@ class CoreAttentionBase(MegatronModule):
     """Shared constructor of megatron-core's core-attention protocol (megatron passes its arguments by keyword;
     subclasses add their own keywords and hand the protocol's on as ``**protocol``)."""
 
+    # A kind whose forward has a ring-attention path (``self.ring``: models/ring_attention.py) for a sequence split
+    # over a context-parallel group; the others refuse parallel.cp > 1.
+    supports_context_parallel = False
+
     def __init__(
         self,
         config: TransformerConfig,
@@ -142,13 +149,26 @@ class CoreAttentionBase(MegatronModule):
         super().__init__(config=config)
         if backend not in BACKENDS:
             raise ValueError(f"model.attention_backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
-        if config.context_parallel_size != 1:
-            raise ValueError("context parallelism is not supported by this attention module yet")
         require_causal(attn_mask_type)
         self.backend = backend
+        self.ring = self._context_parallel_ring(config, pg_collection)
         self.layer_number = layer_number
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def _context_parallel_ring(self, config: TransformerConfig, pg_collection) -> Optional[ProcessGroupRing]:
+        """The context-parallel group as a ring, or None without context parallelism."""
+        if config.context_parallel_size == 1:
+            return None
+        if not self.supports_context_parallel:
+            raise ValueError(f"{type(self).__name__} has no ring-attention path for context parallelism (parallel.cp > 1)")
+        if self.backend not in RING_IMPLEMENTATIONS:
+            raise ValueError(
+                f"model.attention_backend={self.backend} has no ring-attention path for context parallelism; use "
+                f"{' or '.join(RING_IMPLEMENTATIONS)}"
+            )
+        group = getattr(pg_collection, "cp", None)
+        return ProcessGroupRing(group if group is not None else parallel_state.get_context_parallel_group())
 
     def _check_call(self, attn_mask_type, attention_bias, packed_seq_params) -> None:
         require_causal(attn_mask_type)

@@ -20,6 +20,7 @@ from diff_transformer.models.attention.base import (
 )
 from diff_transformer.models.attention.epilogue import EPILOGUE_IMPLS, diff_epilogue, paired_halves
 from diff_transformer.models.attention_maps import AttentionMaps
+from diff_transformer.models.ring_attention import ring_attention
 
 
 def lambda_difference(q1, k1, q2, k2) -> torch.Tensor:
@@ -66,6 +67,8 @@ class DifferentialCoreAttention(CoreAttentionBase):
     and the output factor in megatron-core's layout. ``sdpa`` and ``flash_attn`` make two library calls with equal
     head dims (``library_layout``), so that flash and cuDNN kernels are eligible, as for the baseline.
     """
+
+    supports_context_parallel = True
 
     def __init__(
         self,
@@ -159,7 +162,8 @@ class DifferentialCoreAttention(CoreAttentionBase):
             out = out * self.output_scale
             return out.transpose(0, 1).reshape(s, b, two_h * d)
         # two (b, s, 2, H, d): maps 1 and 2 of each d-wide half of V
-        halves = getattr(self, f"_forward_{self.backend}")(q, k, v, lam)
+        forward = self._forward_ring if self.ring is not None else getattr(self, f"_forward_{self.backend}")
+        halves = forward(q, k, v, lam)
         norm = self.sublayer_norm
         out = diff_epilogue(
             halves, lam, norm.weight if norm is not None else None, norm.eps if norm is not None else 0.0,
@@ -172,6 +176,17 @@ class DifferentialCoreAttention(CoreAttentionBase):
         q = q.transpose(1, 2)
         k = k.transpose(1, 2)
         return q[:, 0::2], q[:, 1::2], k[:, 0::2], k[:, 1::2]
+
+    def _forward_ring(self, q, k, v, lam):
+        """The sequence split over the context-parallel group: both maps merged by their own LSEs around the ring
+        (models/ring_attention.py); returns the halves of V for the epilogue, (b, s, 2, H, d) each."""
+        b, s, two_g, d = v.shape
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.reshape(b, s, two_g // 2, 2 * d).transpose(1, 2)
+        o1, o2 = ring_attention([q[:, 0::2], q[:, 1::2]], k, v, (slice(0, None, 2), slice(1, None, 2)),
+                                self.softmax_scale, self.ring, self.backend)
+        maps = torch.stack([o1, o2], dim=2).transpose(1, 3)  # (b, H, 2, s, 2d) -> (b, s, 2, H, 2d)
+        return [maps[..., :d], maps[..., d:]]
 
     def _forward_eager(self, q, k, v, lam):
         """The combined map A1 − λ·A2 materialised in fp32 (fp64 for fp64 inputs), weighting the 2d-wide V: the

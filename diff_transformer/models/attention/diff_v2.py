@@ -18,6 +18,7 @@ from diff_transformer.models.attention.base import (
 )
 from diff_transformer.models.attention.epilogue import EPILOGUE_IMPLS, diff_epilogue, paired_halves
 from diff_transformer.models.attention_maps import AttentionMaps
+from diff_transformer.models.ring_attention import ring_attention
 
 class DiffV2CoreAttention(CoreAttentionBase):
     """Differential attention V2: one causal attention of 2H query heads of d over Hkv KV heads of d (GQA; head
@@ -34,6 +35,8 @@ class DiffV2CoreAttention(CoreAttentionBase):
             raise ValueError(f"trainer.diff_epilogue={epilogue!r} is unknown; use one of {', '.join(EPILOGUE_IMPLS)}")
         self.epilogue = epilogue
 
+    supports_context_parallel = True
+
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None) -> torch.Tensor:
         if attention_bias is None:
@@ -47,7 +50,8 @@ class DiffV2CoreAttention(CoreAttentionBase):
         if self.backend == "triton":
             out = self._forward_triton(q, k, v, lam)
             return out.to(query.dtype).transpose(0, 1).reshape(s, b, two_h // 2 * d)
-        o = getattr(self, f"_forward_{self.backend}")(q, k, v)  # (b, s, 2H, d); eager's in fp32
+        forward = self._forward_ring if self.ring is not None else getattr(self, f"_forward_{self.backend}")
+        o = forward(q, k, v)  # (b, s, 2H, d); eager's in fp32
         impl = "unfused" if self.backend == "eager" else self.epilogue
         return diff_epilogue([paired_halves(o, "interleaved")], lam, None, 0.0, 1.0, impl=impl).to(query.dtype)
 
@@ -62,6 +66,12 @@ class DiffV2CoreAttention(CoreAttentionBase):
             components={"A1": a1, "A2": a2}, logits={"A1": logits[:, 0::2], "A2": logits[:, 1::2]},
             combined=a1 - lam * a2, rows=rows, lam=lam,
         )
+
+    def _forward_ring(self, q, k, v):
+        """The sequence split over the context-parallel group: one map around the ring (models/ring_attention.py)."""
+        (o,) = ring_attention([q.transpose(1, 2)], k.transpose(1, 2), v.transpose(1, 2), (slice(None),),
+                              self.softmax_scale, self.ring, self.backend)
+        return o.transpose(1, 2)
 
     def _forward_eager(self, q, k, v):
         groups = q.shape[2] // k.shape[2]

@@ -20,9 +20,12 @@ from diff_transformer.models.attention.base import (
     scaled_dot_product_attention,
 )
 from diff_transformer.models.attention_maps import AttentionMaps
+from diff_transformer.models.ring_attention import ring_attention
 
 class VanillaCoreAttention(CoreAttentionBase):
     """Standard causal softmax attention over 2H heads of size d (GQA when there are fewer KV heads)."""
+
+    supports_context_parallel = True
 
     def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
         rows, logits, probs = self._softmax_maps(query, key, rows)
@@ -40,6 +43,10 @@ class VanillaCoreAttention(CoreAttentionBase):
     ) -> torch.Tensor:
         self._check_call(attn_mask_type, attention_bias, packed_seq_params)
         s, b, heads, d = query.shape
+        if self.ring is not None:  # the sequence split over the context-parallel group (models/ring_attention.py)
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            (out,) = ring_attention([q], k, v, (slice(None),), self.softmax_scale, self.ring, self.backend)
+            return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
         if self.backend == "flash_attn":
             out = load_flash_attn_func()(
                 query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
