@@ -51,7 +51,9 @@ ALLOWED = {
     "diff_transformer.quickstart": ("diff_transformer.analysis", "diff_transformer.fileio"),
     "diff_transformer.export": ("diff_transformer.hf",),
     "diff_transformer.import_hf": ("diff_transformer.hf",),
-    "diff_transformer.evaluate": ("diff_transformer.evaluation", "diff_transformer.distributed"),
+    # (its results record the peak memory as training measures it)
+    "diff_transformer.evaluate": ("diff_transformer.evaluation", "diff_transformer.distributed",
+                                  "diff_transformer.training.accounting"),
     "diff_transformer.analyze": ("diff_transformer.evaluation", "diff_transformer.distributed",
                                  "diff_transformer.evaluate"),
     # the job's config, the memory plan train.py runs (refused at submission), data.preprocess's command line and
