@@ -110,9 +110,10 @@ class DifferentialCoreAttention(CoreAttentionBase):
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))
         v = v.reshape(b, s, two_g // 2, 2 * d)
         out = getattr(self, f"_forward_{self.backend}")(q, k, v, lam)  # (b, s, H, 2d)
-        if self.sublayer_norm is not None:
-            out = self.sublayer_norm(out)
-        out = out * self.output_scale
+        if self.backend != "triton":  # the fused kernel applies the norm and the output scale itself
+            if self.sublayer_norm is not None:
+                out = self.sublayer_norm(out)
+            out = out * self.output_scale
         return out.transpose(0, 1).reshape(s, b, two_h * d)
 
     def _split_pairs(self, q, k):
@@ -157,4 +158,10 @@ class DifferentialCoreAttention(CoreAttentionBase):
                 "model.attention_backend=triton needs the fused kernel package `kernels` (kernels/diff_attn); "
                 f"it could not be imported ({err}); use model.attention_backend=sdpa"
             ) from err
-        return diff_flash_attn(q, k, v, lam, causal=True, softmax_scale=self.softmax_scale)
+        norm = self.sublayer_norm
+        # The DIFF epilogue inside the kernel: RMSNorm over each head's 2d columns, its weight, and (1 − λ_init).
+        return diff_flash_attn(q, k, v, lam, causal=True, softmax_scale=self.softmax_scale,
+                               norm_weight=norm.weight if norm is not None else None,
+                               norm_eps=norm.eps if norm is not None and norm.eps is not None
+                               else torch.finfo(q.dtype).eps,
+                               output_scale=self.output_scale)
