@@ -1,25 +1,30 @@
-"""Compile the fused kernels for a GPU target without a GPU, and lint what the compiler made of the default table.
+"""Compile the fused kernels for a GPU target without a GPU, and lint what the compiler made of the sm_90 table.
 
-    env -u TRITON_INTERPRET .venv/bin/python kernels/diff_attn/check_compile.py [--arch 90] [--jobs 2]
-    PYTHONPATH=/tmp/triton36 .venv/bin/python kernels/diff_attn/check_compile.py      # under another Triton
+    env -u TRITON_INTERPRET .venv/bin/python kernels/diff_attn/check_compile.py [--jobs 2]     # compile and lint
+    ... check_compile.py --record --verify forward_out    # the suite's lint: the committed figures, one recompiled
+    ... check_compile.py --update-record                  # after changing a kernel: compile all, rewrite the record
+    PYTHONPATH=/tmp/triton36 ... check_compile.py         # under another Triton (pip install --no-deps
+                                                          # triton==3.6.0 --target /tmp/triton36: the GPU image's)
 
-Compiles every kernel of the table's design for V1 (V 2d wide) and V2 at head dims 64, 96 and 128 in bf16 (causal),
-with the config the launcher uses there (kernels/diff_attn/tuning.py; fp16 compiles to the same code), through
-Triton's full pipeline (TTIR → TTGIR → PTX → cubin with the bundled ptxas), specialised as a real launch is:
-pointers 16-byte aligned, strides and lengths divisible by 16 (which is what lets Triton pipeline the loads through
-shared memory). For each kernel it prints the compiler's shared memory next to `tuning.shared_memory_bytes`, the
-registers and spill bytes ptxas reports, and from the TTGIR the MMA instruction shapes (wgmma N), the warp layout
-of each product against its tile, and the wgmma wait depths. The lint (exit status 1, naming each offending
-kernel and config) fails a kernel of the sm_90 table that
+Compiles every kernel of the table's design for V1 (V 2d wide) and V2 at head dims 64, 96 and 128 in bf16 (causal;
+fp16 compiles to the same code), the dK/dV-side kernels also with GQA's loop over a group's query heads, with the
+config the launcher uses there (kernels/diff_attn/tuning.py), through Triton's full pipeline (TTIR → TTGIR → PTX →
+cubin with the bundled ptxas), specialised as a real launch is: pointers 16-byte aligned, strides and lengths
+divisible by 16 (which is what lets Triton pipeline the loads through shared memory). For each kernel it prints the
+compiler's shared memory next to `tuning.shared_memory_bytes`, the registers and spill bytes ptxas reports, and from
+the TTGIR each product's tile, warp layout and wgmma N, the wgmma wait depths, TMA and warp specialisation. The lint
+(exit status 1, naming each offending kernel and config) fails a kernel of the sm_90 table that
   - fails to compile, or needs more shared memory than the architecture has, or more than the formula says;
   - spills MAX_SPILL_BYTES or more of registers;
-  - computes a product without wgmma (`tt.dot`, i.e. mma.sync, remains);
+  - computes a product without wgmma (a `tt.dot` left, i.e. mma.sync);
   - replicates a product's tile across warps (warpsPerCTA × the instruction's shape larger than the tile: two
     warpgroups computing the same rows).
---kernels/--config/--design/--head-dims compile other combinations (reported, never linted); --all-kernels adds the
-kernels the table's designs do not launch; --json PATH writes one JSON line per kernel. Compiles run in --jobs
-processes. Results are cached by the kernels' source, the Triton version and the compile spec (--cache DIR), so an
-unchanged tree compiles nothing twice.
+--kernels/--config/--design/--head-dims/--previous compile other combinations (reported, never linted);
+--all-kernels adds the kernels the table's designs do not launch; --json and --markdown write the figures.
+Compiles run in --jobs processes (about 2 s of CPU each on the 2-core machines of CI). The figures of the table's
+kernels are committed in compile_record/, keyed by the kernels' source and how they are compiled and read, one file
+per Triton version: --record reads them and compiles only what the record lacks; --verify recompiles the named
+kernels (V1 d = 128) and fails if this machine's compiler gives other figures than the record.
 """
 
 import argparse
@@ -60,6 +65,8 @@ KERNEL_FUNCTIONS = {
     "dkdq": fused._diff_attn_bwd_kv_kernel,
     "dq": fused._diff_attn_bwd_dq_kernel,
 }
+# What a compile depends on besides the source (a spec also says whether the lint judges it: "linted").
+SPEC_FIELDS = ("kernel", "dtype", "head_dim", "value_dim", "shared_k", "gqa", "arch", "design", "config")
 # The table's compiled figures under each Triton version that linted them, committed with the kernels.
 RECORD_DIR = Path(__file__).resolve().parent / "compile_record"
 
@@ -167,6 +174,22 @@ def mma_report(ttgir):
                 wgmma_n=sorted({n for _, _, (_, n, _) in layouts.values()}))
 
 
+def previous_specs(head_dims, dtype):
+    """The kernels as they ran before this table (one-pass forward, fused dK/dV, padded head dims) with their Hopper
+    configs: the reference of the compile figures (never linted)."""
+    design = tuning.PREVIOUS_DESIGN
+    specs = []
+    for shared_k in (False, True):
+        for head_dim in head_dims:
+            value_dim = head_dim if shared_k else 2 * head_dim
+            configs = tuning.PREVIOUS_HOPPER_CONFIGS[tuning.table_key(9, head_dim, value_dim)]
+            for kernel in design.kernels:
+                specs.append(dict(kernel=kernel, dtype=dtype, head_dim=head_dim, value_dim=value_dim,
+                                  shared_k=shared_k, gqa=False, arch=90, design=design.__dict__,
+                                  config=configs[kernel].as_list(), linted=False))
+    return specs
+
+
 def table_specs(arch, head_dims, dtype, all_kernels):
     """One spec per kernel the table's design launches (or every kernel) for V1 and V2 at each head dim."""
     capability = (arch // 10, arch % 10)
@@ -254,7 +277,7 @@ class ResultCache:
         self.prefix = source_hash()
 
     def key(self, spec):
-        return self.prefix + " " + json.dumps({k: spec[k] for k in sorted(spec) if k != "linted"}, sort_keys=True)
+        return self.prefix + " " + json.dumps({k: spec[k] for k in SPEC_FIELDS}, sort_keys=True)
 
     def get(self, spec):
         hit = self.entries.get(self.key(spec))
@@ -327,6 +350,8 @@ def main():
                         help="compile this config instead of the table's (not linted)")
     parser.add_argument("--design", default="", help="fields over the table's design, as DIFF_ATTN_DESIGN (not linted)")
     parser.add_argument("--versions", choices=["v1", "v2", "both"], default="both")
+    parser.add_argument("--previous", action="store_true",
+                        help="the kernels' earlier design and Hopper configs instead of the table's (not linted)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
     parser.add_argument("--cache", default=None, help="directory of a result cache (default: none)")
     parser.add_argument("--record", action="store_true",
@@ -339,6 +364,8 @@ def main():
     args = parser.parse_args()
 
     specs, limit = table_specs(args.arch, args.head_dims, args.dtype, args.all_kernels or bool(args.kernels))
+    if args.previous:
+        specs = previous_specs(args.head_dims, args.dtype)
     if args.kernels:
         specs = [s for s in specs if s["kernel"] in args.kernels]
     if args.versions != "both":
@@ -386,10 +413,8 @@ def main():
             failures.append(f"{label(result)}: compiles to other figures than the record ({changed}): this "
                             "machine's compiler differs, or the record is stale (--update-record)")
 
-    order = {json.dumps({k: v for k, v in s.items() if k != "linted"}, sort_keys=True): i
-             for i, s in enumerate(specs)}
-    results.sort(key=lambda r: order.get(json.dumps({k: r[k] for k in specs[0] if k != "linted"}, sort_keys=True),
-                                         0))
+    order = {cache.key(spec): i for i, spec in enumerate(specs)}
+    results.sort(key=lambda result: order.get(cache.key(result), 0))
     for result in results:
         regs = "registers n/a" if result["registers"] is None else \
             f"{result['registers']} registers, {result['spilled']} B spilled"
@@ -415,8 +440,8 @@ def main():
     if failures:
         print("\n".join(["", "FAILED:"] + failures))
         sys.exit(1)
-    if not lint:
-        print("compiled")
+    if not lint or not any(spec["linted"] for spec in specs):
+        print("compiled (nothing linted: the lint covers the sm_90 table as it is)")
         return
     print(f"lint passed (triton {triton.__version__}): every table kernel compiles with wgmma, no replicated tile, "
           f"spills under {MAX_SPILL_BYTES} B and shared memory within the formula and the limit")

@@ -198,6 +198,28 @@ def _query_block_program(
 
 
 @triton.jit
+def _query_pair(q1_base, start_m, stride_qn, stride_qh, N_Q, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, USE_DESC: tl.constexpr, UPCAST: tl.constexpr):
+    """Q1 and Q2 (q[2h], q[2h+1]) of a query block, each as its two column blocks."""
+    q_a, q_b = _sources(q1_base, N_Q, stride_qn, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC)
+    q1a, q1b = _load_pair(q_a, q_b, start_m, stride_qn, N_Q, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC, UPCAST)
+    q_a, q_b = _sources(q1_base + stride_qh, N_Q, stride_qn, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC)
+    q2a, q2b = _load_pair(q_a, q_b, start_m, stride_qn, N_Q, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC, UPCAST)
+    return q1a, q1b, q2a, q2b
+
+
+@triton.jit
+def _key_value_sources(k1_base, k2_base, v_base, N_K, stride_kn, stride_vn, HEAD_D: tl.constexpr,
+                       VALUE_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
+                       BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr, USE_DESC: tl.constexpr):
+    """What a query block's key loop reads K1, K2 and V through (`_sources`)."""
+    k1_a, k1_b = _sources(k1_base, N_K, stride_kn, HEAD_D, BLOCK_N, BLOCK_D, BLOCK_D2, USE_DESC)
+    k2_a, k2_b = _sources(k2_base, N_K, stride_kn, HEAD_D, BLOCK_N, BLOCK_D, BLOCK_D2, USE_DESC)
+    v_a, v_b = _sources(v_base, N_K, stride_vn, VALUE_D, BLOCK_N, BLOCK_DV, BLOCK_DV2, USE_DESC)
+    return k1_a, k1_b, k2_a, k2_b, v_a, v_b
+
+
+@triton.jit
 def _key_ranges(start_m, N_K, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """Keys [0, full_end) that every row of the query block sees, and [full_end, end) that need masks (empty when
     the block sees no key)."""
@@ -370,13 +392,11 @@ def _diff_attn_fwd_kernel(
         Q, K, V, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, N_HEADS, GROUP, N_Q,
         SHARED_K, CAUSAL, BLOCK_M,
     )
-    q_a, q_b = _sources(q1_base, N_Q, stride_qn, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC)
-    q1a, q1b = _load_pair(q_a, q_b, start_m, stride_qn, N_Q, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC, UPCAST)
-    q_a, q_b = _sources(q1_base + stride_qh, N_Q, stride_qn, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC)
-    q2a, q2b = _load_pair(q_a, q_b, start_m, stride_qn, N_Q, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC, UPCAST)
-    k1_a, k1_b = _sources(k1_base, N_K, stride_kn, HEAD_D, BLOCK_N, BLOCK_D, BLOCK_D2, USE_DESC)
-    k2_a, k2_b = _sources(k2_base, N_K, stride_kn, HEAD_D, BLOCK_N, BLOCK_D, BLOCK_D2, USE_DESC)
-    v_a, v_b = _sources(v_base, N_K, stride_vn, VALUE_D, BLOCK_N, BLOCK_DV, BLOCK_DV2, USE_DESC)
+    q1a, q1b, q2a, q2b = _query_pair(q1_base, start_m, stride_qn, stride_qh, N_Q, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2,
+                                     USE_DESC, UPCAST)
+    k1_a, k1_b, k2_a, k2_b, v_a, v_b = _key_value_sources(k1_base, k2_base, v_base, N_K, stride_kn, stride_vn, HEAD_D,
+                                                          VALUE_D, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, BLOCK_DV2,
+                                                          USE_DESC)
 
     m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
     m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -433,10 +453,8 @@ def _diff_attn_fwd_lse_kernel(
         Q, K, K, stride_qb, stride_qh, stride_kb, stride_kh, stride_kb, stride_kh, N_HEADS, GROUP, N_Q,
         SHARED_K, CAUSAL, BLOCK_M,
     )
-    q_a, q_b = _sources(q1_base, N_Q, stride_qn, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC)
-    q1a, q1b = _load_pair(q_a, q_b, start_m, stride_qn, N_Q, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC, UPCAST)
-    q_a, q_b = _sources(q1_base + stride_qh, N_Q, stride_qn, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC)
-    q2a, q2b = _load_pair(q_a, q_b, start_m, stride_qn, N_Q, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC, UPCAST)
+    q1a, q1b, q2a, q2b = _query_pair(q1_base, start_m, stride_qn, stride_qh, N_Q, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2,
+                                     USE_DESC, UPCAST)
     k1_a, k1_b = _sources(k1_base, N_K, stride_kn, HEAD_D, BLOCK_N, BLOCK_D, BLOCK_D2, USE_DESC)
     k2_a, k2_b = _sources(k2_base, N_K, stride_kn, HEAD_D, BLOCK_N, BLOCK_D, BLOCK_D2, USE_DESC)
 
@@ -477,13 +495,11 @@ def _diff_attn_fwd_out_kernel(
         Q, K, V, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, N_HEADS, GROUP, N_Q,
         SHARED_K, CAUSAL, BLOCK_M,
     )
-    q_a, q_b = _sources(q1_base, N_Q, stride_qn, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC)
-    q1a, q1b = _load_pair(q_a, q_b, start_m, stride_qn, N_Q, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC, UPCAST)
-    q_a, q_b = _sources(q1_base + stride_qh, N_Q, stride_qn, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC)
-    q2a, q2b = _load_pair(q_a, q_b, start_m, stride_qn, N_Q, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC, UPCAST)
-    k1_a, k1_b = _sources(k1_base, N_K, stride_kn, HEAD_D, BLOCK_N, BLOCK_D, BLOCK_D2, USE_DESC)
-    k2_a, k2_b = _sources(k2_base, N_K, stride_kn, HEAD_D, BLOCK_N, BLOCK_D, BLOCK_D2, USE_DESC)
-    v_a, v_b = _sources(v_base, N_K, stride_vn, VALUE_D, BLOCK_N, BLOCK_DV, BLOCK_DV2, USE_DESC)
+    q1a, q1b, q2a, q2b = _query_pair(q1_base, start_m, stride_qn, stride_qh, N_Q, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2,
+                                     USE_DESC, UPCAST)
+    k1_a, k1_b, k2_a, k2_b, v_a, v_b = _key_value_sources(k1_base, k2_base, v_base, N_K, stride_kn, stride_vn, HEAD_D,
+                                                          VALUE_D, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, BLOCK_DV2,
+                                                          USE_DESC)
     row_valid = offs_m < N_Q
     # Rows past Nq get LSE = +inf, so their probabilities are exactly 0.
     lse1 = _load_row_vector(LSE + row_stats, offs_m, N_Q, float("inf")) * 1.4426950408889634
@@ -944,17 +960,15 @@ def _diff_attn_bwd_dq_kernel(
         SHARED_K, CAUSAL, BLOCK_M,
     )
     row_valid = offs_m < N_Q
-    q_a, q_b = _sources(q1_base, N_Q, stride_qn, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC)
-    q1a, q1b = _load_pair(q_a, q_b, start_m, stride_qn, N_Q, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC, UPCAST)
-    q_a, q_b = _sources(q1_base + stride_qh, N_Q, stride_qn, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC)
-    q2a, q2b = _load_pair(q_a, q_b, start_m, stride_qn, N_Q, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC, UPCAST)
+    q1a, q1b, q2a, q2b = _query_pair(q1_base, start_m, stride_qn, stride_qh, N_Q, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2,
+                                     USE_DESC, UPCAST)
     do_a, do_b = _sources(DY + b * stride_dob + h * stride_doh, N_Q, stride_don, VALUE_D, BLOCK_M, BLOCK_DV,
                           BLOCK_DV2, USE_DESC)
     doa, dob = _load_pair(do_a, do_b, start_m, stride_don, N_Q, VALUE_D, BLOCK_M, BLOCK_DV, BLOCK_DV2, USE_DESC,
                           UPCAST)
-    k1_a, k1_b = _sources(k1_base, N_K, stride_kn, HEAD_D, BLOCK_N, BLOCK_D, BLOCK_D2, USE_DESC)
-    k2_a, k2_b = _sources(k2_base, N_K, stride_kn, HEAD_D, BLOCK_N, BLOCK_D, BLOCK_D2, USE_DESC)
-    v_a, v_b = _sources(v_base, N_K, stride_vn, VALUE_D, BLOCK_N, BLOCK_DV, BLOCK_DV2, USE_DESC)
+    k1_a, k1_b, k2_a, k2_b, v_a, v_b = _key_value_sources(k1_base, k2_base, v_base, N_K, stride_kn, stride_vn, HEAD_D,
+                                                          VALUE_D, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, BLOCK_DV2,
+                                                          USE_DESC)
     lse1 = _load_row_vector(LSE + row_stats, offs_m, N_Q, float("inf")) * 1.4426950408889634
     lse2 = _load_row_vector(LSE + row_stats + N_Q, offs_m, N_Q, float("inf")) * 1.4426950408889634
     delta1 = _load_row_vector(DELTA + row_stats, offs_m, N_Q, 0.0)
