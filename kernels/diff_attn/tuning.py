@@ -11,8 +11,9 @@ not finished dQ after a further 8 s); it compiled each of its 20 configs before 
 memory; and it forgot its choice when the process ended. Here:
 
 - By default every call runs the table's plan for (GPU capability major, head-dim block, value-dim block)
-  (`DEFAULT_PLANS`), each config shrunk only if the device has less shared memory than it needs: one compile per
-  kernel, and the same plan for a given shape and GPU every time, so a resumed run computes the same bits.
+  (`DEFAULT_DESIGNS`, `DEFAULT_CONFIGS`, `GQA_CONFIGS`), each config shrunk only if the device has less shared
+  memory than it needs: one compile per kernel, and the same plan for a given shape and GPU every time, so a resumed
+  run computes the same bits.
   DIFF_ATTN_DESIGN (e.g. `forward=onepass,backward=atomic`) overrides fields of the table's design.
 - With DIFF_ATTN_AUTOTUNE=1 each key (GPU name, Triton version, kernel, dtype, head dims, V1/V2, causal, sequence
   lengths bucketed to powers of two, design switches) is tuned once: every candidate that fits the device's shared
@@ -312,8 +313,9 @@ def _entries(**by_kernel):
 # memory than the device has) and the H200 timings of the earlier kernels (benchmarks/results/
 # kernel_tuning_NVIDIA-H200_2026-11-26.md). Not timed yet: benchmarks/kernel_tuning.py times every design and the
 # configs around these on a GPU. Kernels the entry's design does not launch keep configs for DIFF_ATTN_DESIGN.
-# Ampere (A100: 163 KiB) and the base for architectures without entries: the one-pass forward and the fused dK/dV,
-# with stages or blocks cut where they spilled on sm_80 (check_compile.py --arch 80: at most 88 bytes).
+# Ampere (A100: 163 KiB) and the base for architectures without entries: the earlier design (one-pass forward, fused
+# dK/dV) with its configs, stages or blocks cut where the earlier kernels spilled on sm_80 (check_compile.py --arch
+# 80: at most 88 bytes); the other kernels' entries there are Hopper's analogues, not compiled for sm_80.
 DEFAULT_DESIGNS = {
     (9, 64, 128): Design("onepass", "split", descriptors=False, split_dims=True),  # V1 d <= 64
     (9, 128, 256): Design("twopass", "split", descriptors=False, split_dims=True),  # V1 d = 96, 128
