@@ -1,9 +1,11 @@
 """Fused differential FlashAttention (V1, V2) against the fp32 PyTorch reference.
 
 The small cases run on CUDA where there is a GPU and otherwise in the Triton interpreter on CPU (tests/conftest.py
-sets TRITON_INTERPRET=1), so sizes stay small; the interpreter's block sizes (32/16 forward, 16/32 backward) are
-crossed by every N above 32. Larger GPU-only cases carry the `gpu` marker. Every test seeds torch from its node id,
-so it draws the same inputs alone as in a full run.
+sets TRITON_INTERPRET=1), so sizes stay small; the interpreter's block sizes (16 and 32) are crossed by every N above
+32. Each case runs one design (tuning.Design: one- or two-pass forward; fused, split or atomic backward; tensor
+descriptors; split head dims) or the table's (None), so that every design and switch meets causal and full masks,
+GQA, ragged lengths and the DIFF epilogue somewhere, without the full cross product. Larger GPU-only cases carry the
+`gpu` marker. Every test seeds torch from its node id, so it draws the same inputs alone as in a full run.
 """
 
 import json
@@ -18,15 +20,17 @@ import pytest
 import torch
 
 from kernels import diff_flash_attn, diff_flash_attn_v2
-from kernels.diff_attn import tuning
+from kernels.diff_attn import fused, tuning
 from kernels.diff_attn.naive import diff_attn_naive, diff_attn_v2_naive
-from kernels.diff_attn.tuning import BlockConfig, ConfigCache, DeviceInfo, KernelProblem
+from kernels.diff_attn.tuning import BlockConfig, ConfigCache, Design, DeviceInfo, KernelProblem
 
 # Worst relative RMS error against the fp32 reference over 40 seeds of each fp32 test below (Triton interpreter, numpy
 # matmuls): out 4.3e-7, lse 6.1e-7, dq 5.7e-7, dk 5.6e-7, dv 5.9e-7, dλ 1.4e-6 (V2 with a single key, where dλ is
-# one 16-term dot product per head), with dλ and the single-key dq and dk measured as rel_rms explains. 2e-5 is 14×
-# the worst; a 1e-4 relative slip in the dq scale or in r2 (dλ) fails every fp32 case that reads it.
+# one 16-term dot product per head), with dλ and the single-key dq and dk measured as rel_rms explains; with the
+# epilogue (RMSNorm over 2d, its weight, the output scale) at most EPILOGUE_WORST below. 2e-5 is 14× the worst
+# without the epilogue; a 1e-4 relative slip in the dq scale or in r2 (dλ) fails every fp32 case that reads it.
 FP32_TOLERANCE = 2e-5
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -51,6 +55,8 @@ class Case:
     n_k: int | None = None  # defaults to n_q
     causal: bool = True
     lam: str = "scalar"  # V1: "scalar", "per_head" or "wide" (per head, outside [0, 1]); V2: "sigmoid" or "wide"
+    epilogue: bool = False  # V1: the sub-layer RMSNorm's weight and an output scale inside the kernel
+    design: Design | None = None  # None: the table's design
 
     @property
     def keys(self):
@@ -59,11 +65,18 @@ class Case:
     def __str__(self):
         n = f"N{self.n_q}" if self.n_k is None else f"Nq{self.n_q}-Nk{self.n_k}"
         mask = "causal" if self.causal else "full"
-        return f"B{self.batch}-{n}-H{self.n_heads}-Hkv{self.n_kv_groups}-D{self.head_dim}-{mask}-lam_{self.lam}"
+        text = f"B{self.batch}-{n}-H{self.n_heads}-Hkv{self.n_kv_groups}-D{self.head_dim}-{mask}-lam_{self.lam}"
+        if self.epilogue:
+            text += "-norm"
+        if self.design is None:
+            return text + "-table"
+        d = self.design
+        return text + f"-{d.forward}-{d.backward}" + "-desc" * d.descriptors + "-split" * d.split_dims
 
 
 FUSED = {1: diff_flash_attn, 2: diff_flash_attn_v2}
 REFERENCE = {1: diff_attn_naive, 2: diff_attn_v2_naive}
+OUTPUT_SCALE = 0.7
 
 
 def rel_rms(actual, expected, scale=0.0):
@@ -81,19 +94,35 @@ def rel_rms(actual, expected, scale=0.0):
     return ((actual - expected).norm() / norm.clamp_min(scale)).item()
 
 
-def dlam_scale(version, inputs, upstream, causal, softmax_scale=None):
-    """The norm dλ would have if its terms did not cancel: ||rowsum(dO ∘ O2)|| over every (b, i, h).
+def reference_epilogue(case, inputs):
+    """The epilogue's arguments for the fused call and for the reference (None, {} without an epilogue)."""
+    if not case.epilogue:
+        return {}, {}
+    weight = inputs[4]
+    return (dict(norm_weight=weight, output_scale=OUTPUT_SCALE),
+            dict(norm_weight=weight.detach().float(), output_scale=OUTPUT_SCALE))
 
-    dλ = −Σ rowsum(dO ∘ O2) over the rows that share λ (all of them for a scalar λ in V1); terms of either sign can
+
+def dlam_scale(version, case, inputs, upstream, softmax_scale=None):
+    """The norm dλ would have if its terms did not cancel: ||rowsum(dy ∘ O2)|| over every (b, i, h), dy the gradient
+    that reaches y = O1 − λ·O2 (through the epilogue, if any).
+
+    dλ = −Σ rowsum(dy ∘ O2) over the rows that share λ (all of them for a scalar λ in V1); terms of either sign can
     sum to far less than their size, and then dλ's relative error grows without any error in the kernel (up to
     3.7e-5 over 40 seeds against ||dλ||, 1.1e-6 against this scale). With λ per token (V2) this is ||dλ|| itself.
-    O2 comes from the reference, as out(λ=0) − out(λ=1).
+    O2 comes from the reference, as y(λ=0) − y(λ=1).
     """
-    q, k, v, lam = (x.detach().float() for x in inputs)
+    q, k, v, lam = (x.detach().float() for x in inputs[:4])
     reference = REFERENCE[version]
+    causal = case.causal
     o1 = reference(q, k, v, torch.zeros_like(lam), causal=causal, softmax_scale=softmax_scale)
     o1_minus_o2 = reference(q, k, v, torch.ones_like(lam), causal=causal, softmax_scale=softmax_scale)
-    return (upstream.float() * (o1 - o1_minus_o2)).sum(-1).norm().item()
+    dy = upstream.float()
+    if case.epilogue:
+        y = reference(q, k, v, lam, causal=causal, softmax_scale=softmax_scale).requires_grad_()
+        out = torch.nn.functional.rms_norm(y, (y.shape[-1],), inputs[4].detach().float(), 1e-5) * OUTPUT_SCALE
+        dy = torch.autograd.grad(out, y, dy)[0]
+    return (dy * (o1 - o1_minus_o2)).sum(-1).norm().item()
 
 
 def assert_errors_below(errors, tolerance):
@@ -112,7 +141,7 @@ def make_lam_v1(case, device):
 
 
 def make_inputs(case, version, dtype, device):
-    """Fresh random inputs for one case; every tensor requires grad."""
+    """Fresh random inputs for one case; every tensor requires grad (V1 with an epilogue: also the norm weight)."""
     b, n_q, n_k, h, hkv, d = case.batch, case.n_q, case.keys, case.n_heads, case.n_kv_groups, case.head_dim
     q = torch.randn(b, n_q, 2 * h, d, device=device, dtype=dtype)
     if version == 1:
@@ -125,48 +154,69 @@ def make_inputs(case, version, dtype, device):
         logits = torch.randn(b, n_q, h, device=device)
         lam = torch.sigmoid(logits) if case.lam == "sigmoid" else 2.0 * logits
         lam = lam.to(dtype)
-    return [x.requires_grad_() for x in (q, k, v)] + [lam.requires_grad_()]
+    inputs = [x.requires_grad_() for x in (q, k, v)] + [lam.requires_grad_()]
+    if case.epilogue:
+        inputs.append((1.0 + 0.3 * torch.randn(2 * d, device=device)).to(dtype).requires_grad_())
+    return inputs
+
+
+def plan_of(case):
+    """The case's design with the interpreter's small block configs, also on a GPU (None: the table's plan)."""
+    if case.design is None:
+        return None
+    return tuning.Plan(case.design, fused._INTERPRET_CONFIGS)
 
 
 def check_against_reference(case, version, dtype, tolerance, device):
     """Forward, LSE and every gradient of the fused kernel vs the fp32 reference, same upstream gradient."""
     inputs = make_inputs(case, version, dtype, device)
-    out, lse = FUSED[version](*inputs, causal=case.causal, return_lse=True)
+    fused_epilogue, reference_epilogue_args = reference_epilogue(case, inputs)
+    out, lse = FUSED[version](*inputs[:4], causal=case.causal, return_lse=True, plan=plan_of(case), **fused_epilogue)
     upstream = torch.randn_like(out, dtype=torch.float32)
     grads = torch.autograd.grad(out, inputs, upstream.to(out.dtype))
 
     reference_inputs = [x.detach().float().requires_grad_() for x in inputs]
-    ref_out, ref_lse = REFERENCE[version](*reference_inputs, causal=case.causal, return_lse=True)
+    if case.epilogue:
+        reference_epilogue_args["norm_weight"] = reference_inputs[4]
+    ref_out, ref_lse = REFERENCE[version](*reference_inputs[:4], causal=case.causal, return_lse=True,
+                                          **reference_epilogue_args)
     ref_grads = torch.autograd.grad(ref_out, reference_inputs, upstream)
 
     assert out.dtype == dtype and out.shape == ref_out.shape
     errors = {"out": rel_rms(out, ref_out), "lse": rel_rms(lse, ref_lse)}
-    scales = {"dlam": dlam_scale(version, inputs, upstream, case.causal)}
-    for name, grad, ref_grad, x in zip(("dq", "dk", "dv", "dlam"), grads, ref_grads, inputs):
+    scales = {"dlam": dlam_scale(version, case, inputs, upstream)}
+    for name, grad, ref_grad, x in zip(("dq", "dk", "dv", "dlam", "dw"), grads, ref_grads, inputs):
         assert grad.shape == x.shape and grad.dtype == x.dtype, name
         errors[name] = rel_rms(grad, ref_grad, scales.get(name, 0.0))
     assert_errors_below(errors, tolerance)
 
 
+D = Design
 V1_CASES = [
-    Case(2, 50, 2, 1, 16),
-    Case(1, 80, 4, 2, 32, lam="per_head"),
-    Case(1, 45, 2, 2, 32, causal=False, lam="wide"),
-    Case(1, 70, 2, 1, 16, causal=False, lam="per_head"),
-    Case(1, 29, 2, 1, 16, n_k=70, lam="wide"),  # fewer queries than keys: bottom-right causal mask
-    Case(1, 33, 2, 1, 32, n_k=57, causal=False),
-    Case(1, 1, 2, 1, 16),
-    Case(1, 40, 2, 1, 24, lam="per_head"),  # head dim that is not a power of two (padded, like 96)
-    Case(1, 24, 2, 1, 64),
+    Case(2, 50, 2, 1, 16, epilogue=True, design=D("twopass", "split")),
+    Case(1, 80, 4, 2, 32, lam="per_head", design=D("onepass", "fused")),  # GQA; the earlier kernels' design
+    Case(1, 45, 2, 2, 32, causal=False, lam="wide", epilogue=True, design=D("twopass", "atomic", descriptors=True)),
+    Case(1, 70, 2, 1, 16, causal=False, lam="per_head", epilogue=True, design=D("onepass", "split")),
+    Case(1, 29, 2, 1, 16, n_k=70, lam="wide", epilogue=True,  # fewer queries than keys: bottom-right causal mask
+         design=D("twopass", "split", descriptors=True)),
+    Case(1, 33, 2, 1, 32, n_k=57, causal=False, design=D("onepass", "atomic")),
+    # One key: the norm would make out independent of λ (dλ = 0, all rounding), so no epilogue here.
+    Case(1, 1, 2, 1, 16, design=D("twopass", "split")),
+    Case(1, 40, 2, 1, 24, lam="per_head", epilogue=True),  # head dim that is not a power of two (padded, like 96)
+    Case(1, 24, 2, 1, 64, design=D("twopass", "fused")),
+    # 48 = 32 + 16 and V 96 = 64 + 32: two column blocks each, as d = 96 runs (64 + 32, V 128 + 64)
+    Case(1, 40, 2, 1, 48, epilogue=True, design=D("twopass", "split", split_dims=True)),
+    Case(1, 37, 4, 2, 48, lam="wide", design=D("onepass", "atomic", descriptors=True, split_dims=True)),
 ]
 V2_CASES = [
     Case(2, 50, 2, 1, 16, lam="sigmoid"),
-    Case(1, 80, 4, 2, 32, lam="wide"),
-    Case(1, 45, 2, 2, 32, causal=False, lam="sigmoid"),
-    Case(1, 29, 4, 2, 16, n_k=70, lam="wide"),
-    Case(1, 1, 2, 1, 16, lam="sigmoid"),
-    Case(1, 40, 2, 1, 24, causal=False, lam="wide"),
-    Case(1, 24, 2, 1, 64, lam="sigmoid"),
+    Case(1, 80, 4, 2, 32, lam="wide", design=D("twopass", "split")),
+    Case(1, 45, 2, 2, 32, causal=False, lam="sigmoid", design=D("onepass", "atomic", descriptors=True)),
+    Case(1, 29, 4, 2, 16, n_k=70, lam="wide", design=D("onepass", "fused")),
+    Case(1, 1, 2, 1, 16, lam="sigmoid", design=D("twopass", "atomic")),
+    Case(1, 40, 2, 1, 24, causal=False, lam="wide", design=D("twopass", "split", descriptors=True)),
+    Case(1, 24, 2, 1, 64, lam="sigmoid", design=D("onepass", "split")),
+    Case(1, 36, 4, 2, 48, lam="sigmoid", design=D("twopass", "split", split_dims=True)),
 ]
 
 
@@ -189,7 +239,10 @@ def test_fp16_matches_reference(version, device):
 
 
 def test_v1_bf16_matches_reference(device):
-    check_against_reference(Case(1, 40, 2, 1, 32), version=1, dtype=torch.bfloat16, tolerance=2e-2, device=device)
+    """bf16 through Hopper's default V1 design at d = 96/128 (two passes, split backward) with the epilogue: dy is
+    stored in bf16 between the kernels."""
+    case = Case(1, 40, 2, 1, 32, epilogue=True, design=D("twopass", "split", split_dims=True))
+    check_against_reference(case, version=1, dtype=torch.bfloat16, tolerance=2e-2, device=device)
 
 
 def test_v1_non_contiguous_inputs(device):
@@ -207,7 +260,7 @@ def test_v1_non_contiguous_inputs(device):
     errors = {
         "out": rel_rms(out, ref_out),
         "dqkv": rel_rms(dqkv, ref_dqkv),
-        "dlam": rel_rms(dlam, ref_dlam, dlam_scale(1, (q, k, v, lam), upstream, causal=True)),
+        "dlam": rel_rms(dlam, ref_dlam, dlam_scale(1, Case(b, n, h, h, d), (q, k, v, lam), upstream)),
     }
     assert_errors_below(errors, FP32_TOLERANCE)
 
@@ -317,33 +370,48 @@ def test_sequence_lengths_bucket_to_powers_of_two_above_a_floor():
 
 
 # Shared memory Triton 3.6 reported compiling for sm_90 with aligned pointers and strides (as a launch is), the
-# version on the project's GPU machines: (kernel, head dim, V2, config, bytes).
+# version on the project's GPU machines (kernels/diff_attn/compile_record/): (kernel, head dim, V2, split head dims,
+# tensor descriptors, config, bytes).
 MEASURED_SHARED_MEMORY = [
-    ("forward", 64, False, BlockConfig(64, 128, 4, 3), 212992),
-    ("forward", 128, True, BlockConfig(128, 64, 8, 3), 163840),
-    ("preprocess", 64, False, BlockConfig(64, 128, 4, 3), 172032),
-    ("dkdv", 64, False, BlockConfig(128, 64, 4, 3), 234496),
-    ("dkdv", 64, False, BlockConfig(64, 64, 4, 3), 134144),
-    ("dkdv", 128, True, BlockConfig(32, 128, 8, 3), 140544),
-    ("dkdv", 64, True, BlockConfig(32, 64, 8, 3), 59392),  # with a 4 KiB layout conversion buffer
-    ("dq", 64, False, BlockConfig(64, 128, 4, 3), 229376),
-    ("dq", 128, False, BlockConfig(128, 32, 8, 2), 196608),
+    ("forward", 64, False, True, False, BlockConfig(128, 64, 8, 3), 131072),
+    ("forward", 64, True, True, True, BlockConfig(128, 64, 8, 3), 82944),
+    ("forward_lse", 96, False, True, False, BlockConfig(128, 64, 8, 3), 122880),
+    ("forward_out", 96, False, True, True, BlockConfig(128, 32, 8, 3), 123904),
+    ("forward_out", 128, False, True, False, BlockConfig(128, 32, 8, 3), 163840),
+    ("preprocess", 96, False, True, False, BlockConfig(128, 32, 8, 3), 129024),
+    ("preprocess", 96, True, True, True, BlockConfig(128, 64, 8, 3), 123904),
+    ("dk", 96, False, True, False, BlockConfig(32, 128, 8, 2), 148480),
+    ("dk", 128, False, True, False, BlockConfig(32, 128, 8, 2), 197248),
+    ("dk", 96, True, True, True, BlockConfig(32, 128, 8, 3), 105984),
+    ("dv", 96, False, True, False, BlockConfig(32, 128, 8, 2), 98816),
+    ("dv", 96, True, True, False, BlockConfig(32, 128, 8, 3), 80896),
+    ("dq", 96, False, True, True, BlockConfig(128, 32, 8, 3), 173056),
+    ("dq", 128, False, True, False, BlockConfig(128, 32, 8, 3), 229376),  # 3 KiB under the limit
+    ("dq", 96, True, True, False, BlockConfig(128, 32, 8, 3), 110592),
 ]
 
 
 def _measured_id(case):
-    kernel, head_dim, shared_k, config, _ = case
-    return f"{kernel}-d{head_dim}-{'v2' if shared_k else 'v1'}-{config.block_m}x{config.block_n}-s{config.num_stages}"
+    kernel, head_dim, shared_k, split_dims, descriptors, config, _ = case
+    return (f"{kernel}-d{head_dim}-{'v2' if shared_k else 'v1'}{'-split' * split_dims}{'-desc' * descriptors}-"
+            f"{config.block_m}x{config.block_n}-s{config.num_stages}")
 
 
-@pytest.mark.parametrize("kernel, head_dim, shared_k, config, measured", MEASURED_SHARED_MEMORY,
-                         ids=[_measured_id(case) for case in MEASURED_SHARED_MEMORY])
-def test_shared_memory_formula_matches_the_compiler(kernel, head_dim, shared_k, config, measured):
+@pytest.mark.parametrize("kernel, head_dim, shared_k, split_dims, descriptors, config, measured",
+                         MEASURED_SHARED_MEMORY, ids=[_measured_id(case) for case in MEASURED_SHARED_MEMORY])
+def test_shared_memory_formula_matches_the_compiler(kernel, head_dim, shared_k, split_dims, descriptors, config,
+                                                    measured):
     value_dim = head_dim if shared_k else 2 * head_dim
-    computed = tuning.shared_memory_bytes(kernel, config, head_dim, value_dim, shared_k, 2)
-    # Never below; above only in dK/dV, by its rounded row vectors and the conversion buffer some layouts need.
-    assert measured <= computed <= measured + (5 * 1024 if kernel == "dkdv" else 0)
-    assert tuning.shared_memory_bytes(kernel, config, head_dim, value_dim, shared_k, 4) > computed  # fp32 tiles
+    problem = KernelProblem.of(kernel, "bf16", head_dim, value_dim, shared_k, True, 4096, 4096, split_dims,
+                               descriptors)
+    computed = tuning.problem_shared_memory(problem, config)
+    # Never below; above in the key-block kernels by their rounded row vectors and the conversion buffer some layouts
+    # need, and by up to 1 KiB of descriptor barriers.
+    slack = 5 * 1024 if kernel in tuning.KEY_BLOCK_KERNELS else 1024 * descriptors
+    assert measured <= computed <= measured + slack
+    block_d, block_dv = problem.block_widths
+    assert tuning.shared_memory_bytes(kernel, config, block_d, block_dv, shared_k, 4) > \
+        tuning.shared_memory_bytes(kernel, config, block_d, block_dv, shared_k, 2)  # fp32 tiles
 
 
 def test_configs_that_overflow_shared_memory_are_pruned_before_compiling():
@@ -365,45 +433,74 @@ def test_configs_that_overflow_shared_memory_are_pruned_before_compiling():
             assert all(tuning.problem_shared_memory(v1_problem(kernel), c) <= device.shared_memory
                        for c in candidates)
     assert overflow not in tuning.candidate_configs(problem, H100)
-    assert BlockConfig(128, 64, 4, 3) not in tuning.candidate_configs(problem, H100)
-
-
-def natural_problem(kernel, block_d, block_dv, dtype):
-    """The problem a DEFAULT_CONFIGS key stands for: V1 where V is twice as wide as the head, else V2."""
-    return KernelProblem.of(kernel, dtype, block_d, block_dv, block_dv == block_d, True, 4096, 4096)
 
 
 @pytest.mark.parametrize("key", sorted(tuning.DEFAULT_CONFIGS), ids=lambda k: f"sm{k[0]}x-d{k[1]}-dv{k[2]}")
-def test_default_table_entries_fit_with_margin(key):
+def test_default_table_entries_fit(key):
+    """Every entry's config fits the device's shared memory by the formula, for each head dim the key stands for, as
+    its design compiles it (check_compile.py checks the compiler's own figures for sm_90 against the limit)."""
     major, block_d, block_dv = key
     device = {9: H100, 8: A100}[major]
+    design = tuning.DEFAULT_DESIGNS[key]
     assert set(tuning.DEFAULT_CONFIGS[key]) == set(tuning.KERNELS)
+    shared_k = block_dv == block_d
+    head_dims = (block_d,) if block_d == 64 else (96, 128)
     for kernel, entry in tuning.DEFAULT_CONFIGS[key].items():
-        for dtype in ("bf16", "fp16"):
-            problem = natural_problem(kernel, block_d, block_dv, dtype)
-            shared = tuning.shared_memory_bytes(kernel, entry, block_d, block_dv, problem.shared_k, 2)
-            assert tuning.within_table_margin(shared, device.shared_memory), (kernel, entry, shared)
-            assert tuning.default_config(problem, device) == entry  # used as it is, no shrinking
-        fp32_problem = natural_problem(kernel, block_d, block_dv, "fp32")
-        assert tuning.problem_shared_memory(fp32_problem, tuning.default_config(fp32_problem, device)) <= \
-            device.shared_memory
+        for head_dim in head_dims:
+            value_dim = head_dim if shared_k else 2 * head_dim
+            for dtype in ("bf16", "fp16"):
+                problem = KernelProblem.of(kernel, dtype, head_dim, value_dim, shared_k, True, 4096, 4096,
+                                           design.split_dims, design.descriptors)
+                assert tuning.problem_shared_memory(problem, entry) <= device.shared_memory, (kernel, entry)
+                assert tuning.default_config(problem, device) == entry  # used as it is, no shrinking
+            fp32_problem = KernelProblem.of(kernel, "fp32", head_dim, value_dim, shared_k, True, 4096, 4096)
+            assert tuning.problem_shared_memory(fp32_problem, tuning.default_config(fp32_problem, device)) <= \
+                device.shared_memory
 
 
 def test_default_table_lookup():
     hopper = tuning.DEFAULT_CONFIGS[(9, 128, 256)]
-    # d=96 pads to the 128 block; V1's V is 2d = 192 wide, padded to 256.
-    assert tuning.default_config(v1_problem("dkdv", head_dim=96), H100) == hopper["dkdv"]
-    assert tuning.default_config(v1_problem("forward", head_dim=128), H200) == hopper["forward"]
+    # d=96 shares the 128 entry; V1's V is 2d = 192 wide (256 padded, or 128 + 64 split).
+    assert tuning.default_config(v1_problem("dk", head_dim=96), H100) == hopper["dk"]
+    assert tuning.default_config(v1_problem("forward_out", head_dim=128), H200) == hopper["forward_out"]
+    assert tuning.default_design(9, 96, 192) == tuning.DEFAULT_DESIGNS[(9, 128, 256)]
     v2 = KernelProblem.of("dq", "fp16", 64, 64, True, False, 777, 777)
     assert tuning.default_config(v2, H100) == tuning.DEFAULT_CONFIGS[(9, 64, 64)]["dq"]
     assert tuning.default_config(v1_problem("dq", head_dim=32), H100) == tuning.DEFAULT_CONFIGS[(9, 64, 64)]["dq"]
     assert tuning.default_config(v1_problem("forward"), A100) == tuning.DEFAULT_CONFIGS[(8, 64, 128)]["forward"]
+    # GQA's key-block kernels loop over the group's heads and have entries of their own where registers need it.
+    gqa = KernelProblem.of("dk", "bf16", 128, 256, False, True, 4096, 4096, True, False, gqa=True)
+    assert tuning.default_config(gqa, H100) == tuning.GQA_CONFIGS[(9, 128, 256)]["dk"]
+    assert KernelProblem.of("dq", "bf16", 128, 256, False, True, 64, 64, gqa=True).gqa is False  # query-block kernel
     # Architectures without entries: newer ones use the newest older entry, older ones sm_80's, fitted to them.
     blackwell = DeviceInfo("B200", (10, 0), 232448)
     assert tuning.default_config(v1_problem("dq"), blackwell) == tuning.DEFAULT_CONFIGS[(9, 64, 128)]["dq"]
     turing = DeviceInfo("T4", (7, 5), 64 * 1024)
     config = tuning.default_config(v1_problem("dkdv", head_dim=128), turing)
     assert tuning.problem_shared_memory(v1_problem("dkdv", head_dim=128), config) <= turing.shared_memory
+    # Tensor descriptors start with Hopper.
+    assert not tuning.default_design(8, 128, 256).descriptors
+
+
+def test_designs_plans_and_the_override(monkeypatch):
+    assert tuning.dim_blocks(96, True) == (64, 32) and tuning.dim_blocks(192, True) == (128, 64)
+    assert tuning.dim_blocks(96, False) == (128, 0) and tuning.dim_blocks(128, True) == (128, 0)
+    assert tuning.dim_blocks(24, True) == (32, 0)  # 8 is below tl.dot's 16: padded
+    assert tuning.dim_blocks(48, True) == (32, 16) and tuning.dim_blocks(80, True) == (64, 16)
+    assert Design("twopass", "split").kernels == ("forward_lse", "forward_out", "preprocess", "dk", "dv", "dq")
+    assert Design("onepass", "atomic").kernels == ("forward", "preprocess", "dkdq", "dv")
+    table = tuning.DEFAULT_DESIGNS[(9, 128, 256)]
+    monkeypatch.setenv(tuning.DESIGN_ENV, "backward=atomic, descriptors=1")
+    assert tuning.default_design(9, 128, 256) == Design(table.forward, "atomic", True, table.split_dims)
+    for text, message in [("backward=fast", r"backward='fast'; expected one of fused, split, atomic"),
+                          ("descriptors=yes", r"DIFF_ATTN_DESIGN item 'descriptors=yes'; expected forward="),
+                          ("tma=1", r"item 'tma=1'")]:
+        monkeypatch.setenv(tuning.DESIGN_ENV, text)
+        with pytest.raises(ValueError, match=message):
+            tuning.default_design(9, 128, 256)
+    with pytest.raises(ValueError, match=r"plan for design .* has no block config for dk, dv"):
+        tuning.Plan(Design("twopass", "split"), {k: BlockConfig(16, 16, 4, 1) for k in ("forward_lse", "forward_out",
+                                                                                       "preprocess", "dq")})
 
 
 def test_choice_is_deterministic_and_the_default_ignores_any_cache(tmp_path):
@@ -460,20 +557,27 @@ def test_autotune_result_round_trips_through_the_disk_cache(tmp_path, monkeypatc
 
 def test_launcher_asks_for_the_table_config_once_per_problem(monkeypatch):
     """The launcher's wiring, with the GPU replaced: the problem it builds, and one selection per shape class."""
-    from kernels.diff_attn import fused
-
     monkeypatch.setattr(fused, "_INTERPRET", False)
     monkeypatch.setattr(fused, "_CHOSEN_CONFIGS", {})
     monkeypatch.delenv(tuning.AUTOTUNE_ENV, raising=False)
     looked_up = []
     monkeypatch.setattr(tuning, "device_info", lambda device: looked_up.append(device) or H100)
     q = torch.empty(1, 1000, 4, 96, dtype=torch.bfloat16)
-    constants = fused._kernel_constants(q, 192, True, False)
-    assert constants["DOT_PRECISION"] == "tf32" and constants["BLOCK_D"] == 128 and constants["BLOCK_DV"] == 256
+    design = tuning.DEFAULT_DESIGNS[(9, 128, 256)]
+    constants = fused._kernel_constants(q, 192, True, False, design, False)
+    assert constants["DOT_PRECISION"] == "tf32"
+    # d = 96 as two column blocks (64 + 32), V 2d = 192 as 128 + 64: no product padded to 128 or 256.
+    assert (constants["BLOCK_D"], constants["BLOCK_D2"], constants["BLOCK_DV"], constants["BLOCK_DV2"]) == \
+        (64, 32, 128, 64)
     for n in (1000, 1024, 600):
-        config = fused._block_config("dkdv", None, None, (), constants, q, n, n)
-        assert config == tuning.DEFAULT_CONFIGS[(9, 128, 256)]["dkdv"]
+        config = fused._block_config("dk", None, None, (), constants, q, n, n, None, design)
+        assert config == tuning.DEFAULT_CONFIGS[(9, 128, 256)]["dk"]
     assert len(looked_up) == 1  # 600, 1000 and 1024 share the bucket of 1024
+    gqa = fused._block_config("dk", None, None, (), constants | dict(HEAD_LOOP=True), q, 1000, 1000, None, design)
+    assert gqa == tuning.GQA_CONFIGS[(9, 128, 256)]["dk"]
+    plan = tuning.Plan(design, fused._INTERPRET_CONFIGS)
+    assert fused._block_config("dk", None, None, (), constants, q, 1000, 1000, plan, design) == \
+        fused._INTERPRET_CONFIGS["dk"]
 
 
 def test_unreadable_cache_is_ignored_and_autotune_switch_is_checked(tmp_path, monkeypatch):
@@ -489,6 +593,86 @@ def test_unreadable_cache_is_ignored_and_autotune_switch_is_checked(tmp_path, mo
         tuning.autotune_enabled()
 
 
+def test_context_parallel_pieces_assemble_the_full_attention(device):
+    """A ring step's view: queries at global positions [16, 40) against keys in two chunks, [0, 16) (all visible) and
+    [16, 40) (the causal diagonal). The merged LSE, the summed chunk outputs and the chunk gradients equal the whole
+    attention's, through the pieces a context-parallel attention assembles (no autograd of their own)."""
+    from kernels.diff_attn import (diff_attn_chunk_backward, diff_attn_chunk_forward, diff_attn_chunk_lse,
+                                   diff_attn_chunk_r2, diff_attn_delta)
+
+    h, d, q_start, chunks = 2, 16, 16, [(0, 16), (16, 40)]
+    q = torch.randn(1, 24, 2 * h, d, device=device)
+    k = torch.randn(1, 40, 2, d, device=device)
+    v = torch.randn(1, 40, 1, 2 * d, device=device)
+    lam = torch.rand(h, device=device)
+    offsets = [q_start - a for a, _ in chunks]
+    lse = torch.logsumexp(torch.stack([diff_attn_chunk_lse(q, k[:, a:b], causal_offset=off)
+                                       for (a, b), off in zip(chunks, offsets)]), 0)
+    y = sum(diff_attn_chunk_forward(q, k[:, a:b], v[:, a:b], lam, lse, causal_offset=off)
+            for (a, b), off in zip(chunks, offsets))
+    dy = torch.randn_like(y)
+    r2 = sum(diff_attn_chunk_r2(dy, q, k[:, a:b], v[:, a:b], lse, causal_offset=off)
+             for (a, b), off in zip(chunks, offsets))
+    delta = diff_attn_delta(dy, y, lam, r2)
+    parts = [diff_attn_chunk_backward(dy, q, k[:, a:b], v[:, a:b], lam, lse, delta, causal_offset=off)
+             for (a, b), off in zip(chunks, offsets)]
+    dq, dk, dv = sum(p[0] for p in parts), torch.cat([p[1] for p in parts], 1), torch.cat([p[2] for p in parts], 1)
+    dlam = (-r2.transpose(1, 2)).sum_to_size(lam.shape)
+
+    inputs = [x.clone().requires_grad_() for x in (q, k, v, lam)]
+    ref_y, ref_lse = diff_attn_naive(*inputs, return_lse=True)  # 24 queries, 40 keys: offset 16, bottom-right
+    ref_grads = torch.autograd.grad(ref_y, inputs, dy)
+    errors = {"y": rel_rms(y, ref_y), "lse": rel_rms(lse, ref_lse)}
+    errors |= {name: rel_rms(g, r) for name, g, r in zip(("dq", "dk", "dv", "dlam"), (dq, dk, dv, dlam), ref_grads)}
+    assert_errors_below(errors, FP32_TOLERANCE)
+    # A chunk entirely in the queries' future: no row sees a key, LSE −inf (it weighs nothing in the merge).
+    assert torch.isneginf(diff_attn_chunk_lse(q[:, :8], k[:, 16:40], causal_offset=-16)).all()
+
+
+def test_compile_lint_flags_replication_mma_sync_and_spills():
+    """The lint's reading of the TTGIR and of ptxas' figures, on the cases the sm_90 compiles showed: a 64-row tile
+    on 8 warps (two warpgroups computing the same rows), a product left as tt.dot (mma.sync), a spill."""
+    from kernels.diff_attn import check_compile
+
+    layout = "#ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [8, 1], instrShape = [16, %d, 16]}>"
+    product = "ttng.warp_group_dot %%a, %%b, %%c {isAsync = true} : !ttg.memdesc<%s> * !ttg.memdesc<%s> -> %s"
+    ttgir = "\n".join([
+        "#mma = " + layout % 64,
+        "#mma1 = " + layout % 256,
+        "%s = " + product % ("64x128xbf16", "128x64xbf16", "tensor<64x64xf32, #mma>"),
+        "%o = " + product % ("128x64xbf16", "64x256xbf16", "tensor<128x256xf32, #mma1>"),
+        "%w = ttng.warp_group_dot_wait %o {pendings = 0 : i32} : tensor<128x256xf32, #mma1>",
+        "%d = tt.dot %x, %y, %z : tensor<16x32xbf16> * tensor<32x16xbf16> -> tensor<16x16xf32>",
+    ])
+    report = check_compile.mma_report(ttgir)
+    assert report["replicated"] == ["64x64 warps [8,1] N=64"]
+    assert report["products"] == ["64x64 warps [8,1] N=64", "128x256 warps [8,1] N=256"]
+    assert report["plain_dots"] == 1 and report["wait_pendings"] == [0]
+    spec = dict(kernel="forward_out", dtype="bf16", head_dim=128, value_dim=256, shared_k=False, gqa=False, arch=90,
+                design=Design("twopass", "split").__dict__, config=[128, 32, 8, 3], linted=True)
+    found = check_compile.problems(dict(spec, shared=240000, spilled=128, registers=255, **report), 232448)
+    assert [f.split()[0] for f in found] == ["needs", "the", "spills", "1", "replicated"]
+    # 128 rows on 8 warps, no tt.dot, 127 B of spills: clean.
+    clean_ttgir = ttgir.split("\n%d =")[0].replace("64x64xf32", "128x64xf32")
+    clean = dict(spec, shared=163840, spilled=127, registers=255, **check_compile.mma_report(clean_ttgir))
+    assert check_compile.problems(clean, 232448) == []
+
+
+def test_sm90_compile_lint(tmp_path):
+    """kernels/diff_attn/check_compile.py over the sm_90 table under this Triton: every kernel of every entry (V1, V2;
+    d = 64, 96, 128; forward and backward; GQA's head loop too) compiles with wgmma, no replicated tile, spills
+    under 128 B and fits shared memory. The compiled figures of the current kernel source are committed
+    (kernels/diff_attn/compile_record/); the check reads them, compiles V1 d=128's forward_out afresh (an empty
+    Triton cache) to prove this machine's compiler gives the recorded figures, and compiles whatever the record
+    lacks (a changed kernel source: then every kernel, about 2 s of CPU each)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    command = [sys.executable, "kernels/diff_attn/check_compile.py", "--record", "--verify", "forward_out"]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert "lint passed" in result.stdout and "verified forward_out" in result.stdout
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU (skipped without CUDA): bf16 against the fp32 reference at the production head dims, with GQA, causal and not,
 # odd N. With the default config table each compile key (version, dtype, head dim, causal, and Triton's
@@ -501,10 +685,17 @@ def test_unreadable_cache_is_ignored_and_autotune_switch_is_checked(tmp_path, mo
 # operands rounded to 10 mantissa bits) gave at most 7e-4 over 5 seeds of the fp32 case below.
 GPU_TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 2e-2, torch.float32: 5e-3}
 GPU_CASES = [
-    Case(2, 999, 4, 2, 64),
-    Case(1, 777, 4, 2, 96, causal=False, lam="wide"),
-    Case(1, 1537, 4, 1, 128, lam="per_head"),
+    Case(2, 999, 4, 2, 64, epilogue=True),
+    Case(1, 777, 4, 2, 96, causal=False, lam="wide", epilogue=True),
+    Case(1, 1537, 4, 1, 128, lam="per_head", epilogue=True),
     Case(1, 501, 4, 1, 128, n_k=1299, lam="per_head"),  # compiles as the case above (no length divisible by 16)
+]
+# The switches and designs the table does not default to, at the production head dims with the table's configs
+# (GQA: the head loop); the atomic backward is checked by benchmarks/kernel_tuning.py before it is timed.
+GPU_DESIGN_CASES = [
+    (Case(1, 1024, 4, 2, 128, epilogue=True), D("twopass", "split", descriptors=True, split_dims=True)),
+    (Case(1, 1024, 4, 4, 96, epilogue=True), D("twopass", "split", split_dims=False)),
+    (Case(1, 1024, 4, 4, 128, epilogue=True), D("onepass", "fused")),
 ]
 
 
@@ -520,6 +711,15 @@ def test_v1_gpu_bf16(case):
 def test_v2_gpu_bf16(case):
     case = Case(case.batch, case.n_q, case.n_heads, case.n_kv_groups, case.head_dim, case.n_k, case.causal, "sigmoid")
     check_against_reference(case, version=2, dtype=torch.bfloat16, tolerance=GPU_TOLERANCE[torch.bfloat16],
+                            device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, design", GPU_DESIGN_CASES, ids=[f"{c}-{d}" for c, d in GPU_DESIGN_CASES])
+def test_v1_gpu_designs_bf16(case, design, monkeypatch):
+    """Each design through the launcher's own table configs (DIFF_ATTN_DESIGN), as a GPU user selecting it runs."""
+    monkeypatch.setenv(tuning.DESIGN_ENV, str(design))
+    check_against_reference(case, version=1, dtype=torch.bfloat16, tolerance=GPU_TOLERANCE[torch.bfloat16],
                             device="cuda")
 
 

@@ -93,8 +93,8 @@ def core_attention_bytes_per_token(
       baseline one over 2H); the library kernels (sdpa's flash, cuDNN and memory-efficient kernels, on a CPU torch's
       flash kernel, all with equal head dims) and ``triton`` keep none;
     - DIFF on library kernels (``library_layout``) keeps the two halves of V repeated per head pair and the two calls'
-      outputs (with GQA also the map-major copies of q and k); eager its combined output in fp32; ``triton`` its
-      output and the sub-layer norm's input;
+      outputs (with GQA also the map-major copies of q and k); eager its combined output in fp32; ``triton`` the
+      pre-norm output its epilogue normalised;
     - DIFF's epilogue: the fused one keeps one rstd per head (nothing here); the unfused one x and x·rstd in fp32 (with
       the sub-layer norm) and, for a bf16 model, the fp32 copy of map 2's output that λ's gradient reads.
     """
@@ -111,9 +111,8 @@ def core_attention_bytes_per_token(
         copies = 3 * hq * 4 if a == 2 else 0  # q, k, v cast to fp32
     if not diff:
         return maps + copies, True
-    if backend == "triton":
-        norm = (hq * a if device == "cpu" else 0) if model.sublayer_norm else 0  # torch's CPU rms_norm keeps x·rstd
-        return hq * a + norm, True
+    if backend == "triton":  # the kernel's epilogue keeps the pre-norm output (and per-row LSEs and rstd)
+        return hq * a, True
     if backend == "eager":
         kept = hq * 4  # (A1 − λ·A2)·V in fp32
     else:

@@ -26,11 +26,13 @@ def _pair_lse(lse1, lse2):
     return torch.stack((lse1, lse2), dim=2).flatten(1, 2)
 
 
-def diff_attn_naive(q, k, v, lam, causal=True, softmax_scale=None, return_lse=False):
+def diff_attn_naive(q, k, v, lam, causal=True, softmax_scale=None, return_lse=False, *, norm_weight=None,
+                    norm_eps=1e-5, output_scale=1.0):
     """Differential attention V1 reference.
 
     q (B, Nq, 2H, d), k (B, Nk, 2Hkv, d), v (B, Nk, Hkv, 2d), lam 0-dim or (H,).
-    Returns out (B, Nq, H, 2d) = A1·V − λ·A2·V, and with return_lse also lse (B, 2H, Nq) in fp32.
+    Returns out (B, Nq, H, 2d) = y = A1·V − λ·A2·V, then RMSNorm(y)·norm_weight·output_scale (over each head's 2d
+    columns) or y·output_scale without a norm weight, and with return_lse also lse (B, 2H, Nq) in fp32.
     """
     n_heads, head_dim = q.shape[2] // 2, q.shape[3]
     group = n_heads // v.shape[2]
@@ -43,7 +45,10 @@ def diff_attn_naive(q, k, v, lam, causal=True, softmax_scale=None, return_lse=Fa
     o1 = torch.einsum("bhij,bjhe->bihe", a1, v_for_q)
     o2 = torch.einsum("bhij,bjhe->bihe", a2, v_for_q)
     lam_per_head = lam.float().reshape(-1).expand(n_heads)
-    out = (o1 - lam_per_head[:, None] * o2).to(q.dtype)
+    out = o1 - lam_per_head[:, None] * o2
+    if norm_weight is not None:
+        out = torch.nn.functional.rms_norm(out, (out.shape[-1],), norm_weight.float(), norm_eps)
+    out = (out * output_scale).to(q.dtype)
     return (out, _pair_lse(lse1, lse2)) if return_lse else out
 
 

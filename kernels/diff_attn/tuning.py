@@ -1,20 +1,27 @@
-"""Block configs of the fused kernels: a default table, shared-memory pruning, opt-in autotuning, a disk cache.
+"""Designs and block configs of the fused kernels: a default table, shared-memory pruning, opt-in autotuning, a cache.
 
-triton.autotune is not used. It keyed on the raw sequence lengths, so every new N retuned all four kernels (on one
+A *design* (`Design`) chooses how the work is split into kernels (fused.py explains each): the forward in one pass
+or two, the backward's dK/dV in one program (fused), in two (split) or with atomic dQ (atomic, opt-in), tensor
+descriptors or pointer loads, and whether a head dim that is not a power of two (96) runs as two column blocks or
+one padded block. A *plan* (`Plan`) is a design and one block config for each kernel it launches.
+
+triton.autotune is not used. It keyed on the raw sequence lengths, so every new N retuned all the kernels (on one
 H200 the first call at one shape spent 17 s on the forward, 20 s on the backward preprocess, 65 s on dK/dV and had
 not finished dQ after a further 8 s); it compiled each of its 20 configs before finding that some overflow shared
 memory; and it forgot its choice when the process ended. Here:
 
-- By default every kernel launches with the entry of DEFAULT_CONFIGS for (GPU capability major, kernel, head-dim
-  block, value-dim block), shrunk only if the device has less shared memory than the entry needs: one compile per
-  kernel, and the same config for a given shape and GPU every time, so a resumed run computes the same bits.
+- By default every call runs the table's plan for (GPU capability major, head-dim block, value-dim block)
+  (`DEFAULT_DESIGNS`, `DEFAULT_CONFIGS`, `GQA_CONFIGS`), each config shrunk only if the device has less shared
+  memory than it needs: one compile per kernel, and the same plan for a given shape and GPU every time, so a resumed
+  run computes the same bits.
+  DIFF_ATTN_DESIGN (e.g. `forward=onepass,backward=atomic`) overrides fields of the table's design.
 - With DIFF_ATTN_AUTOTUNE=1 each key (GPU name, Triton version, kernel, dtype, head dims, V1/V2, causal, sequence
-  lengths bucketed to powers of two) is tuned once: every candidate that fits the device's shared memory and
-  registers is compiled and timed, and the fastest is written to a JSON file ($DIFF_ATTN_CACHE_DIR or
+  lengths bucketed to powers of two, design switches) is tuned once: every candidate that fits the device's shared
+  memory and registers is compiled and timed, and the fastest is written to a JSON file ($DIFF_ATTN_CACHE_DIR or
   ~/.cache/diff_transformer, file diff_attn_configs.json) that a restarted job reads instead of retuning. The choice
   is then fixed by that file: keep it (same path) for bit-exact resumes.
 - Shared memory is computed from the block shapes before anything compiles (`shared_memory_bytes`); check_compile.py
-  compares the formula with the compiler's own figure for every table entry.
+  compares the formula with the compiler's own figure for every table entry, under each Triton version it runs with.
 
 Imports nothing of the framework outside `kernels` (the package stands alone), so the atomic write is its own.
 """
@@ -23,31 +30,36 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 from diff_transformer.fileio import atomic_write_text
 
 AUTOTUNE_ENV = "DIFF_ATTN_AUTOTUNE"
+DESIGN_ENV = "DIFF_ATTN_DESIGN"
 CACHE_DIR_ENV = "DIFF_ATTN_CACHE_DIR"
 CACHE_FILE_NAME = "diff_attn_configs.json"
-KERNELS = ("forward", "preprocess", "dkdv", "dq")
+# Every kernel a design may launch: the one-pass forward; the two-pass forward's LSE and output passes; the backward
+# preprocess; dK/dV in one program, dK alone, dV alone, dK with atomic dQ; dQ.
+KERNELS = ("forward", "forward_lse", "forward_out", "preprocess", "dkdv", "dk", "dv", "dkdq", "dq")
+FORWARD_DESIGNS = {"onepass": ("forward",), "twopass": ("forward_lse", "forward_out")}
+BACKWARD_DESIGNS = {"fused": ("preprocess", "dkdv", "dq"), "split": ("preprocess", "dk", "dv", "dq"),
+                    "atomic": ("preprocess", "dkdq", "dv")}
+# Kernels that stream query blocks past a resident key block (the others stream key blocks past query blocks).
+KEY_BLOCK_KERNELS = ("dkdv", "dk", "dv", "dkdq")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Sequence lengths share a tuning key up to the next power of two; below one large block the choice hardly matters.
 MIN_LENGTH_BUCKET = 128
 # Shared memory per block (opt-in) by compute capability, for when torch does not report it.
 SHARED_MEMORY_BY_CAPABILITY = {(9, 0): 227 * 1024, (8, 0): 163 * 1024, (8, 7): 163 * 1024}
 SHARED_MEMORY_FALLBACK = 99 * 1024  # sm_86, sm_89, sm_120 and anything unknown
-# Default-table entries must leave this fraction of the device's shared memory unused (Triton versions differ a little).
-TABLE_SHARED_MEMORY_MARGIN = 0.10
 # Most 32-bit tile values one thread may hold (by `tile_values_per_thread`) before ptxas spills badly (of 255).
 MAX_TILE_VALUES_PER_THREAD = 192
-# dK/dV spills in every config; on an H200 (benchmarks/results/kernel_tuning_NVIDIA-H200_2026-11-26.md) its fastest
-# V1 d=128 configs sat at 216 and 240 by the estimate (2.96 and 3.29 ms against 9.6 ms for the old entry at 102), so
-# autotuning times dK/dV candidates up to this limit.
+# The fused dK/dV spills in every config; on an H200 (benchmarks/results/kernel_tuning_NVIDIA-H200_2026-11-26.md) its
+# fastest V1 d=128 configs sat at 216 and 240 by the estimate (2.96 and 3.29 ms against 9.6 ms for the old entry at
+# 102), so autotuning times the key-block kernels' candidates up to this limit.
 MAX_TILE_VALUES_PER_THREAD_DKDV = 256
 
 log = logging.getLogger(__name__)
@@ -70,9 +82,60 @@ class BlockConfig:
         return f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} num_warps={self.num_warps} num_stages={self.num_stages}"
 
 
+@dataclass(frozen=True)
+class Design:
+    """How the work is split into kernels, and two code-generation switches (fused.py's docstring has the detail)."""
+
+    forward: str = "twopass"  # one of FORWARD_DESIGNS
+    backward: str = "split"  # one of BACKWARD_DESIGNS; "atomic" is opt-in (non-deterministic dQ)
+    descriptors: bool = False  # TMA tensor descriptors for tile loads (sm_90+), else pointer loads
+    split_dims: bool = False  # a head dim that is not a power of two as two power-of-two column blocks
+
+    def __post_init__(self):
+        if self.forward not in FORWARD_DESIGNS:
+            raise ValueError(f"forward={self.forward!r}; expected one of {', '.join(FORWARD_DESIGNS)}")
+        if self.backward not in BACKWARD_DESIGNS:
+            raise ValueError(f"backward={self.backward!r}; expected one of {', '.join(BACKWARD_DESIGNS)}")
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        return FORWARD_DESIGNS[self.forward] + BACKWARD_DESIGNS[self.backward]
+
+    def __str__(self):
+        return (f"forward={self.forward},backward={self.backward},descriptors={int(self.descriptors)},"
+                f"split_dims={int(self.split_dims)}")
+
+    def overridden(self, text: str) -> Design:
+        """This design with the fields `text` names (`forward=onepass,descriptors=0`, as DIFF_ATTN_DESIGN) replaced."""
+        values = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            name, _, value = item.partition("=")
+            name, value = name.strip(), value.strip()
+            if name in ("forward", "backward"):
+                values[name] = value
+            elif name in ("descriptors", "split_dims") and value in ("0", "1"):
+                values[name] = value == "1"
+            else:
+                raise ValueError(
+                    f"{DESIGN_ENV} item {item!r}; expected forward=onepass|twopass, backward=fused|split|atomic, "
+                    "descriptors=0|1 or split_dims=0|1, separated by commas"
+                )
+        return replace(self, **values)
+
+
 def padded_dim(dim: int) -> int:
     """The block a head dimension is padded to: a power of two, and at least 16 (tl.dot's minimum)."""
     return max(16, 1 << (dim - 1).bit_length())
+
+
+def dim_blocks(dim: int, split: bool) -> tuple[int, int]:
+    """The column blocks a head dim runs as: (padded block, 0), or with `split` a dim that is the sum of two powers of
+    two, each at least 16 (96 = 64 + 32, 192 = 128 + 64), as those two."""
+    first = 1 << (dim.bit_length() - 1)
+    rest = dim - first
+    if split and rest >= 16 and rest & (rest - 1) == 0:
+        return first, rest
+    return padded_dim(dim), 0
 
 
 def bucket_length(n: int) -> int:
@@ -92,25 +155,35 @@ class KernelProblem:
     causal: bool
     n_q_bucket: int
     n_k_bucket: int
+    split_dims: bool = False
+    descriptors: bool = False
+    gqa: bool = False  # more than one query head per KV group: the key-block kernels loop over them
 
     @classmethod
-    def of(cls, kernel, dtype, head_dim, value_dim, shared_k, causal, n_q, n_k):
+    def of(cls, kernel, dtype, head_dim, value_dim, shared_k, causal, n_q, n_k, split_dims=False, descriptors=False,
+           gqa=False):
         if kernel not in KERNELS:
             raise ValueError(f"kernel={kernel!r}; expected one of {', '.join(KERNELS)}")
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype={dtype!r}; expected one of {', '.join(DTYPE_BYTES)}")
         return cls(kernel, dtype, head_dim, value_dim, bool(shared_k), bool(causal), bucket_length(n_q),
-                   bucket_length(n_k))
+                   bucket_length(n_k), bool(split_dims), bool(descriptors), bool(gqa and kernel in KEY_BLOCK_KERNELS))
 
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def block_widths(self) -> tuple[int, int]:
+        """Columns the head-dim and value-dim blocks span together (padded, or split exactly)."""
+        return sum(dim_blocks(self.head_dim, self.split_dims)), sum(dim_blocks(self.value_dim, self.split_dims))
 
     def cache_key(self, device: DeviceInfo, triton_version: str) -> str:
         return "|".join([
             device.name, f"sm_{device.capability[0]}{device.capability[1]}", f"triton {triton_version}", self.kernel,
             self.dtype, f"d={self.head_dim}", f"dv={self.value_dim}", "v2" if self.shared_k else "v1",
             "causal" if self.causal else "full", f"nq<={self.n_q_bucket}", f"nk<={self.n_k_bucket}",
+            f"split_dims={int(self.split_dims)}", f"descriptors={int(self.descriptors)}", f"gqa={int(self.gqa)}",
         ])
 
 
@@ -121,39 +194,58 @@ class DeviceInfo:
     shared_memory: int  # bytes one block may use (opt-in maximum)
 
 
+@dataclass(frozen=True)
+class Plan:
+    """A design and the block config of each kernel it launches."""
+
+    design: Design
+    configs: dict = field(hash=False)  # kernel name -> BlockConfig, for every kernel of the design
+
+    def __post_init__(self):
+        missing = [k for k in self.design.kernels if k not in self.configs]
+        if missing:
+            raise ValueError(f"plan for design {self.design} has no block config for {', '.join(missing)}")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Resources a config needs, computed before compiling
 # ----------------------------------------------------------------------------------------------------------------
 
 
 def shared_memory_bytes(kernel: str, config: BlockConfig, block_d: int, block_dv: int, shared_k: bool,
-                        dtype_bytes: int) -> int:
+                        dtype_bytes: int, descriptors: bool = False) -> int:
     """Shared memory one program of `kernel` needs on sm_90 (Triton 3.6 and 3.9, aligned pointers and strides).
 
+    block_d and block_dv are the columns the head-dim and value-dim blocks span (padded, or both blocks of a split).
     Triton keeps every tile that feeds tl.dot in shared memory: the tiles a loop streams num_stages deep (its
-    software pipeline), the tiles loaded once before the loop single. dK/dV also streams four fp32 row vectors (LSE
-    and δ of both maps) per stage. Probability and dS tiles feed tl.dot from registers. check_compile.py prints this
-    next to the compiler's figure: equal at 2 and 3 stages except dK/dV (up to 5 KiB above, 4 KiB of it a layout
-    conversion buffer that V2 with BLOCK_N=64 and 8 warps needs), above it at 1 and 4 stages and where a tile is too
-    small for wgmma (fewer than 64 rows a warpgroup: Triton then stages less).
+    software pipeline), the tiles loaded once before the loop single. The key-block kernels also stream fp32 row
+    vectors (LSE, and δ where dK is computed) per stage. Probability and dS tiles feed tl.dot from registers. Tensor
+    descriptors add up to 1 KiB (their barriers), inside the key-block kernels' slack. check_compile.py prints this
+    next to the compiler's figure and fails where it is below it.
     """
     m, n, stages = config.block_m, config.block_n, max(1, config.num_stages)
     k_tiles = 1 if shared_k else 2
-    if kernel == "forward":  # streams K1ᵀ (and K2ᵀ) and V per key block; Q1 and Q2 stay
+    extra_bytes = 0
+    if kernel in ("forward", "forward_out"):  # stream K1ᵀ (and K2ᵀ) and V per key block; Q1 and Q2 stay
         elements = stages * n * (k_tiles * block_d + block_dv) + 2 * m * block_d
-        extra_bytes = 0
-    elif kernel == "preprocess":  # streams K2ᵀ and Vᵀ; Q2 and dO stay
+    elif kernel == "forward_lse":  # streams K1ᵀ (and K2ᵀ); Q1 and Q2 stay
+        elements = stages * n * k_tiles * block_d + 2 * m * block_d
+    elif kernel == "preprocess":  # streams K2ᵀ and Vᵀ; Q2 and dy stay
         elements = stages * n * (block_d + block_dv) + m * (block_d + block_dv)
-        extra_bytes = 0
-    elif kernel == "dkdv":  # streams Q1ᵀ, Q2ᵀ and dO per query block; K1 (and K2) and V stay
-        elements = stages * m * (2 * block_d + block_dv) + n * (k_tiles * block_d + block_dv)
+    elif kernel in KEY_BLOCK_KERNELS:  # stream Q1ᵀ, Q2ᵀ and dy per query block; K1 (and K2) and V stay
+        resident_v = 0 if kernel == "dv" else block_dv
+        elements = stages * m * (2 * block_d + block_dv) + n * (k_tiles * block_d + resident_v)
+        vectors = 2 if kernel == "dv" else 4
         # The compiler rounds the row vectors to 1 KiB, and some layouts need a 4 KiB conversion buffer besides.
-        extra_bytes = -(-stages * 4 * m * 4 // 1024) * 1024 + 4096
-    elif kernel == "dq":  # streams K1 (and K2) and Vᵀ; Q1, Q2 and dO stay
+        extra_bytes = -(-stages * vectors * m * 4 // 1024) * 1024 + 4096
+        if kernel == "dkdq":  # dSᵀ of both maps, transposed through shared memory for dQ's product
+            extra_bytes += 2 * m * n * dtype_bytes
+    elif kernel == "dq":  # streams K1 (and K2) and Vᵀ; Q1, Q2 and dy stay
         elements = stages * n * (k_tiles * block_d + block_dv) + m * (2 * block_d + block_dv)
-        extra_bytes = 0
     else:
         raise ValueError(f"kernel={kernel!r}; expected one of {', '.join(KERNELS)}")
+    if descriptors and kernel not in KEY_BLOCK_KERNELS:
+        extra_bytes += 1024
     return elements * dtype_bytes + extra_bytes
 
 
@@ -162,17 +254,28 @@ def tile_values_per_thread(kernel: str, config: BlockConfig, block_d: int, block
     """32-bit registers one thread needs for its accumulators, score tiles and resident tiles (the bulk of them).
 
     An estimate for pruning autotuning candidates, checked against ptxas on sm_90: forward, preprocess and dQ configs
-    at or below MAX_TILE_VALUES_PER_THREAD spilled at most 64 bytes, those above it up to 3 KiB; dK/dV spills some
-    bytes in every config, hundreds to thousands above it.
+    at or below MAX_TILE_VALUES_PER_THREAD spilled at most 64 bytes, those above it up to 3 KiB; the fused dK/dV
+    spills some bytes in every config, hundreds to thousands above it.
     """
     m, n = config.block_m, config.block_n
+    k_tiles = 1 if shared_k else 2
     if kernel == "forward":  # acc1, acc2; S and P of both maps
         values = 2 * m * block_dv + 2 * m * n
-    elif kernel == "preprocess":  # P2 and dP; the O tile
+    elif kernel == "forward_lse":  # S of both maps
+        values = 2 * m * n
+    elif kernel == "forward_out":  # one accumulator; S of both maps
+        values = m * block_dv + 2 * m * n
+    elif kernel == "preprocess":  # P2 and dP; the dy tile
         values = 2 * m * n + m * block_dv
-    elif kernel == "dkdv":  # dK1 (and dK2) and dV; P1ᵀ, P2ᵀ and dPᵀ; K1 (and K2) and V stay in registers too
-        resident = n * ((1 if shared_k else 2) * block_d + block_dv)
-        values = resident + 3 * m * n + resident * dtype_bytes / 4
+    elif kernel in KEY_BLOCK_KERNELS:
+        # accumulators: dK1 (and dK2) and/or dV; P1ᵀ, P2ᵀ (and dPᵀ); K1 (and K2) and V stay in registers too
+        dk = kernel != "dv"
+        dv = kernel in ("dkdv", "dv")
+        accumulators = (k_tiles * block_d if dk else 0) + (block_dv if dv else 0)
+        resident = n * (k_tiles * block_d + (block_dv if dk else 0))
+        values = n * accumulators + (3 if dk else 2) * m * n + resident * dtype_bytes / 4
+        if kernel == "dkdq":
+            values += m * block_d
     elif kernel == "dq":  # dQ1 and dQ2; P1, P2 and dP
         values = 2 * m * block_d + 3 * m * n
     else:
@@ -181,15 +284,16 @@ def tile_values_per_thread(kernel: str, config: BlockConfig, block_d: int, block
 
 
 def problem_shared_memory(problem: KernelProblem, config: BlockConfig) -> int:
-    return shared_memory_bytes(problem.kernel, config, padded_dim(problem.head_dim), padded_dim(problem.value_dim),
-                               problem.shared_k, problem.dtype_bytes)
+    block_d, block_dv = problem.block_widths
+    return shared_memory_bytes(problem.kernel, config, block_d, block_dv, problem.shared_k, problem.dtype_bytes,
+                               problem.descriptors)
 
 
 def fits(problem: KernelProblem, config: BlockConfig, shared_memory_limit: int) -> bool:
     """Whether `config` fits the device's shared memory and (by the estimate) its registers without heavy spilling."""
-    values = tile_values_per_thread(problem.kernel, config, padded_dim(problem.head_dim),
-                                    padded_dim(problem.value_dim), problem.shared_k, problem.dtype_bytes)
-    limit = MAX_TILE_VALUES_PER_THREAD_DKDV if problem.kernel == "dkdv" else MAX_TILE_VALUES_PER_THREAD
+    block_d, block_dv = problem.block_widths
+    values = tile_values_per_thread(problem.kernel, config, block_d, block_dv, problem.shared_k, problem.dtype_bytes)
+    limit = MAX_TILE_VALUES_PER_THREAD_DKDV if problem.kernel in KEY_BLOCK_KERNELS else MAX_TILE_VALUES_PER_THREAD
     return problem_shared_memory(problem, config) <= shared_memory_limit and values <= limit
 
 
@@ -202,40 +306,74 @@ def _entries(**by_kernel):
     return {kernel: BlockConfig(*values) for kernel, values in by_kernel.items()}
 
 
-# (capability major, head-dim block, value-dim block) -> kernel -> config. Head dims below 64 use the 64 entries.
-# Chosen from sm_90 compiles of candidates (Triton 3.6, registers from ptxas -v; configs_sm90.md lists them): the
-# largest tiles that leave TABLE_SHARED_MEMORY_MARGIN of the shared memory free in bf16/fp16 and spill no registers
-# in forward, preprocess and dQ. dK/dV spilled in nearly every config compiled (its resident dK1, dK2, dV and K1,
-# K2, V tiles are as wide as a 4d-wide attention's). Hopper's V1 d=128 entries were timed on an H200 at N=4096
-# (benchmarks/kernel_tuning.py): dK/dV is the fastest candidate; forward and dQ the fastest that leave the margin
-# (their fastest, at 3 stages, leave less: 10% and 18% faster there); the other entries are not timed yet:
-# DIFF_ATTN_AUTOTUNE=1 times the alternatives. fp32 (TF32) configs are shrunk by `fit_to_device` where needed.
+# (capability major, head-dim block, value-dim block) -> design, and kernel -> config. Head dims below 64 use the 64
+# entries; d = 96 uses the 128 entries (as two column blocks where the design splits head dims).
+# Hopper: chosen from sm_90 compiles under Triton 3.6 and 3.9 (kernels/diff_attn/configs_sm90.md; check_compile.py
+# fails on an entry that spills 128 B or more, is not wgmma, replicates an MMA tile across warps or needs more shared
+# memory than the device has) and the H200 timings of the earlier kernels (benchmarks/results/
+# kernel_tuning_NVIDIA-H200_2026-11-26.md). Not timed yet: benchmarks/kernel_tuning.py times every design and the
+# configs around these on a GPU. Kernels the entry's design does not launch keep configs for DIFF_ATTN_DESIGN.
+# Ampere (A100: 163 KiB) and the base for architectures without entries: the earlier design (one-pass forward, fused
+# dK/dV) with its configs, stages or blocks cut where the earlier kernels spilled on sm_80 (check_compile.py --arch
+# 80: at most 88 bytes); the other kernels' entries there are Hopper's analogues, not compiled for sm_80.
+DEFAULT_DESIGNS = {
+    (9, 64, 128): Design("onepass", "split", descriptors=False, split_dims=True),  # V1 d <= 64
+    (9, 128, 256): Design("twopass", "split", descriptors=False, split_dims=True),  # V1 d = 96, 128
+    (9, 64, 64): Design("onepass", "split", descriptors=False, split_dims=True),  # V2 d <= 64
+    (9, 128, 128): Design("onepass", "split", descriptors=False, split_dims=True),  # V2 d = 96, 128
+    (8, 64, 128): Design("onepass", "fused"),
+    (8, 128, 256): Design("onepass", "fused"),
+    (8, 64, 64): Design("onepass", "fused"),
+    (8, 128, 128): Design("onepass", "fused"),
+}
 DEFAULT_CONFIGS = {
     # Hopper (H100, H200): 227 KiB shared memory.
+    (9, 64, 128): _entries(forward=(128, 64, 8, 3), forward_lse=(128, 64, 8, 3), forward_out=(128, 64, 8, 3),
+                           preprocess=(128, 64, 8, 3), dkdv=(16, 128, 8, 3), dk=(32, 128, 8, 3),
+                           dv=(32, 128, 8, 3), dkdq=(32, 128, 8, 3), dq=(128, 64, 8, 3)),  # V1 d <= 64
+    (9, 128, 256): _entries(forward=(64, 64, 8, 2), forward_lse=(128, 64, 8, 3), forward_out=(128, 32, 8, 3),
+                            preprocess=(128, 32, 8, 3), dkdv=(32, 64, 8, 3), dk=(32, 128, 8, 2), dv=(32, 128, 8, 2),
+                            dkdq=(32, 128, 8, 2), dq=(128, 32, 8, 3)),  # V1 d = 96, 128
+    (9, 64, 64): _entries(forward=(128, 64, 8, 3), forward_lse=(128, 64, 8, 3), forward_out=(128, 64, 8, 3),
+                          preprocess=(128, 64, 8, 3), dkdv=(16, 128, 8, 3), dk=(32, 128, 8, 3), dv=(32, 128, 8, 3),
+                          dkdq=(32, 128, 8, 3), dq=(128, 64, 8, 3)),  # V2 d <= 64
+    (9, 128, 128): _entries(forward=(128, 32, 8, 3), forward_lse=(128, 64, 8, 3), forward_out=(128, 32, 8, 3),
+                            preprocess=(128, 64, 8, 3), dkdv=(16, 128, 8, 3), dk=(32, 128, 8, 3),
+                            dv=(32, 128, 8, 3), dkdq=(32, 128, 8, 3), dq=(128, 32, 8, 3)),  # V2 d = 96, 128
+    (8, 64, 128): _entries(forward=(64, 64, 8, 3), forward_lse=(64, 64, 8, 3), forward_out=(64, 64, 8, 3),
+                           preprocess=(128, 64, 8, 3), dkdv=(16, 128, 8, 3), dk=(16, 128, 8, 3),
+                           dv=(16, 128, 8, 3), dkdq=(16, 128, 8, 3), dq=(128, 64, 8, 2)),
+    (8, 128, 256): _entries(forward=(64, 32, 8, 3), forward_lse=(64, 64, 8, 3), forward_out=(64, 32, 8, 3),
+                            preprocess=(128, 32, 8, 2), dkdv=(16, 32, 8, 3), dk=(16, 64, 8, 3), dv=(16, 64, 8, 3),
+                            dkdq=(16, 64, 8, 3), dq=(64, 32, 8, 2)),
+    (8, 64, 64): _entries(forward=(128, 64, 8, 3), forward_lse=(128, 64, 8, 3), forward_out=(128, 64, 8, 3),
+                          preprocess=(128, 64, 8, 3), dkdv=(16, 128, 8, 3), dk=(16, 128, 8, 3), dv=(16, 128, 8, 3),
+                          dkdq=(16, 128, 8, 3), dq=(128, 64, 8, 3)),
+    (8, 128, 128): _entries(forward=(128, 32, 8, 3), forward_lse=(128, 64, 8, 3), forward_out=(128, 32, 8, 3),
+                            preprocess=(128, 64, 8, 2), dkdv=(16, 128, 8, 3), dk=(16, 128, 8, 3),
+                            dv=(16, 128, 8, 3), dkdq=(16, 128, 8, 3), dq=(128, 32, 8, 3)),
+}
+# Key-block kernels under GQA, where the loop over a group's query heads needs fewer registers than the table's entry.
+GQA_CONFIGS = {
+    (9, 128, 256): _entries(dk=(16, 128, 8, 2), dv=(16, 128, 8, 2), dkdq=(16, 128, 8, 2)),
+}
+# The design and Hopper configs the kernels ran with before this table (timed on an H200): the GPU sweep's reference.
+PREVIOUS_HOPPER_CONFIGS = {
     (9, 64, 128): _entries(forward=(128, 64, 8, 3), preprocess=(128, 64, 8, 3), dkdv=(16, 128, 8, 3),
-                           dq=(128, 64, 8, 3)),  # V1 d <= 64
+                           dq=(128, 64, 8, 3)),
     (9, 128, 256): _entries(forward=(64, 64, 8, 2), preprocess=(128, 32, 8, 3), dkdv=(32, 64, 8, 3),
-                            dq=(128, 32, 8, 2)),  # V1 d = 96, 128 (timed on an H200)
+                            dq=(128, 32, 8, 2)),
     (9, 64, 64): _entries(forward=(128, 64, 8, 3), preprocess=(128, 64, 8, 3), dkdv=(16, 128, 8, 3),
-                          dq=(128, 64, 8, 3)),  # V2 d <= 64
-    (9, 128, 128): _entries(forward=(128, 32, 8, 3), preprocess=(128, 64, 8, 3), dkdv=(16, 128, 8, 3),
-                            dq=(128, 32, 8, 3)),  # V2 d = 96, 128
-    # Ampere (A100: 163 KiB) and the base for architectures without entries: Hopper's, with stages or blocks cut
-    # where they would not leave the margin or spilled on sm_80 (check_compile.py --arch 80: at most 88 bytes).
-    (8, 64, 128): _entries(forward=(64, 64, 8, 3), preprocess=(128, 64, 8, 3), dkdv=(16, 128, 8, 3),
-                           dq=(128, 64, 8, 2)),
-    (8, 128, 256): _entries(forward=(64, 32, 8, 3), preprocess=(128, 32, 8, 2), dkdv=(16, 32, 8, 3),
-                            dq=(64, 32, 8, 2)),
-    (8, 64, 64): _entries(forward=(128, 64, 8, 3), preprocess=(128, 64, 8, 3), dkdv=(16, 128, 8, 3),
                           dq=(128, 64, 8, 3)),
-    (8, 128, 128): _entries(forward=(128, 32, 8, 3), preprocess=(128, 64, 8, 2), dkdv=(16, 128, 8, 3),
+    (9, 128, 128): _entries(forward=(128, 32, 8, 3), preprocess=(128, 64, 8, 3), dkdv=(16, 128, 8, 3),
                             dq=(128, 32, 8, 3)),
 }
+PREVIOUS_DESIGN = Design("onepass", "fused")
 TABLE_ARCHS = sorted({major for major, _, _ in DEFAULT_CONFIGS})
 
 
 def table_key(capability_major: int, head_dim: int, value_dim: int) -> tuple[int, int, int]:
-    """The DEFAULT_CONFIGS key for a problem: architectures without entries use the nearest older one (or sm_80's)."""
+    """The table key of a problem: architectures without entries use the nearest older one (or sm_80's)."""
     older = [major for major in TABLE_ARCHS if major <= capability_major]
     arch = max(older) if older else TABLE_ARCHS[0]
     return arch, max(64, padded_dim(head_dim)), max(64, padded_dim(value_dim))
@@ -243,9 +381,10 @@ def table_key(capability_major: int, head_dim: int, value_dim: int) -> tuple[int
 
 def fit_to_device(problem: KernelProblem, config: BlockConfig, shared_memory_limit: int) -> BlockConfig:
     """`config`, made smaller one deterministic step at a time until it fits the shared memory: fewer stages, then a
-    smaller streamed block (keys in forward, preprocess and dQ; queries in dK/dV), then a smaller resident block.
-    Registers are not estimated here: the table's entries are checked against ptxas by check_compile.py."""
-    streamed = "block_m" if problem.kernel == "dkdv" else "block_n"
+    smaller streamed block (keys in forward, preprocess and dQ; queries in the key-block kernels), then a smaller
+    resident block. Registers are not estimated here: the table's entries are checked against ptxas by
+    check_compile.py."""
+    streamed = "block_m" if problem.kernel in KEY_BLOCK_KERNELS else "block_n"
     resident = "block_n" if streamed == "block_m" else "block_m"
     while problem_shared_memory(problem, config) > shared_memory_limit:
         if config.num_stages > 1:
@@ -262,16 +401,25 @@ def fit_to_device(problem: KernelProblem, config: BlockConfig, shared_memory_lim
     return config
 
 
-def _halve(config: BlockConfig, field: str) -> BlockConfig:
-    values = dict(block_m=config.block_m, block_n=config.block_n, num_warps=config.num_warps,
-                  num_stages=config.num_stages)
-    values[field] //= 2
-    return BlockConfig(**values)
+def _halve(config: BlockConfig, name: str) -> BlockConfig:
+    return replace(config, **{name: getattr(config, name) // 2})
+
+
+def default_design(capability_major: int, head_dim: int, value_dim: int) -> Design:
+    """The table's design for a problem, with DIFF_ATTN_DESIGN's fields over it."""
+    design = DEFAULT_DESIGNS[table_key(capability_major, head_dim, value_dim)]
+    if capability_major < 9:  # tensor descriptors (TMA) start with Hopper
+        design = replace(design, descriptors=False)
+    text = os.environ.get(DESIGN_ENV, "")
+    return design.overridden(text) if text.strip() else design
 
 
 def default_config(problem: KernelProblem, device: DeviceInfo) -> BlockConfig:
-    """The table's config for `problem` on `device`, fitted to the device."""
-    entry = DEFAULT_CONFIGS[table_key(device.capability[0], problem.head_dim, problem.value_dim)][problem.kernel]
+    """The table's config for `problem` on `device` (GQA's where the table has one), fitted to the device."""
+    key = table_key(device.capability[0], problem.head_dim, problem.value_dim)
+    entry = DEFAULT_CONFIGS[key][problem.kernel]
+    if problem.gqa:
+        entry = GQA_CONFIGS.get(key, {}).get(problem.kernel, entry)
     return fit_to_device(problem, entry, device.shared_memory)
 
 
@@ -281,13 +429,13 @@ def default_config(problem: KernelProblem, device: DeviceInfo) -> BlockConfig:
 
 # Blocks autotuning tries, by kernel: dK/dV streams query blocks (BLOCK_M) past resident key blocks (BLOCK_N).
 _CANDIDATE_BLOCKS = {
-    "dkdv": [(16, 128), (16, 64), (32, 64), (32, 128), (16, 32), (32, 32), (64, 64)],
+    "key_block": [(16, 128), (16, 64), (32, 64), (32, 128), (16, 32), (32, 32), (64, 64), (64, 128)],
     "other": [(128, 64), (128, 32), (64, 64), (64, 32), (64, 128), (128, 128)],
 }
 
 
 def _candidates(kernel: str) -> list[BlockConfig]:
-    blocks = _CANDIDATE_BLOCKS["dkdv" if kernel == "dkdv" else "other"]
+    blocks = _CANDIDATE_BLOCKS["key_block" if kernel in KEY_BLOCK_KERNELS else "other"]
     return [BlockConfig(m, n, warps, stages) for m, n in blocks for warps in (4, 8) for stages in (2, 3)]
 
 
@@ -387,7 +535,3 @@ def device_info(device) -> DeviceInfo:
     shared = getattr(props, "shared_memory_per_block_optin", 0) or SHARED_MEMORY_BY_CAPABILITY.get(
         capability, SHARED_MEMORY_FALLBACK)
     return DeviceInfo(props.name, capability, int(shared))
-
-
-def within_table_margin(nbytes: int, shared_memory_limit: int) -> bool:
-    return nbytes <= math.floor(shared_memory_limit * (1 - TABLE_SHARED_MEMORY_MARGIN))

@@ -156,10 +156,8 @@ class DifferentialCoreAttention(CoreAttentionBase):
         # (s, b, heads, d) -> (b, s, heads, d): the layout every backend below starts from.
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))
         if self.backend == "triton":
-            out = self._forward_triton(q, k, v.reshape(b, s, two_g // 2, 2 * d), lam)  # (b, s, H, 2d)
-            if self.sublayer_norm is not None:
-                out = self.sublayer_norm(out)
-            out = out * self.output_scale
+            # (b, s, H, 2d): the fused kernel applies the epilogue (norm, weight, output scale) itself
+            out = self._forward_triton(q, k, v.reshape(b, s, two_g // 2, 2 * d), lam)
             return out.transpose(0, 1).reshape(s, b, two_h * d)
         # two (b, s, 2, H, d): maps 1 and 2 of each d-wide half of V
         forward = self._forward_ring if self.ring is not None else getattr(self, f"_forward_{self.backend}")
@@ -227,4 +225,10 @@ class DifferentialCoreAttention(CoreAttentionBase):
                 "model.attention_backend=triton needs the fused kernel package `kernels` (kernels/diff_attn); "
                 f"it could not be imported ({err}); use model.attention_backend=sdpa"
             ) from err
-        return diff_flash_attn(q, k, v, lam, causal=True, softmax_scale=self.softmax_scale)
+        norm = self.sublayer_norm
+        # The DIFF epilogue inside the kernel: RMSNorm over each head's 2d columns, its weight, and (1 − λ_init).
+        return diff_flash_attn(q, k, v, lam, causal=True, softmax_scale=self.softmax_scale,
+                               norm_weight=norm.weight if norm is not None else None,
+                               norm_eps=norm.eps if norm is not None and norm.eps is not None
+                               else torch.finfo(q.dtype).eps,
+                               output_scale=self.output_scale)
