@@ -6,6 +6,7 @@ and validates at steps 3 and 6; the ZeRO-2 and ZeRO-3 runs save at step 3 for th
 """
 
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -104,6 +105,13 @@ def test_zero_stage_equals_megatron_at_dp2(runs, run):
     assert f'"stage": {stage}' in config and '"train_batch_size": 8' in config and '"gradient_clipping": 1.0' in config
     log = (runs / run / "train.log").read_text()
     assert f"DeepSpeed ZeRO-{stage}" in log and "estimated memory per GPU" in log
+    if stage == 3:  # built partitioned: after construction no rank holds more than its half of the parameters
+        held, whole = map(parse_int, re.search(r"a rank holds at most ([\d,]+) of the ([\d,]+) parameter", log).groups())
+        assert whole > 300_000 and held <= whole / 2 + 64, (held, whole)
+
+
+def parse_int(text):
+    return int(text.replace(",", ""))
 
 
 @pytest.mark.multiproc
@@ -144,6 +152,52 @@ def test_cpu_optimizer_offload_at_stage2_trains_as_without(runs):
     assert '"offload_optimizer": {' in config and '"device": "cpu"' in config
     assert '"zero_force_ds_cpu_optimizer": false' in config  # engine.extra, merged into the generated JSON
     assert "on the host" in (runs / "zero2-offload" / "train.log").read_text()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# ZeRO-3 built partitioned: the same initial weights as without, for every kind's own parameters
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("attention", ["diff", "diff_v2", "signed_mask", "vanilla_subln", "dex"])
+def test_zero3_construction_partitions_every_parameter_with_todays_initial_weights(
+    attention, megatron_single_process, monkeypatch
+):
+    """Under deepspeed.zero.Init (a world of one here: partitions of the whole; DP=2 partitions are checked on the
+    ZeRO-3 run's log above) every parameter is a ZeRO-3 partition once the model is built, its gathered values are
+    bit for bit build_model_chunk's for the same seed (λ vectors, sub-layer norm, V2's λ projection, signed-mask
+    logits, DEX's W_D), and the optimizer groups (no weight decay on 1-D weights) are the same as without."""
+    import torch
+    import torch.nn.functional as F
+    from deepspeed.runtime.zero import GatheredParameters
+
+    from diff_transformer.models.gpt import build_model_chunk
+    from diff_transformer.training.deepspeed_engine import build_partitioned_chunk, deepspeed_config, param_groups
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(F, "linear", F.linear)  # zero.Init swaps in its own linear for good: restored after the test
+    cfg = compose_cfg("model=debug", "model.vocab_size=4096", f"model.attention={attention}", "engine=deepspeed",
+                      "engine.zero_stage=3", "trainer.global_batch_size=2", "trainer.micro_batch_size=2")
+    if attention == "dex":
+        cfg.model.dex.heads = [[0, 2], [1]]
+    want = build_model_chunk(cfg, 4096)
+    chunk = build_partitioned_chunk(cfg, 4096, torch.float32, deepspeed_config(cfg, torch.float32, 1))
+    params = list(chunk.parameters())
+    assert all(hasattr(p, "ds_id") and p.data.numel() == 0 for p in params)
+    with GatheredParameters(params):
+        got = {k: v.clone() for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}
+    expected = {k: v for k, v in want.state_dict().items() if not k.endswith("_extra_state")}
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch_equal(got[name], tensor), name
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+
+    o = cfg.optim
+    ours = param_groups(chunk, o)  # megatron-core's own rule, on the whole model, is the reference
+    theirs = _get_param_groups([want], OptimizerConfig(lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay), None)
+    names = {id(p): n for n, p in chunk.named_parameters()} | {id(p): n for n, p in want.named_parameters()}
+    assert [(g["wd_mult"], [names[id(p)] for p in g["params"]]) for g in ours] == [
+        (g["wd_mult"], [names[id(p)] for p in g["params"]]) for g in theirs
+    ]
+    assert {g["wd_mult"] for g in ours} == {0.0, 1.0}
 
 
 # ------------------------------------------------------------------------------------------------------------------
