@@ -323,6 +323,9 @@ def compose_cfg(*overrides):
         (["engine=deepspeed", "engine.zero_stage=4"], 1, r"engine.zero_stage=4 is unknown; use 0, 1, 2 or 3"),
         (["engine=deepspeed", "engine.zero_stage=2", "engine.offload_optimizer=nvme"], 1,
          r"engine.offload_optimizer=nvme needs engine.nvme_path \(a directory on a local NVMe drive"),
+        (["engine=deepspeed", "engine.zero_stage=2", "engine.offload_optimizer=nvme", "engine.nvme_path=/nvme"], 1,
+         r"engine.offload_optimizer=nvme needs engine.zero_stage=3 \(DeepSpeed swaps optimizer states to NVMe at "
+         r"stage 3 only; at stage 2 it keeps them in host memory\)"),
         (["engine=deepspeed", "engine.zero_stage=2", "engine.offload_param=cpu"], 1,
          r"engine.offload_param=cpu needs engine.zero_stage=3 .*the run has engine.zero_stage=2"),
         (["engine=deepspeed", "engine.zero_stage=0", "engine.offload_optimizer=cpu"], 1,
@@ -336,7 +339,7 @@ def compose_cfg(*overrides):
         (["engine.zero_stage=3"], 1, r"engine.zero_stage=3 applies to engine=deepspeed only"),
         (["engine.name=colossal"], 1, r"engine='colossal' is unknown; use one of megatron, deepspeed"),
     ],
-    ids=["stage", "nvme-path", "param-offload-stage", "optimizer-offload-stage0", "offload-device", "pp",
+    ids=["stage", "nvme-path", "nvme-optimizer-stage", "param-offload-stage", "optimizer-offload-stage0", "offload-device", "pp",
          "distributed-optimizer", "async-save", "megatron-zero-stage", "engine"],
 )
 def test_bad_engine_configs_are_refused_naming_the_key(overrides, world, message):
