@@ -511,6 +511,7 @@ class DeepSpeedCheckpointManager(CheckpointManager):
         )
         if loaded is None:
             raise ValueError(f"DeepSpeed found no checkpoint to load in {path}")
+        compat.restore_nvme_optimizer_memory_state(self.trainer.engine, root, tag)
         self.trainer.scheduler.load_state_dict(client_state["opt_param_scheduler"])
         set_rng_state(torch.load(os.path.join(path, RNG_FILE.format(rank=self.rank)), weights_only=False))
         distributed.barrier()
