@@ -79,7 +79,7 @@ def construction_worker(out_dir: str, build: str, overrides) -> None:
 
     from diff_transformer.config import register_configs, to_object
     from diff_transformer.distributed import destroy_distributed
-    from diff_transformer.models.gpt import build_model_chunk
+    from diff_transformer.models.gpt import build_model_chunk, parameter_numel
     from diff_transformer.training import deepspeed_engine
     from diff_transformer.training.accounting import GIB, PeakMemory
     from diff_transformer.training.engines import create_trainer
@@ -99,7 +99,7 @@ def construction_worker(out_dir: str, build: str, overrides) -> None:
             chunk = build_chunk(*args)
         measured["construction"] = peak
         measured["held"] = deepspeed_engine.resident_parameter_elements(chunk)
-        measured["whole"] = sum(deepspeed_engine.full_shape(p).numel() for p in chunk.parameters())
+        measured["whole"] = sum(parameter_numel(p) for p in chunk.parameters())
         return chunk
 
     build_model = trainer._build_model

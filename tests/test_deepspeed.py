@@ -155,6 +155,95 @@ def test_cpu_optimizer_offload_at_stage2_trains_as_without(runs):
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# NVMe offload: DeepSpeed's async I/O op swaps the parameter partitions and the optimizer state to a directory
+# ------------------------------------------------------------------------------------------------------------------
+# DeepSpeed swaps only tensors of 1 MiB or more (swap_tensor/utils.py, MIN_AIO_BYTES); the debug model widened to 256
+# gives the embedding's partition (2 MiB) and the weight-decayed optimizer group (5 MiB) something to swap at DP=2,
+# while the 1-D weights' group stays in memory: both kinds of state cross the resume.
+WIDE = ["model.hidden_size=256", "model.ffn_hidden_size=704"]
+NVME = DS + [
+    "engine.zero_stage=3", "engine.offload_optimizer=nvme", "engine.offload_param=nvme",
+    # the optimizer step on the host is torch's AdamW, as for CPU offload above (DeepSpeed's CPU Adam compiles ~100 s)
+    "+engine.extra.zero_force_ds_cpu_optimizer=false", "+engine.extra.optimizer={params: {torch_adam: true}}",
+    # five parameter swap buffers of 1e6 elements (DeepSpeed's default 1e8 pins 2 GB of host memory a rank)
+    "+engine.extra.zero_optimization.offload_param.buffer_size=1000000",
+]
+
+
+# Compiling DeepSpeed's async_io op (and its pin_memory op) takes ~475 CPU-seconds, ~4 minutes on 2 cores: the NVMe
+# tests run where it is compiled already (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), or compile it
+# once when this is set to 1.
+BUILD_AIO_ENV = "DIFF_TRANSFORMER_BUILD_AIO"
+
+
+def async_io_op_compiled() -> bool:
+    import os
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return all(os.path.exists(Path(_get_build_directory(op, False), f"{op}.so")) for op in ("pin_memory", "async_io"))
+
+
+@pytest.fixture(scope="module")
+def nvme_runs(tmp_path_factory):
+    """ZeRO-3 of the widened model without offload; with both offloads on NVMe (a local directory here), saving at
+    step 3; and that run resumed from step 3 with another swap directory. DeepSpeed's async_io op is loaded here
+    once (compiled first with DIFF_TRANSFORMER_BUILD_AIO=1), before the ranks load it."""
+    import os
+
+    from diff_transformer.training.deepspeed_engine import import_deepspeed
+
+    import_deepspeed()
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        pytest.skip("DeepSpeed's async_io op cannot build here: libaio is missing (apt-get install libaio-dev; "
+                    ".ci/run installs it when run as root)")
+    if not async_io_op_compiled() and os.environ.get(BUILD_AIO_ENV) != "1":
+        pytest.skip(f"DeepSpeed's async_io op is not compiled in TORCH_EXTENSIONS_DIR (~475 CPU-seconds, ~4 minutes "
+                    f"on 2 cores): set {BUILD_AIO_ENV}=1 to compile it once and run the NVMe offload tests")
+    AsyncIOBuilder().load(verbose=False)
+    root = tmp_path_factory.mktemp("nvme")
+    run_train(root / "zero3-wide", WIDE + COMMON + DS + ["engine.zero_stage=3"], nproc=2)
+    run_train(root / "nvme", WIDE + COMMON + NVME + SAVE_AT_3 + [f"engine.nvme_path={root / 'swap'}"], nproc=2)
+    run_train(
+        root / "nvme-resumed",
+        WIDE + COMMON + NVME + [f"engine.nvme_path={root / 'swap-resumed'}", "checkpoint.resume=" + ckpt(root / "nvme", 3)],
+        nproc=2,
+    )
+    return root
+
+
+@pytest.mark.multiproc
+def test_nvme_offload_of_parameters_and_optimizer_trains_as_without(nvme_runs):
+    assert_same_steps(read_metrics(nvme_runs / "nvme"), read_metrics(nvme_runs / "zero3-wide"), norm_rel=1e-6)
+    config = (nvme_runs / "nvme" / "deepspeed_config.json").read_text()
+    assert config.count('"device": "nvme"') == 2 and str(nvme_runs / "swap") in config
+    # the swaps happened: the optimizer's states were written to the directory (and travel in the checkpoint), and
+    # after construction each rank kept less than its ZeRO-3 half (the embedding's partition went to the directory)
+    swapped = sorted(p.name for p in (nvme_runs / "swap" / "zero_stage_3" / "optimizer" / "rank0").iterdir())
+    assert any(name.startswith("exp_avg-") for name in swapped) and any(name.startswith("exp_avg_sq-") for name in swapped)
+    saved = {p.name for p in Path(ckpt(nvme_runs / "nvme", 3), "offloaded_tensors", "rank00").iterdir()}
+    assert {name for name in swapped if "gradient" not in name} == saved
+    log = (nvme_runs / "nvme" / "train.log").read_text()
+    held, whole = map(parse_int, re.search(r"a rank holds at most ([\d,]+) of the ([\d,]+) parameter", log).groups())
+    assert held < whole / 2 - 4096 * 256 / 4, (held, whole)
+
+
+@pytest.mark.multiproc
+def test_nvme_offload_resumes_bit_exact(nvme_runs):
+    """DeepSpeed's own load leaves Adam's moments and step count, the sub-group too small to swap and the persistent
+    parameters at their initial values (compat.restore_nvme_optimizer_memory_state completes it)."""
+    full = by_step(read_metrics(nvme_runs / "nvme"))
+    resumed = by_step(read_metrics(nvme_runs / "nvme-resumed"))
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        for key in ("loss", "grad_norm", "lr", "lambda", "skipped_steps"):
+            assert resumed[step][key] == full[step][key], (step, key)
+    assert resumed[6]["val_loss"] == full[6]["val_loss"]
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # ZeRO-3 built partitioned: the same initial weights as without, for every kind's own parameters
 # ------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("attention", ["diff", "diff_v2", "signed_mask", "vanilla_subln", "dex"])
@@ -217,10 +306,10 @@ def converted(runs):
     """The ZeRO-3 run's last checkpoint (step 6) as torch_dist, and a megatron-engine run started from it."""
     out = runs / "zero3-torch_dist"
     _checkpoint_cli("convert", runs / "zero3-diff" / "checkpoints", out, "--to", "torch_dist")
-    run_train(
-        runs / "megatron-from-zero3",
-        COMMON + ["trainer.max_steps=1", "optim.warmup_steps=0", f"checkpoint.load_weights_only={out}"],
-    )
+    first_step = ["trainer.max_steps=1", "optim.warmup_steps=0", f"checkpoint.load_weights_only={out}"]
+    run_train(runs / "megatron-from-zero3", COMMON + first_step)
+    # ZeRO-3 at TP=2 from the same weights: gathered, loaded per TP rank and partitioned again before DeepSpeed starts
+    run_train(runs / "zero3-tp2-from-zero3", COMMON + DS + ["engine.zero_stage=3", "parallel.tp=2"] + first_step, nproc=2)
     return out
 
 
@@ -261,6 +350,16 @@ def test_zero3_checkpoint_converts_to_torch_dist_with_identical_weights(runs, co
     assert "weights only, converted from engine=deepspeed checkpoint" in out
     out = _checkpoint_cli("inspect", step6).stdout
     assert "engine       deepspeed ZeRO-3 (offload optimizer none, parameters none)" in out
+
+
+@pytest.mark.multiproc
+def test_zero3_at_tp2_starts_from_weights_only_as_megatron_does(runs, converted):
+    """checkpoint.load_weights_only under ZeRO-3, which builds the model partitioned: the first step on the loaded
+    weights equals engine=megatron's on the same weights (TP=1, one process: the same global batch)."""
+    assert_same_steps(read_metrics(runs / "zero3-tp2-from-zero3"), read_metrics(runs / "megatron-from-zero3"),
+                      steps=[1])
+    log = (runs / "zero3-tp2-from-zero3" / "train.log").read_text()
+    assert "started from the weights of" in log and "model built partitioned" in log
 
 
 def torch_equal(a, b):

@@ -36,7 +36,7 @@ import torch
 from diff_transformer import compat, distributed
 from diff_transformer.fileio import atomic_write_json
 from diff_transformer.models.attention import TP_REPLICATED_ATTR
-from diff_transformer.models.gpt import build_model_chunk
+from diff_transformer.models.gpt import build_model_chunk, parameter_numel
 from diff_transformer.training.checkpoint import (
     CheckpointManager,
     check_resumable,
@@ -330,7 +330,7 @@ class DeepSpeedTrainer(Trainer):
         from megatron.core import parallel_state
 
         held = resident_parameter_elements(chunk)
-        whole = sum(full_shape(p).numel() for p in chunk.parameters())
+        whole = sum(parameter_numel(p) for p in chunk.parameters())
         most, = distributed.all_reduce_values([held], op="max")
         if self.rank == 0:
             logger.info(
