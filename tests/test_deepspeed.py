@@ -170,7 +170,7 @@ NVME = DS + [
 ]
 
 
-# Compiling DeepSpeed's async_io op (and its pin_memory op) takes ~475 CPU-seconds, ~4 minutes on 2 cores: the NVMe
+# Compiling DeepSpeed's async_io op (and its pin_memory op) takes ~270 CPU-seconds, 3.4 minutes on 2 cores: the NVMe
 # tests run where it is compiled already (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), or compile it
 # once when this is set to 1.
 BUILD_AIO_ENV = "DIFF_TRANSFORMER_BUILD_AIO"
@@ -200,7 +200,7 @@ def nvme_runs(tmp_path_factory):
         pytest.skip("DeepSpeed's async_io op cannot build here: libaio is missing (apt-get install libaio-dev; "
                     ".ci/run installs it when run as root)")
     if not async_io_op_compiled() and os.environ.get(BUILD_AIO_ENV) != "1":
-        pytest.skip(f"DeepSpeed's async_io op is not compiled in TORCH_EXTENSIONS_DIR (~475 CPU-seconds, ~4 minutes "
+        pytest.skip(f"DeepSpeed's async_io op is not compiled in TORCH_EXTENSIONS_DIR (~270 CPU-seconds, 3.4 minutes "
                     f"on 2 cores): set {BUILD_AIO_ENV}=1 to compile it once and run the NVMe offload tests")
     AsyncIOBuilder().load(verbose=False)
     root = tmp_path_factory.mktemp("nvme")
