@@ -48,8 +48,16 @@ def rank_worker(out_dir: str, overrides) -> None:
 def measure(script: str, nproc: int, overrides, work: Path) -> dict:
     """Run ``script --worker work -- overrides`` in ``nproc`` processes (``script`` calls `rank_worker`); the
     measurement of the rank with the highest peak, and the highest memory still held at the end."""
+    ranks = launch_ranks(script, nproc, overrides, work)
+    worst = max(ranks, key=lambda r: r["peak"])
+    return {"peak": worst["peak"], "end": max(r["end"] for r in ranks), "estimate": worst["estimate"],
+            "parameters": worst["parameters"]}
+
+
+def launch_ranks(script: str, nproc: int, overrides, work: Path, worker_args=()) -> list:
+    """Run ``script --worker work [worker_args] -- overrides`` in ``nproc`` processes; each rank's rank<r>.json."""
     work.mkdir(parents=True)
-    args = [str(script), "--worker", str(work), "--", *overrides]
+    args = [str(script), "--worker", str(work), *worker_args, "--", *overrides]
     if nproc == 1:
         cmd = [sys.executable, *args]
     else:
@@ -58,7 +66,4 @@ def measure(script: str, nproc: int, overrides, work: Path) -> dict:
     proc = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{' '.join(overrides)} failed:\n{proc.stderr[-4000:]}")
-    ranks = [json.loads(p.read_text()) for p in sorted(work.glob("rank*.json"))]
-    worst = max(ranks, key=lambda r: r["peak"])
-    return {"peak": worst["peak"], "end": max(r["end"] for r in ranks), "estimate": worst["estimate"],
-            "parameters": worst["parameters"]}
+    return [json.loads(p.read_text()) for p in sorted(work.glob("rank*.json"))]

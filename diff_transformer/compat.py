@@ -14,6 +14,8 @@ Two kinds:
   :func:`keep_fused_cross_entropy_grad_dtype`): where megatron-core without TransformerEngine or Apex falls back to
   slow paths (a host sync per parameter tensor in the gradient norm, torch's foreach AdamW, no fused RoPE), or where
   its fused path loses precision (the native fused cross-entropy's bf16 gradient), on any device.
+- **DeepSpeed's NVMe optimizer resume** (:func:`restore_nvme_optimizer_memory_state`, any device): its load of a
+  ZeRO-3 checkpoint with the optimizer on NVMe restores only the swapped tensors.
 - **Checkpoint workarounds** (:func:`fork_checkpoint_results_queue`, :func:`initialise_adam_state`,
   :func:`adam_step_left_out_of_param_copies`, :func:`unshare_adam_step_tensors`): defects of megatron-core's
   distributed-optimizer checkpointing on the torch-Adam path and of its writer start-up, needed on any device.
@@ -155,6 +157,29 @@ PATCH_SITES = (
               "pin_memory=True"),
     PatchSite("deepspeed shm op", "deepspeed.comm.torch", "build_shm_op", "ShareMemCommBuilder"),
     PatchSite("deepspeed shm op", "deepspeed.comm.torch", "TorchBackend.__init__", "build_shm_op()"),
+    PatchSite("deepspeed nvme optimizer resume", "deepspeed.runtime.engine", "DeepSpeedEngine.load_checkpoint",
+              "if load_zero_checkpoint and not self.zero_nvme_offload_optimizer():"),
+    PatchSite("deepspeed nvme optimizer resume", "deepspeed.runtime.engine", "DeepSpeedEngine._get_zero_ckpt_name"),
+    PatchSite("deepspeed nvme optimizer resume", "deepspeed.runtime.zero.stage3",
+              "DeepSpeedZeroOptimizer_Stage3._set_fp32_optimizer_param_groups", "fp32_partitioned_groups_flat"),
+    PatchSite("deepspeed nvme optimizer resume", "deepspeed.runtime.zero.stage3",
+              "DeepSpeedZeroOptimizer_Stage3._clear_fp32_optimizer_param_groups"),
+    PatchSite("deepspeed nvme optimizer resume", "deepspeed.runtime.zero.stage3",
+              "DeepSpeedZeroOptimizer_Stage3._swappable_optimizer_subgroup"),
+    PatchSite("deepspeed nvme optimizer resume", "deepspeed.runtime.zero.stage3",
+              "DeepSpeedZeroOptimizer_Stage3.checkpoint_event_prologue", "_partition_all_parameters"),
+    PatchSite("deepspeed nvme optimizer resume", "deepspeed.runtime.zero.stage3",
+              "DeepSpeedZeroOptimizer_Stage3.checkpoint_event_epilogue", "persistent_parameters"),
+    PatchSite("deepspeed nvme optimizer resume", "deepspeed.runtime.swap_tensor.optimizer_utils",
+              "OptimizerSwapper._get_state_tensors", "self.optimizer.state[parameter].items()"),
+    PatchSite("deepspeed nvme optimizer resume", "deepspeed.runtime.zero.stage3",
+              "DeepSpeedZeroOptimizer_Stage3._reassign_or_swap_out_partitioned_parameters"),
+    # not patched, but what engine=deepspeed builds ZeRO-3 models with: zero.Init's switch that leaves tensor creation
+    # alone (megatron-core's fp32 CPU initialisation), and megatron-core's weight-decay rule it restates on whole shapes
+    PatchSite("deepspeed zero3 construction", "deepspeed.runtime.zero.partition_parameters", "Init.__init__",
+              "tensor_overrides"),
+    PatchSite("deepspeed engine", "megatron.core.optimizer", "get_standard_config_overrides",
+              "len(param.shape) == 1"),
     # not patched, but private functions engine=deepspeed calls: megatron-core's parameter groups (no weight decay on
     # biases and 1-D weights) and DeepSpeed's ZeRO-3 readers, given one TP rank's files (checkpoint_tools)
     PatchSite("deepspeed engine", "megatron.core.optimizer", "_get_param_groups", "wd_mult"),
@@ -369,6 +394,49 @@ def apply_deepspeed_cpu_patches() -> bool:
     import deepspeed.comm.torch  # noqa: F401  (registers the module; its name is shadowed by torch in deepspeed.comm)
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    return True
+
+
+def restore_nvme_optimizer_memory_state(engine, root: str, tag: str) -> bool:
+    """Complete DeepSpeed's resume of a ZeRO-3 run whose optimizer is offloaded to NVMe. Its ``load_checkpoint``
+    (runtime/engine.py: ``if load_zero_checkpoint and not self.zero_nvme_offload_optimizer()``) skips the rank's
+    ``*_optim_states.pt`` and copies the checkpoint's ``offloaded_tensors/`` into the swap folder, but:
+
+    - the optimizer's state is empty in a new process (Adam creates it at its first step), so its swapper, which
+      learns a parameter's state tensors from that state, reads back only the fp32 master weights: Adam's moments
+      restart from zero and its step count from 0;
+    - a sub-group too small to swap (under 1 MiB, ``swap_tensor/utils.py`` MIN_AIO_BYTES: the 1-D weights' group of a
+      small model) keeps its initial master weights and moments: they are in the skipped file.
+
+    Recreates each swapped sub-group's state (the saved step count, and tensors of the right size under the names
+    the swap files carry, which the swapper then fills from them), loads the small sub-groups from the file, copies
+    their master weights into the model's partitions and gathers ZeRO-3's persistent parameters (those small enough
+    to stay whole, which the end of ``load_checkpoint`` gathered before this) from them again. Returns whether the engine
+    swaps its optimizer."""
+    if not engine.zero_nvme_offload_optimizer():
+        return False
+    optimizer = engine.optimizer
+    saved = torch.load(engine._get_zero_ckpt_name(root, tag), map_location="cpu", weights_only=False)
+    saved = saved["optimizer_state_dict"]
+    optimizer._set_fp32_optimizer_param_groups()  # how it numbered the states it saved (state_dict does the same)
+    try:
+        index = {id(p): i for i, p in enumerate(p for g in optimizer.optimizer.param_groups for p in g["params"])}
+    finally:
+        optimizer._clear_fp32_optimizer_param_groups()
+    optimizer.checkpoint_event_prologue()  # every parameter back to its partition, the persistent ones too
+    for sub_group, flat in enumerate(optimizer.fp32_partitioned_groups_flat):
+        state = optimizer.optimizer.state[flat]
+        swapped = optimizer._swappable_optimizer_subgroup(sub_group)
+        numel = int(optimizer.fp16_partitioned_groups_flat_numel[sub_group])
+        for key, value in saved["optimizer_state_dict"]["state"][index[id(flat)]].items():
+            if swapped and torch.is_tensor(value) and value.numel() == 0:  # its values are in the swap files
+                state[key] = torch.zeros(numel, dtype=flat.dtype, device=flat.device)
+            else:
+                state[key] = value.clone().to(flat.device) if torch.is_tensor(value) else value
+        if not swapped:
+            flat.data.copy_(saved["fp32_flat_groups"][sub_group])
+            optimizer._reassign_or_swap_out_partitioned_parameters(sub_group)
+    optimizer.checkpoint_event_epilogue()  # and ZeRO-3's persistent ones (small, kept whole) gathered again
     return True
 
 

@@ -258,6 +258,12 @@ def validate_engine(cfg: Any) -> None:
             f"engine.{nvme_keys[0]}=nvme needs engine.nvme_path (a directory on a local NVMe drive, e.g. "
             "engine.nvme_path=/local_nvme/offload)"
         )
+    if e.offload_optimizer == "nvme" and e.zero_stage != 3:
+        raise ValueError(
+            f"engine.offload_optimizer=nvme needs engine.zero_stage=3 (DeepSpeed swaps optimizer states to NVMe at "
+            f"stage 3 only; at stage {e.zero_stage} it keeps them in host memory); the run has "
+            f"engine.zero_stage={e.zero_stage}: use engine.offload_optimizer=cpu, or engine.zero_stage=3"
+        )
     if e.nvme_path and not nvme_keys:
         raise ValueError(
             f"engine.nvme_path={e.nvme_path} is read only with engine.offload_optimizer=nvme or "

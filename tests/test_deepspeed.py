@@ -6,6 +6,7 @@ and validates at steps 3 and 6; the ZeRO-2 and ZeRO-3 runs save at step 3 for th
 """
 
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -104,6 +105,13 @@ def test_zero_stage_equals_megatron_at_dp2(runs, run):
     assert f'"stage": {stage}' in config and '"train_batch_size": 8' in config and '"gradient_clipping": 1.0' in config
     log = (runs / run / "train.log").read_text()
     assert f"DeepSpeed ZeRO-{stage}" in log and "estimated memory per GPU" in log
+    if stage == 3:  # built partitioned: after construction no rank holds more than its half of the parameters
+        held, whole = map(parse_int, re.search(r"a rank holds at most ([\d,]+) of the ([\d,]+) parameter", log).groups())
+        assert whole > 300_000 and held <= whole / 2 + 64, (held, whole)
+
+
+def parse_int(text):
+    return int(text.replace(",", ""))
 
 
 @pytest.mark.multiproc
@@ -148,6 +156,141 @@ def test_cpu_optimizer_offload_at_stage2_trains_as_without(runs):
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# NVMe offload: DeepSpeed's async I/O op swaps the parameter partitions and the optimizer state to a directory
+# ------------------------------------------------------------------------------------------------------------------
+# DeepSpeed swaps only tensors of 1 MiB or more (swap_tensor/utils.py, MIN_AIO_BYTES); the debug model widened to 256
+# gives the embedding's partition (2 MiB) and the weight-decayed optimizer group (5 MiB) something to swap at DP=2,
+# while the 1-D weights' group stays in memory: both kinds of state cross the resume.
+WIDE = ["model.hidden_size=256", "model.ffn_hidden_size=704"]
+NVME = DS + [
+    "engine.zero_stage=3", "engine.offload_optimizer=nvme", "engine.offload_param=nvme",
+    # the optimizer step on the host is torch's AdamW, as for CPU offload above (DeepSpeed's CPU Adam compiles ~100 s)
+    "+engine.extra.zero_force_ds_cpu_optimizer=false", "+engine.extra.optimizer={params: {torch_adam: true}}",
+    # five parameter swap buffers of 1e6 elements (DeepSpeed's default 1e8 pins 2 GB of host memory a rank)
+    "+engine.extra.zero_optimization.offload_param.buffer_size=1000000",
+]
+
+
+# Compiling DeepSpeed's async_io op (and its pin_memory op) takes ~270 CPU-seconds, 3.4 minutes on 2 cores: the NVMe
+# tests run where it is compiled already (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), or compile it
+# once when this is set to 1.
+BUILD_AIO_ENV = "DIFF_TRANSFORMER_BUILD_AIO"
+
+
+def async_io_op_compiled() -> bool:
+    import os
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return all(os.path.exists(Path(_get_build_directory(op, False), f"{op}.so")) for op in ("pin_memory", "async_io"))
+
+
+@pytest.fixture(scope="module")
+def nvme_runs(tmp_path_factory):
+    """ZeRO-3 of the widened model without offload; with both offloads on NVMe (a local directory here), saving at
+    step 3; and that run resumed from step 3 with another swap directory. DeepSpeed's async_io op is loaded here
+    once (compiled first with DIFF_TRANSFORMER_BUILD_AIO=1), before the ranks load it."""
+    import os
+
+    from diff_transformer.training.deepspeed_engine import import_deepspeed
+
+    import_deepspeed()
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        pytest.skip("DeepSpeed's async_io op cannot build here: libaio is missing (apt-get install libaio-dev; "
+                    ".ci/run installs it when run as root)")
+    if not async_io_op_compiled() and os.environ.get(BUILD_AIO_ENV) != "1":
+        pytest.skip(f"DeepSpeed's async_io op is not compiled in TORCH_EXTENSIONS_DIR (~270 CPU-seconds, 3.4 minutes "
+                    f"on 2 cores): set {BUILD_AIO_ENV}=1 to compile it once and run the NVMe offload tests")
+    AsyncIOBuilder().load(verbose=False)
+    root = tmp_path_factory.mktemp("nvme")
+    run_train(root / "zero3-wide", WIDE + COMMON + DS + ["engine.zero_stage=3"], nproc=2)
+    run_train(root / "nvme", WIDE + COMMON + NVME + SAVE_AT_3 + [f"engine.nvme_path={root / 'swap'}"], nproc=2)
+    run_train(
+        root / "nvme-resumed",
+        WIDE + COMMON + NVME + [f"engine.nvme_path={root / 'swap-resumed'}", "checkpoint.resume=" + ckpt(root / "nvme", 3)],
+        nproc=2,
+    )
+    return root
+
+
+@pytest.mark.multiproc
+def test_nvme_offload_of_parameters_and_optimizer_trains_as_without(nvme_runs):
+    assert_same_steps(read_metrics(nvme_runs / "nvme"), read_metrics(nvme_runs / "zero3-wide"), norm_rel=1e-6)
+    config = (nvme_runs / "nvme" / "deepspeed_config.json").read_text()
+    assert config.count('"device": "nvme"') == 2 and str(nvme_runs / "swap") in config
+    # the swaps happened: the optimizer's states were written to the directory (and travel in the checkpoint), and
+    # after construction each rank kept less than its ZeRO-3 half (the embedding's partition went to the directory)
+    swapped = sorted(p.name for p in (nvme_runs / "swap" / "zero_stage_3" / "optimizer" / "rank0").iterdir())
+    assert any(name.startswith("exp_avg-") for name in swapped) and any(name.startswith("exp_avg_sq-") for name in swapped)
+    saved = {p.name for p in Path(ckpt(nvme_runs / "nvme", 3), "offloaded_tensors", "rank00").iterdir()}
+    assert {name for name in swapped if "gradient" not in name} == saved
+    log = (nvme_runs / "nvme" / "train.log").read_text()
+    held, whole = map(parse_int, re.search(r"a rank holds at most ([\d,]+) of the ([\d,]+) parameter", log).groups())
+    assert held < whole / 2 - 4096 * 256 / 4, (held, whole)
+
+
+@pytest.mark.multiproc
+def test_nvme_offload_resumes_bit_exact(nvme_runs):
+    """DeepSpeed's own load leaves Adam's moments and step count, the sub-group too small to swap and the persistent
+    parameters at their initial values (compat.restore_nvme_optimizer_memory_state completes it)."""
+    full = by_step(read_metrics(nvme_runs / "nvme"))
+    resumed = by_step(read_metrics(nvme_runs / "nvme-resumed"))
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        for key in ("loss", "grad_norm", "lr", "lambda", "skipped_steps"):
+            assert resumed[step][key] == full[step][key], (step, key)
+    assert resumed[6]["val_loss"] == full[6]["val_loss"]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# ZeRO-3 built partitioned: the same initial weights as without, for every kind's own parameters
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("attention", ["diff", "diff_v2", "signed_mask", "vanilla_subln", "dex"])
+def test_zero3_construction_partitions_every_parameter_with_todays_initial_weights(
+    attention, megatron_single_process, monkeypatch
+):
+    """Under deepspeed.zero.Init (a world of one here: partitions of the whole; DP=2 partitions are checked on the
+    ZeRO-3 run's log above) every parameter is a ZeRO-3 partition once the model is built, its gathered values are
+    bit for bit build_model_chunk's for the same seed (λ vectors, sub-layer norm, V2's λ projection, signed-mask
+    logits, DEX's W_D), and the optimizer groups (no weight decay on 1-D weights) are the same as without."""
+    import torch
+    import torch.nn.functional as F
+    from deepspeed.runtime.zero import GatheredParameters
+
+    from diff_transformer.models.gpt import build_model_chunk
+    from diff_transformer.training.deepspeed_engine import build_partitioned_chunk, deepspeed_config, param_groups
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(F, "linear", F.linear)  # zero.Init swaps in its own linear for good: restored after the test
+    cfg = compose_cfg("model=debug", "model.vocab_size=4096", f"model.attention={attention}", "engine=deepspeed",
+                      "engine.zero_stage=3", "trainer.global_batch_size=2", "trainer.micro_batch_size=2")
+    if attention == "dex":
+        cfg.model.dex.heads = [[0, 2], [1]]
+    want = build_model_chunk(cfg, 4096)
+    chunk = build_partitioned_chunk(cfg, 4096, torch.float32, deepspeed_config(cfg, torch.float32, 1))
+    params = list(chunk.parameters())
+    assert all(hasattr(p, "ds_id") and p.data.numel() == 0 for p in params)
+    with GatheredParameters(params):
+        got = {k: v.clone() for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}
+    expected = {k: v for k, v in want.state_dict().items() if not k.endswith("_extra_state")}
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch_equal(got[name], tensor), name
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+
+    o = cfg.optim
+    ours = param_groups(chunk, o)  # megatron-core's own rule, on the whole model, is the reference
+    theirs = _get_param_groups([want], OptimizerConfig(lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay), None)
+    names = {id(p): n for n, p in chunk.named_parameters()} | {id(p): n for n, p in want.named_parameters()}
+    assert [(g["wd_mult"], [names[id(p)] for p in g["params"]]) for g in ours] == [
+        (g["wd_mult"], [names[id(p)] for p in g["params"]]) for g in theirs
+    ]
+    assert {g["wd_mult"] for g in ours} == {0.0, 1.0}
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # Moving between engines: convert, weights only, and the refusals that name the way
 # ------------------------------------------------------------------------------------------------------------------
 def _checkpoint_cli(*args, expect_rc=0):
@@ -164,10 +307,10 @@ def converted(runs):
     """The ZeRO-3 run's last checkpoint (step 6) as torch_dist, and a megatron-engine run started from it."""
     out = runs / "zero3-torch_dist"
     _checkpoint_cli("convert", runs / "zero3-diff" / "checkpoints", out, "--to", "torch_dist")
-    run_train(
-        runs / "megatron-from-zero3",
-        COMMON + ["trainer.max_steps=1", "optim.warmup_steps=0", f"checkpoint.load_weights_only={out}"],
-    )
+    first_step = ["trainer.max_steps=1", "optim.warmup_steps=0", f"checkpoint.load_weights_only={out}"]
+    run_train(runs / "megatron-from-zero3", COMMON + first_step)
+    # ZeRO-3 at TP=2 from the same weights: gathered, loaded per TP rank and partitioned again before DeepSpeed starts
+    run_train(runs / "zero3-tp2-from-zero3", COMMON + DS + ["engine.zero_stage=3", "parallel.tp=2"] + first_step, nproc=2)
     return out
 
 
@@ -208,6 +351,16 @@ def test_zero3_checkpoint_converts_to_torch_dist_with_identical_weights(runs, co
     assert "weights only, converted from engine=deepspeed checkpoint" in out
     out = _checkpoint_cli("inspect", step6).stdout
     assert "engine       deepspeed ZeRO-3 (offload optimizer none, parameters none)" in out
+
+
+@pytest.mark.multiproc
+def test_zero3_at_tp2_starts_from_weights_only_as_megatron_does(runs, converted):
+    """checkpoint.load_weights_only under ZeRO-3, which builds the model partitioned: the first step on the loaded
+    weights equals engine=megatron's on the same weights (TP=1, one process: the same global batch)."""
+    assert_same_steps(read_metrics(runs / "zero3-tp2-from-zero3"), read_metrics(runs / "megatron-from-zero3"),
+                      steps=[1])
+    log = (runs / "zero3-tp2-from-zero3" / "train.log").read_text()
+    assert "started from the weights of" in log and "model built partitioned" in log
 
 
 def torch_equal(a, b):
@@ -270,6 +423,9 @@ def compose_cfg(*overrides):
         (["engine=deepspeed", "engine.zero_stage=4"], 1, r"engine.zero_stage=4 is unknown; use 0, 1, 2 or 3"),
         (["engine=deepspeed", "engine.zero_stage=2", "engine.offload_optimizer=nvme"], 1,
          r"engine.offload_optimizer=nvme needs engine.nvme_path \(a directory on a local NVMe drive"),
+        (["engine=deepspeed", "engine.zero_stage=2", "engine.offload_optimizer=nvme", "engine.nvme_path=/nvme"], 1,
+         r"engine.offload_optimizer=nvme needs engine.zero_stage=3 \(DeepSpeed swaps optimizer states to NVMe at "
+         r"stage 3 only; at stage 2 it keeps them in host memory\)"),
         (["engine=deepspeed", "engine.zero_stage=2", "engine.offload_param=cpu"], 1,
          r"engine.offload_param=cpu needs engine.zero_stage=3 .*the run has engine.zero_stage=2"),
         (["engine=deepspeed", "engine.zero_stage=0", "engine.offload_optimizer=cpu"], 1,
@@ -283,7 +439,7 @@ def compose_cfg(*overrides):
         (["engine.zero_stage=3"], 1, r"engine.zero_stage=3 applies to engine=deepspeed only"),
         (["engine.name=colossal"], 1, r"engine='colossal' is unknown; use one of megatron, deepspeed"),
     ],
-    ids=["stage", "nvme-path", "param-offload-stage", "optimizer-offload-stage0", "offload-device", "pp",
+    ids=["stage", "nvme-path", "nvme-optimizer-stage", "param-offload-stage", "optimizer-offload-stage0", "offload-device", "pp",
          "distributed-optimizer", "async-save", "megatron-zero-stage", "engine"],
 )
 def test_bad_engine_configs_are_refused_naming_the_key(overrides, world, message):

@@ -245,6 +245,11 @@ def set_dex_anneal(model_chunks, dex_cfg, step: int, max_steps: int) -> float:
     return fraction
 
 
+def parameter_numel(p: torch.nn.Parameter) -> int:
+    """Elements of the whole parameter, also when DeepSpeed ZeRO-3 holds a partition of it (``ds_numel``)."""
+    return getattr(p, "ds_numel", p.numel())
+
+
 def count_parameters(model_chunks, exclude_embeddings: bool = False) -> int:
     """Parameters of this rank's chunks (shared embedding counted once)."""
     seen = set()
@@ -256,7 +261,7 @@ def count_parameters(model_chunks, exclude_embeddings: bool = False) -> int:
             seen.add(id(p))
             if exclude_embeddings and ("embedding" in name or "output_layer" in name):
                 continue
-            total += p.numel()
+            total += parameter_numel(p)
     return total
 
 

@@ -4,7 +4,9 @@ the ZeRO partitioning and offload, clipping and the optimizer step.
 
 - **Model**: ``models.gpt.build_model_chunk`` exactly as for engine=megatron (any attention kind), wrapped by
   ``deepspeed.initialize`` with megatron-core's parallel state as ``mpu``: ZeRO partitions over the data-parallel
-  group, and each TP rank keeps its shards.
+  group, and each TP rank keeps its shards. Under ZeRO-3 the model is built inside ``deepspeed.zero.Init``
+  (:func:`build_partitioned_chunk`): each module's parameters are drawn whole, exactly as without it, and
+  partitioned as soon as the module is built, so no rank ever holds the whole model.
 - **TP-replicated parameters** (DIFF's λ and sub-layer norm, ``vanilla_subln``'s norm, ``signed_mask``'s logits; under
   sequence parallelism also the norms): a hook on each sums its gradient over the TP group as autograd produces it,
   before DeepSpeed accumulates, reduces or partitions it. DeepSpeed's gradient norm counts a parameter that is not
@@ -34,7 +36,7 @@ import torch
 from diff_transformer import compat, distributed
 from diff_transformer.fileio import atomic_write_json
 from diff_transformer.models.attention import TP_REPLICATED_ATTR
-from diff_transformer.models.gpt import build_model_chunk
+from diff_transformer.models.gpt import build_model_chunk, parameter_numel
 from diff_transformer.training.checkpoint import (
     CheckpointManager,
     check_resumable,
@@ -200,6 +202,69 @@ class MegatronParallelState:
         return torch.distributed.get_process_group_ranks(self.ps.get_data_parallel_group())
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# ZeRO-3: the model built partitioned
+# ------------------------------------------------------------------------------------------------------------------
+def build_partitioned_chunk(cfg: Any, vocab_size: int, dtype: torch.dtype, ds_config: Dict[str, Any]):
+    """This rank's model chunk built under ``deepspeed.zero.Init``: every module draws its parameters whole, as
+    ``build_model_chunk`` does without it (megatron-core's CPU initialisation of each full weight, sliced for this
+    TP rank; the attention kinds' own parameters; the seeded layers), and DeepSpeed partitions them over the
+    data-parallel group as soon as that module's ``__init__`` returns. The largest transient is one module's
+    weights, not the model.
+
+    ``tensor_overrides=[]`` keeps DeepSpeed from creating tensors in its own dtype and on its own device during
+    construction: megatron-core draws each full weight in fp32 on the CPU (``_initialize_affine_weight_cpu``) from
+    the CPU generator, and drawing it in bf16 or on the GPU would give other initial weights."""
+    deepspeed = import_deepspeed()
+    from deepspeed.accelerator import get_accelerator
+    from megatron.core import parallel_state
+
+    # DeepSpeed's communication on the process group already started, as deepspeed.initialize would start it
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    with deepspeed.zero.Init(
+        data_parallel_group=parallel_state.get_data_parallel_group(), config_dict_or_path=ds_config,
+        mpu=MegatronParallelState(), tensor_overrides=[],
+    ):
+        chunk = build_model_chunk(cfg, vocab_size, dtype)
+    if torch.cuda.is_available():  # deepspeed.initialize moves no module built under zero.Init: its buffers too
+        device = torch.device("cuda", torch.cuda.current_device())
+        for module in chunk.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(device)
+    return chunk
+
+
+def full_shape(p: torch.nn.Parameter) -> torch.Size:
+    """A parameter's whole shape, also when ZeRO-3 holds only a partition of it (``param.shape`` is then empty)."""
+    return getattr(p, "ds_shape", p.shape)
+
+
+def resident_parameter_elements(chunk: torch.nn.Module) -> int:
+    """Parameter elements this process holds in memory: each ZeRO-3 parameter's partition (and anything gathered),
+    every other parameter whole."""
+    total = 0
+    for p in chunk.parameters():
+        total += p.data.numel()
+        partition = getattr(p, "ds_tensor", None)
+        if partition is not None:
+            total += partition.data.numel()
+    return total
+
+
+def param_groups(chunk: torch.nn.Module, optim: Any) -> List[Dict[str, Any]]:
+    """megatron-core's parameter groups (``_get_param_groups``: no weight decay on biases and 1-D weights), with
+    each parameter judged on its whole shape: megatron-core's own rule reads ``param.shape``, which a parameter
+    partitioned at construction (ZeRO-3) reports as empty and 1-D."""
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+    from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
+
+    config = OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay)
+    one_dimensional = ParamPredicate(name="param_len_1", fn=lambda p: len(full_shape(p)) == 1)
+    overrides = {ParamKey(name="*.bias", predicate=one_dimensional): {"wd_mult": 0.0}}
+    return _get_param_groups([chunk], config, overrides)
+
+
 def tp_summed_parameters(chunk: torch.nn.Module) -> List[torch.nn.Parameter]:
     """Trainable parameters replicated on TP ranks whose gradient covers only this rank's part of the computation:
     the attention kinds' replicated parameters (their heads are split) and, under sequence parallelism, the
@@ -237,28 +302,55 @@ class DeepSpeedTrainer(Trainer):
     # -- setup -------------------------------------------------------------------------------------------------------
     def _build_model(self):
         deepspeed = import_deepspeed()
-        from megatron.core.optimizer import OptimizerConfig, _get_param_groups
 
-        chunk = build_model_chunk(self.cfg, self.padded_vocab, self.dtype)
-        self._count_parameters([chunk])  # before ZeRO-3 partitions the parameters away
-        weights = self._decide_checkpoint()[1]
-        if weights:  # a new run from a checkpoint's weights: loaded whole, then DeepSpeed partitions them
-            if torch.cuda.is_available():  # loaded on the device, as engine=megatron does (NCCL moves no CPU tensor)
-                chunk.cuda(torch.cuda.current_device())
-            load_weights_into_chunk(chunk, weights)
-        self._tp_hooks = register_tp_gradient_sums(chunk)
-        o = self.cfg.optim
-        groups = _get_param_groups(
-            [chunk], OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay), None
-        )
         self.ds_config = deepspeed_config(self.cfg, self.dtype, self.dp_size)
         if self.rank == 0:
             atomic_write_json(os.path.join(self.run_dir, DEEPSPEED_CONFIG_FILE), self.ds_config)
+        zero3 = self.cfg.engine.zero_stage == 3
+        if zero3:
+            chunk = build_partitioned_chunk(self.cfg, self.padded_vocab, self.dtype, self.ds_config)
+        else:
+            chunk = build_model_chunk(self.cfg, self.padded_vocab, self.dtype)
+        self._count_parameters([chunk])
+        if zero3:
+            self._log_partitioned_construction(chunk)
+        weights = self._decide_checkpoint()[1]
+        if weights:  # a new run from a checkpoint's weights, loaded into the whole model (under ZeRO-3 gathered)
+            self._load_weights(chunk, weights, zero3)
+        self._tp_hooks = register_tp_gradient_sums(chunk)
+        groups = param_groups(chunk, self.cfg.optim)
         self.engine, optimizer, _, _ = deepspeed.initialize(
             model=chunk, model_parameters=groups, config=self.ds_config, mpu=MegatronParallelState()
         )
         self._ds_optimizer = optimizer
         return chunk
+
+    def _log_partitioned_construction(self, chunk) -> None:
+        """What this rank holds after building the model partitioned (collective over all ranks)."""
+        from megatron.core import parallel_state
+
+        held = resident_parameter_elements(chunk)
+        whole = sum(parameter_numel(p) for p in chunk.parameters())
+        most, = distributed.all_reduce_values([held], op="max")
+        if self.rank == 0:
+            logger.info(
+                "ZeRO-3: model built partitioned over %d data-parallel ranks; after construction a rank holds at most "
+                "%s of the %s parameter elements of its model chunk",
+                parallel_state.get_data_parallel_world_size(), f"{int(most):,}", f"{whole:,}",
+            )
+
+    def _load_weights(self, chunk, weights: str, zero3: bool) -> None:
+        """Checkpoint ``weights`` into ``chunk`` before DeepSpeed wraps it. Under ZeRO-3 the parameters are gathered
+        whole for the load (every rank reads the same checkpoint; rank 0's values are kept) and partitioned again."""
+        if not zero3:
+            if torch.cuda.is_available():  # loaded on the device, as engine=megatron does (NCCL moves no CPU tensor)
+                chunk.cuda(torch.cuda.current_device())
+            load_weights_into_chunk(chunk, weights)
+            return
+        from deepspeed.runtime.zero import GatheredParameters
+
+        with GatheredParameters(list(chunk.parameters()), modifier_rank=0):
+            load_weights_into_chunk(chunk, weights)
 
     def _build_optimizer(self):
         return self._ds_optimizer, self._lr_scheduler(self._ds_optimizer)
@@ -419,6 +511,7 @@ class DeepSpeedCheckpointManager(CheckpointManager):
         )
         if loaded is None:
             raise ValueError(f"DeepSpeed found no checkpoint to load in {path}")
+        compat.restore_nvme_optimizer_memory_state(self.trainer.engine, root, tag)
         self.trainer.scheduler.load_state_dict(client_state["opt_param_scheduler"])
         set_rng_state(torch.load(os.path.join(path, RNG_FILE.format(rank=self.rank)), weights_only=False))
         distributed.barrier()

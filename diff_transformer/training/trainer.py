@@ -33,6 +33,7 @@ from diff_transformer.models.gpt import (
     fusions_enabled,
     gradient_accumulation_fusion_available,
     lambda_values,
+    parameter_numel,
     resolve_precision,
     set_dex_anneal,
     v2_baseline,
@@ -287,7 +288,7 @@ class Trainer:
         # parameters that are not split over TP ranks (norm weights, λ, the other kinds' small parameters) are
         # replicated on every rank: count them once
         replicated = sum(
-            p.numel() for p in chunks[0].parameters() if not getattr(p, "tensor_model_parallel", False)
+            parameter_numel(p) for p in chunks[0].parameters() if not getattr(p, "tensor_model_parallel", False)
         )
         (replicated,) = distributed.all_reduce_values(
             [replicated], group=parallel_state.get_pipeline_model_parallel_group()
