@@ -42,6 +42,7 @@ import numpy as np
 from data import indexed, readers
 from data.locking import file_lock
 from data.tokenizer import Tokenizer, file_sha256, load_tokenizer
+from diff_transformer.cli import ArgumentParser, run
 from diff_transformer.fileio import atomic_write_json
 
 MANIFEST_VERSION = 1
@@ -787,16 +788,19 @@ def _build_manifest(files, units, ordered_stats, hashes, tokenizer, options, out
 
 
 def summary(manifest: dict) -> str:
+    """One line: what was written, how fast, what was skipped, and every file whose rest could not be read."""
     totals = manifest["totals"]
     skipped = ", ".join(f"{reason} {count}" for reason, count in totals["skipped"].items()) or "none"
     seconds = manifest["run"]["seconds"]
     return (f"{manifest['prefix']}: {totals['documents']} documents, {totals['tokens']} tokens from "
             f"{len(manifest['inputs'])} files in {seconds:.1f} s ({totals['tokens'] / max(seconds, 1e-9):.3g} tok/s; "
-            f"{manifest['run']['reused_parts']} of {manifest['run']['parts']} parts reused); skipped records: {skipped}")
+            f"{manifest['run']['reused_parts']} of {manifest['run']['parts']} parts reused); skipped records: {skipped}"
+            + "".join(f"; {error if i['path'] in error else i['path'] + ': ' + error}"
+                      for i in manifest["inputs"] for error in i.get("errors", [])))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m data.preprocess", description=__doc__,
+    parser = ArgumentParser(prog="python -m data.preprocess", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", required=True, help="files, globs or directories")
     parser.add_argument("--tokenizer", required=True, help="tokenizer directory or model file")
@@ -824,4 +828,4 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))
