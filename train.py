@@ -19,7 +19,9 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from diff_transformer.cli import EXIT_FAILURE, EXIT_REFUSED, EXIT_STOPPED_RESUMABLE, USER_ERRORS, print_error
-from diff_transformer.config import config_error_message, register_configs, resolve_launch_paths, to_object, validate
+from diff_transformer.config import (
+    config_error_message, register_configs, resolve_launch_paths, to_object, validate, validate_settings,
+)
 from diff_transformer.training.run_directory import check_start
 
 register_configs()
@@ -42,23 +44,26 @@ def main(dict_cfg: DictConfig) -> None:
         cfg = to_object(dict_cfg)  # unknown keys, also those added with +, fail here
         resolve_launch_paths(cfg, os.getcwd())  # relative data/checkpoint paths: from where the user launched
         run_dir = HydraConfig.get().runtime.output_dir
+        validate_settings(cfg)  # what needs neither torch nor the world size
         check_start(cfg, run_dir)  # a fresh start where a run is: refused before torch is even imported
     except ValueError as err:
         refuse(err)
     from diff_transformer.distributed import destroy_distributed, set_torch_env_from_slurm, world_size_from_env
-    from diff_transformer.training.checkpoint import CheckpointSaveFailed
-    from diff_transformer.training.engines import create_trainer
-    from diff_transformer.training.failures import TrainingDiverged
 
     trainer = None
     try:
         set_torch_env_from_slurm()  # processes srun starts directly (one per GPU, e.g. Hydra's submitit launcher)
         validate(cfg, world_size_from_env())  # before any process group starts or data is touched
+        from diff_transformer.training.engines import create_trainer
+
         trainer = create_trainer(cfg, run_dir)
         trainer.setup()
     except USER_ERRORS as err:  # bad configuration, data or checkpoint: one clear line
         destroy_distributed()
         refuse(err)
+    from diff_transformer.training.checkpoint import CheckpointSaveFailed
+    from diff_transformer.training.failures import TrainingDiverged
+
     try:
         trainer.fit()
     except (TrainingDiverged, CheckpointSaveFailed) as err:  # said in full by rank 0 (a checkpoint is on disk)

@@ -23,6 +23,11 @@ from diff_transformer.training.checkpoint_files import describe, format_bytes, r
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """The command's exit status; a user error is one ``error:`` line and 2."""
+    return run(_command, argv)
+
+
+def _command(argv: Optional[List[str]]) -> int:
     parser = ArgumentParser(prog="python -m diff_transformer.checkpoint", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_inspect = sub.add_parser("inspect", help="verify the files; print step, layout, config and sizes")
@@ -118,4 +123,4 @@ def _print_description(info) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run(main))
+    sys.exit(main())

@@ -313,11 +313,42 @@ def _divisors(n: int) -> str:
     return ", ".join(str(i) for i in range(1, n + 1) if n % i == 0)
 
 
-def validate(cfg: Any, world_size: int) -> None:
-    """Raise ValueError naming the first invalid value. Cheap: runs before any process group starts."""
-    m, p, t, o = cfg.model, cfg.parallel, cfg.trainer, cfg.optim
+def validate_settings(cfg: Any) -> None:
+    """The values whose check needs neither the attention kinds (megatron-core) nor the world size: checked first,
+    also by train.py before it imports torch."""
+    p, t, o = cfg.parallel, cfg.trainer, cfg.optim
     validate_checkpoint_config(cfg.checkpoint)
     validate_failure_config(cfg.failures)
+    if t.max_steps < 1:
+        raise ValueError(f"trainer.max_steps={t.max_steps} must be at least 1")
+    if t.precision not in PRECISIONS:
+        raise ValueError(f"trainer.precision={t.precision!r} is unknown; use one of {', '.join(PRECISIONS)}")
+    if t.attention_diagnostics not in ATTENTION_DIAGNOSTICS_MODES:
+        raise ValueError(f"trainer.attention_diagnostics={t.attention_diagnostics!r} is unknown; use one of "
+                         f"{', '.join(ATTENTION_DIAGNOSTICS_MODES)}")
+    if t.gpu_memory_gib is not None and t.gpu_memory_gib <= 0:
+        raise ValueError(f"trainer.gpu_memory_gib={t.gpu_memory_gib} must be positive (or null: the GPU's memory)")
+    if o.decay not in DECAYS:
+        raise ValueError(f"optim.decay={o.decay!r} is unknown; use one of {', '.join(DECAYS)}")
+    if not (o.lr > 0 and 0 <= o.min_lr <= o.lr):
+        raise ValueError(f"optim.lr={o.lr} must be positive and optim.min_lr={o.min_lr} within [0, lr]")
+    if o.warmup_steps < 0 or o.warmup_steps >= t.max_steps:
+        raise ValueError(
+            f"optim.warmup_steps={o.warmup_steps} must lie in [0, trainer.max_steps={t.max_steps}) so that the "
+            "learning rate has steps left to decay"
+        )
+    if p.backend not in ("auto", "nccl", "gloo"):
+        raise ValueError(f"parallel.backend={p.backend!r} is unknown; use auto, nccl or gloo")
+    if cfg.logging.wandb.mode not in WANDB_MODES:
+        raise ValueError(
+            f"logging.wandb.mode={cfg.logging.wandb.mode!r} is unknown; use one of {', '.join(WANDB_MODES)}"
+        )
+
+
+def validate(cfg: Any, world_size: int) -> None:
+    """Raise ValueError naming the first invalid value. Cheap: runs before any process group starts."""
+    m, p, t = cfg.model, cfg.parallel, cfg.trainer
+    validate_settings(cfg)
     # the attention kinds are megatron-core ModuleSpecs: imported here, after the checks that need none of them
     from diff_transformer.models.attention import BACKENDS
     from diff_transformer.models.layer_specs import ATTENTION_KINDS, num_kv_heads
@@ -374,32 +405,8 @@ def validate(cfg: Any, world_size: int) -> None:
             f"trainer.global_batch_size={t.global_batch_size} is not divisible by trainer.micro_batch_size="
             f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}"
         )
-    if t.max_steps < 1:
-        raise ValueError(f"trainer.max_steps={t.max_steps} must be at least 1")
-    if t.precision not in PRECISIONS:
-        raise ValueError(f"trainer.precision={t.precision!r} is unknown; use one of {', '.join(PRECISIONS)}")
     validate_recompute(t, m.num_layers // p.pp)
-    if t.attention_diagnostics not in ATTENTION_DIAGNOSTICS_MODES:
-        raise ValueError(f"trainer.attention_diagnostics={t.attention_diagnostics!r} is unknown; use one of "
-                         f"{', '.join(ATTENTION_DIAGNOSTICS_MODES)}")
-    if t.gpu_memory_gib is not None and t.gpu_memory_gib <= 0:
-        raise ValueError(f"trainer.gpu_memory_gib={t.gpu_memory_gib} must be positive (or null: the GPU's memory)")
     validate_parallel_switches(p, m.seq_length, dp)
-    if o.decay not in DECAYS:
-        raise ValueError(f"optim.decay={o.decay!r} is unknown; use one of {', '.join(DECAYS)}")
-    if not (o.lr > 0 and 0 <= o.min_lr <= o.lr):
-        raise ValueError(f"optim.lr={o.lr} must be positive and optim.min_lr={o.min_lr} within [0, lr]")
-    if o.warmup_steps < 0 or o.warmup_steps >= t.max_steps:
-        raise ValueError(
-            f"optim.warmup_steps={o.warmup_steps} must lie in [0, trainer.max_steps={t.max_steps}) so that the "
-            "learning rate has steps left to decay"
-        )
-    if p.backend not in ("auto", "nccl", "gloo"):
-        raise ValueError(f"parallel.backend={p.backend!r} is unknown; use auto, nccl or gloo")
-    if cfg.logging.wandb.mode not in WANDB_MODES:
-        raise ValueError(
-            f"logging.wandb.mode={cfg.logging.wandb.mode!r} is unknown; use one of {', '.join(WANDB_MODES)}"
-        )
 
 
 def validate_attention_kind(m: ModelConfig) -> None:

@@ -48,7 +48,8 @@ ALLOWED = {
     "diff_transformer.checkpoint": ("diff_transformer.training", "diff_transformer.cli"),
     "diff_transformer.compare": ("diff_transformer.analysis", "diff_transformer.cli"),
     "diff_transformer.quickstart": ("diff_transformer.analysis", "diff_transformer.fileio"),
-    "diff_transformer.export": ("diff_transformer.hf", "diff_transformer.cli"),
+    # export refuses a path that is no checkpoint before it imports torch: the torch-free checkpoint layout
+    "diff_transformer.export": ("diff_transformer.hf", "diff_transformer.training.checkpoint_files", "diff_transformer.cli"),
     "diff_transformer.import_hf": ("diff_transformer.hf", "diff_transformer.cli"),
     "diff_transformer.evaluate": ("diff_transformer.evaluation", "diff_transformer.distributed", "diff_transformer.cli"),
     "diff_transformer.analyze": ("diff_transformer.evaluation", "diff_transformer.distributed",

@@ -26,6 +26,7 @@ import errno
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 import time
@@ -33,6 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from diff_transformer import compat
 from diff_transformer.config import CheckpointConfig
@@ -79,7 +81,14 @@ MODEL_KEYS_FREE_TO_CHANGE = ("attention_backend",)
 # ... and those a run that starts from a checkpoint's weights may change too: same tensors, another context or label.
 WEIGHTS_KEYS_FREE_TO_CHANGE = MODEL_KEYS_FREE_TO_CHANGE + ("name", "seq_length", "init_std")
 # Errors a damaged checkpoint raises from inside megatron-core's or DeepSpeed's readers.
-_READ_ERRORS = (OSError, EOFError, RuntimeError, KeyError, ValueError, AttributeError, __import__("pickle").UnpicklingError)
+_READ_ERRORS = (
+    OSError, EOFError, RuntimeError, KeyError, ValueError, AttributeError, pickle.UnpicklingError, CheckpointException,
+)
+
+
+# What a failed write raises: any Exception, and torch's CheckpointException, a BaseException, for a write that failed
+# on some rank (megatron-core's finalisation raises it on every rank).
+_WRITE_FAILURES = (Exception, CheckpointException)
 
 
 class CheckpointDamaged(ValueError):
@@ -632,7 +641,7 @@ class CheckpointManager:
         barrier()
         try:
             request = self._write(tmp)
-        except Exception as err:  # noqa: BLE001 - a failed write: clean up, then report or re-raise
+        except _WRITE_FAILURES as err:  # clean up, then report (a full disk) or re-raise
             self._abandon(err, step, tmp)
         meta = trainer_state(self.trainer)
 
@@ -703,8 +712,6 @@ class CheckpointManager:
     def _failure(self, err: BaseException, step: int, tmp: str) -> Optional[Tuple[str, bool]]:
         """(message, disk full) of a failed write after removing its temporary directory (rank 0's message names
         the sizes and the choices); None when ``err`` is no write failure (a bug: re-raise it)."""
-        from torch.distributed.checkpoint.api import CheckpointException
-
         disk_full = is_disk_full(err)
         if not (disk_full or isinstance(err, (OSError, CheckpointException)) or "CheckpointingException" in type(err).__name__):
             return None
@@ -772,7 +779,7 @@ class CheckpointManager:
         except CheckpointSaveFailed:
             self._pending = None
             raise
-        except Exception as err:  # noqa: BLE001 - the background write failed: clean up, then report or re-raise
+        except _WRITE_FAILURES as err:  # the background write failed: clean up, then report or re-raise
             self._pending = None
             self._abandon(err, *self._pending_save)
         if blocking or self._pending.get_num_unfinalized_calls() == 0:
