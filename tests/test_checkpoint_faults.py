@@ -102,6 +102,19 @@ def test_overwrite_run_moves_the_old_run_aside(uninterrupted):
     assert "overwrite_run=true: moved the old run" in (uninterrupted / "train.log").read_text()
 
 
+def test_a_refused_resume_changes_nothing_in_the_run_directory(uninterrupted, tmp_path):
+    """A resume refused after the model is built (another model config) leaves config.yaml and train.log as they were."""
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    proc = subprocess.run(train_command(run, RUN + ["model.ffn_hidden_size=128"]), cwd=REPO, env=train_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    error = one_error_line(proc)
+    assert "was saved with a different model config; differing keys: model.ffn_hidden_size: checkpoint 176, config 128" in error
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+
+
 def test_damaged_checkpoints_are_skipped_for_the_newest_that_verifies(uninterrupted, tmp_path):
     """The newest three checkpoints damaged three ways; the oldest saved before manifests existed. The run falls
     back to the oldest (loaded with a warning that it is unverified), keeps the damaged ones aside, and retraces the
