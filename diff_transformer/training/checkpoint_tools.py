@@ -23,6 +23,7 @@ from diff_transformer.models.gpt import build_model_chunk, resolve_precision, se
 from diff_transformer.training.checkpoint import (
     FORMAT_VERSION,
     read_trainer_state,
+    reading_checkpoint,
     require_verified,
     resolve_checkpoint_path,
     saved_engine,
@@ -50,7 +51,6 @@ def load_single_rank_model(path: str, dtype: Optional[torch.dtype] = None):
     precision on a GPU, fp32 on a CPU."""
     from megatron.core import dist_checkpointing
 
-    require_verified(path)
     cfg, state = saved_config(path)
     cfg.parallel.tp, cfg.parallel.pp = 1, 1
     if dtype is None:
@@ -68,13 +68,15 @@ def load_single_rank_model(path: str, dtype: Optional[torch.dtype] = None):
 def load_single_rank_weights(chunk: torch.nn.Module, path: str, cfg: Config, state: Dict[str, Any]) -> None:
     """The weights of torch_dist checkpoint ``path`` (any saved TP/PP; trainer state ``state``) into ``chunk``, a
     TP=1/PP=1 model built from its config ``cfg``, as the run computed at that step: DEX's λ annealing is set to the
-    checkpoint's step. A DeepSpeed checkpoint is refused, naming the conversion."""
+    checkpoint's step. The checkpoint is verified first; a DeepSpeed checkpoint is refused, naming the conversion."""
     if saved_engine(state) == "deepspeed":
         raise ValueError(
             f"checkpoint {path} was saved by engine=deepspeed; convert it to torch_dist first "
             f"(python -m diff_transformer.checkpoint convert {path} OUT --to torch_dist) and give OUT"
         )
-    load_torch_dist_weights(chunk, path)
+    require_verified(path)
+    with reading_checkpoint(path):
+        load_torch_dist_weights(chunk, path)
     if cfg.model.attention == "dex":
         set_dex_anneal([chunk], cfg.model.dex, state["step"], cfg.trainer.max_steps)
 

@@ -390,7 +390,7 @@ class Trainer:
                     )
                     ensure_free_space(self.checkpoint_root, needed, c.keep_last)
                 decision[:2] = resume, weights
-            except ValueError as err:
+            except (ValueError, OSError) as err:  # every rank must hear of it, or the others wait forever
                 decision[2] = str(err)
         resume, weights, error = distributed.broadcast_object(decision, src=0)
         if error:
