@@ -46,6 +46,7 @@ from diff_transformer.training.checkpoint_files import (  # noqa: F401  (the lay
     FORMAT_WITH_MANIFEST,
     LATEST_FILE,
     MANIFEST_FILE,
+    RANK_RECORD_PREFIX,
     STATE_FILE,
     Verification,
     apply_retention,
@@ -758,7 +759,7 @@ class CheckpointManager:
         barrier()
         world = torch.distributed.get_world_size()
         names = sorted(
-            os.path.join(d, f) for d, _, files in os.walk(tmp) for f in files if not f.startswith(".files.rank")
+            os.path.join(d, f) for d, _, files in os.walk(tmp) for f in files if not f.startswith(RANK_RECORD_PREFIX)
         )
         write_rank_record(tmp, self.rank, names[self.rank::world], self.config.verify)
 

@@ -38,8 +38,8 @@ MANIFEST_VERSION = 1
 # trainer_state.json's format: 2 and later are committed with a manifest (a checkpoint of format 1 predates it)
 FORMAT_WITH_MANIFEST = 2
 DAMAGED_SUFFIX = ".damaged"
-_RANK_RECORD = ".files.rank{rank:05d}.json"
-_RANK_RECORD_PATTERN = re.compile(r"^\.files\.rank\d+\.json$")
+RANK_RECORD_PREFIX = ".files.rank"  # a rank's record of the files it wrote (and its temporary file while written)
+_RANK_RECORD = RANK_RECORD_PREFIX + "{rank:05d}.json"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _CHUNK_BYTES = 8 << 20
 
@@ -262,14 +262,13 @@ def write_manifest(directory: str, checksums: bool = True) -> Dict[str, object]:
     """Merge the ranks' records, record every file they did not (this rank's own, trainer_state.json), write
     ``manifest.json`` and drop the records. Call last, once every file of the checkpoint is written."""
     files: Dict[str, Dict[str, object]] = {}
-    records = [p for p in _walk_files(directory) if _RANK_RECORD_PATTERN.match(os.path.basename(p))]
+    records = [p for p in _walk_files(directory) if os.path.basename(p).startswith(RANK_RECORD_PREFIX)]
     for record in records:
         with open(record) as f:
             files.update(json.load(f))
     rest = [
         p for p in _walk_files(directory)
-        if p not in records and os.path.relpath(p, directory) not in files
-        and os.path.basename(p) != MANIFEST_FILE and ".tmp." not in os.path.basename(p)
+        if p not in records and os.path.relpath(p, directory) not in files and os.path.basename(p) != MANIFEST_FILE
     ]
     files.update(record_files(rest, directory, checksums))
     manifest = {
