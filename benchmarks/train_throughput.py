@@ -1,11 +1,19 @@
-"""Training throughput of DIFF vs its mirrored baseline, and TP=2 vs TP=1 step time, in one run.
+"""Training throughput of DIFF against its mirrored baseline, each at its best (model.attention_backend=auto,
+trainer.fusions on a GPU), with where each step's time goes.
 
-    python benchmarks/train_throughput.py [--model tiny] [--steps 60] [--tp 1 2] [--out benchmarks/results]
-    python benchmarks/train_throughput.py --model 830m --tp 1 --kinds diff:sdpa diff:triton vanilla:sdpa   # GPU
+    python benchmarks/train_throughput.py [--model tiny] [--steps 12] [--micro-batches 8] [--tp 1]
+    python benchmarks/train_throughput.py --model 830m --micro-batch-size 4 --seq-length 2048          # one GPU
+    python benchmarks/train_throughput.py --model 3b --micro-batch-size 1 --seq-length 4096 --fit-gib 80
 
 Each configuration is a real ``train.py`` run (megatron-core schedules, DDP, optimizer; no validation, no
-checkpoints); the figure is the median over steps after the first 20% (warm-up). Ratios are only meaningful between
-rows of the same run on the same machine. Writes ``<out>/train_throughput_<machine>_<date>.md``.
+checkpoints) whose steps hold ``--micro-batches`` micro-batches (at least 8, so that per-step fixed costs weigh as
+in real training: the paper's recipe has 32 at micro-batch 4 on one GPU). Per run: the median step time after the
+warm-up (the first 20% of steps, at least 2) without the profiled step, tokens/s, MFU, the peak memory next to the
+memory plan's estimate, the attention backend ``auto`` chose (and its timings), the kernel torch's SDPA dispatcher
+picks for each attention call, and one step's time by kind of work (``trainer.profile_step``: GEMM, attention, DIFF
+epilogue, norms, other elementwise, optimizer, communication, idle). ``--fit-gib`` picks the cheapest
+``trainer.recompute`` (none, selective, full) whose memory plan fits that many GiB. Ratios are only meaningful
+between rows of the same run on the same machine. Writes ``<out>/train_throughput_<machine>_<date>.md``.
 """
 
 from __future__ import annotations
@@ -30,103 +38,215 @@ from benchmarks.reports import machine_name, write_report  # noqa: E402
 
 from tests.train_runs import free_port  # noqa: E402
 
+CATEGORIES = ("GEMM", "attention", "DIFF epilogue", "norms", "other elementwise", "optimizer", "communication", "idle")
 
-def run(model: str, kind: str, tp: int, steps: int, run_dir: Path, extra, backend: str | None = None) -> dict:
-    overrides = [
-        f"model={model}", f"model.attention={kind}", f"parallel.tp={tp}", f"trainer.max_steps={steps}",
-        *([f"model.attention_backend={backend}"] if backend else []),
-        "trainer.eval_interval=0", "trainer.log_interval=1000000", f"optim.warmup_steps={max(1, steps // 10)}",
-        "trainer.micro_batch_size=8", "trainer.global_batch_size=16", "logging.wandb.mode=disabled",
-        "checkpoint.interval=0", "checkpoint.save_at_end=false", f"hydra.run.dir={run_dir}", *extra,
-    ]
+
+def compose(overrides):
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from diff_transformer.config import register_configs, to_object
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        return to_object(hydra_compose("config", overrides=list(overrides)))
+
+
+def fitting_recompute(overrides, world: int, budget_gib: float) -> tuple[str, float]:
+    """The cheapest trainer.recompute whose memory plan fits ``budget_gib`` (90% usable, as train.py checks), and its
+    estimate; ``full`` when none does (train.py then refuses, naming what would fit)."""
+    from diff_transformer.config import padded_vocab_size
+    from diff_transformer.training.accounting import USABLE_MEMORY_FRACTION, estimate_memory_per_gpu
+
+    estimate = 0.0
+    for mode in ("none", "selective", "full"):
+        cfg = compose(overrides + [f"trainer.recompute={mode}"])
+        vocab = padded_vocab_size(cfg.model.vocab_size or 4096, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp)
+        estimate = estimate_memory_per_gpu(cfg, torch.bfloat16, world, vocab, "cuda")["total"]
+        if estimate <= USABLE_MEMORY_FRACTION * budget_gib:
+            return mode, estimate
+    return "full", estimate
+
+
+def sdpa_kernels(overrides) -> list[str]:
+    """The kernel torch's SDPA dispatcher picks for each attention call of one layer of this configuration (its
+    sdpa backend, this machine, the run's dtype and per-rank shape)."""
+    from diff_transformer.compat import apply_cpu_patches
+    from diff_transformer.models.attention.base import record_sdpa_kernels
+    from diff_transformer.models.gpt import epilogue_impl, resolve_precision
+    from diff_transformer.training.backend_choice import core_attention_problem
+
+    apply_cpu_patches()
+    cfg = compose(overrides)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    module, (q, k, v), bias = core_attention_problem(cfg, "sdpa", resolve_precision("auto"), epilogue_impl(cfg), device)
+    with record_sdpa_kernels() as calls:
+        module(q, k, v, None, attention_bias=bias)
+    del module, q, k, v
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return calls
+
+
+def run(overrides, tp: int, run_dir: Path) -> dict:
     if tp == 1:
-        cmd = [sys.executable, str(REPO / "train.py"), *overrides]
+        cmd = [sys.executable, str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp}",
-               f"--master_port={free_port()}", str(REPO / "train.py"), *overrides]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp}", f"--master_port={free_port()}",
+               str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:  # report it and go on with the next configuration: one failure hides no other result
         print(f"train.py failed with exit {proc.returncode} ({' '.join(overrides)}):\n{proc.stdout[-3000:]}\n"
               f"{proc.stderr[-6000:]}", flush=True)
-        return {"model": model, "attention": kind, "backend": backend or "default", "tp": tp,
-                "failed": f"exit {proc.returncode}"}
+        return {"failed": f"exit {proc.returncode}"}
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    kept = records[len(records) // 5:]
+    info = json.loads((run_dir / "run.json").read_text())
+    profiles = sorted(run_dir.glob("profile_step_*.json"))
+    profile = json.loads(profiles[0].read_text()) if profiles else None
+    warmup = max(2, len(records) // 5)
+    kept = [r for r in records[warmup:] if profile is None or r["step"] != profile["step"]] or records[-1:]
     step_time = statistics.median(r["step_time"] for r in kept)
     mfu = [r["mfu"] for r in kept if r.get("mfu") is not None]
-    return {"model": model, "attention": kind, "backend": backend or "default", "tp": tp, "step_time_s": step_time,
-            "tokens_per_s": records[0]["tokens_per_s"] * records[0]["step_time"] / step_time,
-            "mfu": statistics.median(mfu) if mfu else None,
-            "memory_gib": max(r.get("memory_gib") or 0.0 for r in records),
-            "first_loss": records[0]["loss"], "last_loss": records[-1]["loss"]}
+    choice_path = run_dir / "attention_backend.json"
+    return {
+        "step_time_s": step_time, "tokens_per_s": info["tokens_per_step"] / step_time,
+        "mfu": statistics.median(mfu) if mfu else None,
+        "memory_gib": max(r.get("memory_gib") or 0.0 for r in records),
+        "estimate_gib": info.get("memory_estimate_gib"), "backend": info.get("attention_backend"),
+        "choice": json.loads(choice_path.read_text()) if choice_path.exists() else None,
+        "first_loss": records[0]["loss"], "last_loss": records[-1]["loss"], "profile": profile,
+    }
 
 
 def _percent(value) -> str:
     return "" if value is None else f"{100 * value:.1f}%"
 
 
+def profile_table(rows) -> list[str]:
+    profiled = [r for r in rows if r.get("profile")]
+    if not profiled:
+        return []
+    head = " | ".join(f"{r['label']} ms | %" for r in profiled)
+    lines = [
+        f"One step by kind of work (torch.profiler; {'kernel time' if profiled[0]['profile']['device'] == 'cuda' else 'operators’ own CPU time'}, "
+        "idle = the step's wall time left over):", "",
+        f"| kind of work | {head} |", "|---|" + "---|---|" * len(profiled),
+    ]
+    for kind in CATEGORIES:
+        cells = []
+        for r in profiled:
+            p = r["profile"]
+            seconds = p["seconds"].get(kind, 0.0)
+            cells.append(f"{seconds * 1e3:.1f} | {100 * seconds / p['step_time_s']:.1f}%")
+        lines.append(f"| {kind} | {' | '.join(cells)} |")
+    steps = " | ".join(f"{r['profile']['step_time_s'] * 1e3:.1f} | 100%" for r in profiled)
+    lines.append(f"| step (profiled) | {steps} |")
+    lines += ["", "Largest items of the profiled step:", ""]
+    for r in profiled:
+        top = ", ".join(f"{t['name'][:60]} ({t['kind']}, {t['seconds'] * 1e3:.2f} ms)" for t in r["profile"]["top"][:8])
+        lines.append(f"- {r['label']}: {top}")
+    return lines + [""]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step and data-parallel rank")
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--seq-length", type=int, default=None)
+    parser.add_argument("--tp", type=int, nargs="+", default=[1])
     parser.add_argument("--kinds", nargs="+", default=["diff", "vanilla"], metavar="KIND[:BACKEND]",
-                        help="attention kinds, each optionally with its backend (diff:triton)")
+                        help="attention kinds, each optionally with its backend (default auto: diff:triton, diff:sdpa)")
+    parser.add_argument("--fit-gib", type=float, default=None,
+                        help="pick the cheapest trainer.recompute whose memory plan fits this many GiB per GPU")
+    parser.add_argument("--profile-step", type=int, default=None, help="step to profile (default: the last but one)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
     args = parser.parse_args()
+    if args.micro_batches < 8:
+        print(f"note: --micro-batches={args.micro_batches}: below 8, per-step fixed costs weigh more than in training")
 
+    profile_step = args.profile_step or max(1, args.steps - 1)
     rows = []
-    kinds = [tuple(k.split(":", 1)) if ":" in k else (k, None) for k in args.kinds]
     with tempfile.TemporaryDirectory() as tmp:
         for tp in args.tp:
-            for kind, backend in kinds:
-                run_dir = Path(tmp) / f"{kind}-{backend}-tp{tp}"
-                rows.append(run(args.model, kind, tp, args.steps, run_dir, args.overrides, backend))
+            for spec in args.kinds:
+                kind, _, backend = spec.partition(":")
+                overrides = [
+                    f"model={args.model}", f"model.attention={kind}", f"parallel.tp={tp}",
+                    f"trainer.max_steps={args.steps}", f"trainer.micro_batch_size={args.micro_batch_size}",
+                    f"trainer.global_batch_size={args.micro_batch_size * args.micro_batches}",
+                    *([f"model.seq_length={args.seq_length}"] if args.seq_length else []),
+                    *([f"model.attention_backend={backend}"] if backend else []),
+                    "trainer.eval_interval=0", "trainer.log_interval=1000000", f"optim.warmup_steps={max(1, args.steps // 10)}",
+                    f"trainer.profile_step={profile_step}", "logging.wandb.mode=disabled", "checkpoint.interval=0",
+                    "checkpoint.save_at_end=false", "checkpoint.check_free_space=false", *args.overrides,
+                ]
+                recompute = None
+                if args.fit_gib:
+                    recompute, estimate = fitting_recompute(overrides, tp, args.fit_gib)
+                    overrides.append(f"trainer.recompute={recompute}")
+                    print(f"{kind}: trainer.recompute={recompute} fits {args.fit_gib:g} GiB (plan {estimate:.1f} GiB)")
+                try:
+                    kernels = sdpa_kernels(overrides)
+                except Exception as err:  # the attention kinds without an sdpa path (none today), or no memory left
+                    kernels = [f"not measured: {type(err).__name__}: {err}"]
+                print(f"{kind}: SDPA kernels per layer: {kernels}", flush=True)
+                result = run(overrides, tp, Path(tmp) / f"{kind}-{backend or 'auto'}-tp{tp}")
+                label = f"{kind} ({result.get('backend') or backend or 'auto'})"
+                rows.append({"kind": kind, "label": label, "tp": tp, "recompute": recompute, "kernels": kernels, **result})
                 r = rows[-1]
                 if "failed" in r:
-                    print(f"{r['attention']:>8} {r['backend']:>8} tp={tp}: FAILED ({r['failed']})", flush=True)
+                    print(f"{label} tp={tp}: FAILED ({r['failed']})", flush=True)
                     continue
                 mfu = f"  MFU {_percent(r['mfu'])}" if r["mfu"] is not None else ""
-                print(f"{r['attention']:>8} {r['backend']:>8} tp={tp}: {r['step_time_s'] * 1e3:8.1f} ms/step  "
-                      f"{r['tokens_per_s']:10,.0f} tok/s{mfu}  peak {r['memory_gib']:.2f} GiB  "
+                print(f"{label} tp={tp}: {r['step_time_s'] * 1e3:8.1f} ms/step  {r['tokens_per_s']:10,.0f} tok/s{mfu}  "
+                      f"peak {r['memory_gib']:.2f} GiB (plan {r['estimate_gib']:.2f})  "
                       f"loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}", flush=True)
 
     failed = [r for r in rows if "failed" in r]
     rows = [r for r in rows if "failed" not in r]
-    by = {}
-    for r in rows:  # the first backend of each kind stands for it in the ratios
-        by.setdefault((r["attention"], r["tp"]), r)
+    seq = args.seq_length or compose([f"model={args.model}"]).model.seq_length
+    command = " ".join([f"python benchmarks/train_throughput.py --model {args.model} --steps {args.steps}",
+                        f"--micro-batches {args.micro_batches} --micro-batch-size {args.micro_batch_size}",
+                        *([f"--seq-length {args.seq_length}"] if args.seq_length else []),
+                        f"--tp {' '.join(map(str, args.tp))} --kinds {' '.join(args.kinds)}",
+                        *([f"--fit-gib {args.fit_gib:g}"] if args.fit_gib else []), *args.overrides])
     lines = [
-        f"# Training throughput, `{args.model}` model, {machine_name()}, {datetime.date.today()}",
+        f"# Training throughput, `{args.model}` at sequence {seq}, {machine_name()}, {datetime.date.today()}",
         "",
-        f"Command: `python benchmarks/train_throughput.py {' '.join(args.overrides) + ' ' if args.overrides else ''}"
-        f"--model {args.model} --steps {args.steps} --tp {' '.join(map(str, args.tp))} --kinds {' '.join(args.kinds)}` "
-        f"(micro-batch 8 and global batch 16 unless overridden; fp32 on CPU, bf16 on GPU; median step "
-        f"time after the first 20% of steps). Machine: {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, torch {torch.__version__}.",
+        f"Command: `{command}` ({args.micro_batches} micro-batches of {args.micro_batch_size} per step and "
+        f"data-parallel rank; bf16 on a GPU, fp32 on a CPU; median step time after the warm-up, without the profiled "
+        f"step). Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
+        f"{torch.__version__}.",
         "",
-        "| attention | backend | TP | ms/step | tokens/s | MFU | peak GiB | first loss | last loss |",
-        "|---|---|---|---|---|---|---|---|---|",
-        *[f"| {r['attention']} | {r['backend']} | {r['tp']} | {r['step_time_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} "
-          f"| {_percent(r['mfu'])} | {r['memory_gib']:.2f} "
+        "| attention (backend) | TP | recompute | ms/step | tokens/s | MFU | peak GiB | plan GiB | plan / peak | first loss | last loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *[f"| {r['label']} | {r['tp']} | {r['recompute'] or 'none'} | {r['step_time_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} "
+          f"| {_percent(r['mfu'])} | {r['memory_gib']:.2f} | {r['estimate_gib']:.2f} | {r['estimate_gib'] / r['memory_gib']:.2f} "
           f"| {r['first_loss']:.3f} | {r['last_loss']:.3f} |" for r in rows],
-        *[f"| {r['attention']} | {r['backend']} | {r['tp']} | failed: {r['failed']} | | | | | |" for r in failed],
+        *[f"| {r['label']} | {r['tp']} | | failed: {r['failed']} | | | | | | | |" for r in failed],
         "",
     ]
+    by = {}
+    for r in rows:  # the first row of each kind stands for it in the ratios
+        by.setdefault((r["kind"], r["tp"]), r)
     for r in rows:
         base = by.get(("vanilla", r["tp"]))
-        if r["attention"] != "vanilla" and base is not None:
-            lines.append(f"- {r['attention']} ({r['backend']}) / vanilla ({base['backend']}) tokens/s at TP={r['tp']}: "
-                         f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}")
-    for tp in args.tp:
-        if tp != 1 and 1 in args.tp:
-            for kind in dict.fromkeys(k for k, _ in kinds):
-                if (kind, tp) not in by or (kind, 1) not in by:
-                    continue
-                lines.append(f"- {kind}: TP={tp} step time / TP=1 step time: "
-                             f"{by[(kind, tp)]['step_time_s'] / by[(kind, 1)]['step_time_s']:.3f}")
-    write_report("\n".join(lines) + "\n", args.out, "train_throughput")
+        if r["kind"] != "vanilla" and base is not None:
+            lines.append(f"- **{r['label']} / {base['label']} tokens/s at TP={r['tp']}: "
+                         f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}**; peak memory "
+                         f"{r['memory_gib'] / base['memory_gib']:.3f}×")
+    lines += ["", "Attention backend and kernels per run:", ""]
+    for r in rows:
+        choice = r.get("choice") or {}
+        timings = ", ".join(f"{b} {t:.3f} ms" if t is not None else f"{b} failed"
+                            for b, t in (choice.get("timings_ms") or {}).items())
+        lines.append(f"- {r['label']}: backend {r['backend']} ({choice.get('how', 'explicit')}"
+                     f"{'; one layer fwd+bwd: ' + timings if timings else ''}); SDPA kernels of one layer's sdpa "
+                     f"path: {'; '.join(r['kernels']) or 'none'}")
+    lines += ["", *profile_table(rows)]
+    write_report("\n".join(lines) + "\n", args.out, f"train_throughput_{args.model}")
     return 1 if failed else 0
 
 

@@ -16,6 +16,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_CORPUS = REPO_ROOT / "data" / "corpus" / "shakespeare_kjv.jsonl.gz"
 SOURCES = ("bundled", "shards")
 SPLIT_PATTERN = re.compile(r"^\s*\d+(\.\d+)?\s*(,\s*\d+(\.\d+)?\s*){0,2}$")
+# A blend entry naming every shard of `python -m data.preprocess --partition I/N`: PREFIX-*-of-N.
+PARTITIONS_ENTRY = re.compile(r"^(?P<prefix>.+)-\*-of-(?P<count>[1-9][0-9]*)$")
 
 
 @dataclass
@@ -43,7 +45,7 @@ class DataConfig:
     index_cache_dir: Optional[str] = None
     bundled_vocab_size: int = 4096
     preprocess_workers: int = 1
-    num_workers: int = 0
+    num_workers: Optional[int] = None  # DataLoader worker processes; None: 2 on a GPU, 0 on a CPU
     eod_mask_loss: bool = False
 
     def validate(self) -> None:
@@ -70,6 +72,20 @@ def parse_split(split: str) -> List[float]:
     return parts
 
 
+def partition_prefix(prefix: str, index: int, count: int) -> str:
+    """The shard prefix `data.preprocess --partition index/count --out prefix` writes."""
+    return f"{prefix}-{index}-of-{count}"
+
+
+def blend_shards(entry: str) -> List[str]:
+    """The shard prefixes a blend entry names: itself, or the N partitions of PREFIX-*-of-N in order."""
+    match = PARTITIONS_ENTRY.match(entry)
+    if not match:
+        return [entry]
+    count = int(match.group("count"))
+    return [partition_prefix(match.group("prefix"), i, count) for i in range(1, count + 1)]
+
+
 def validate(cfg: DataConfig) -> None:
     """Refuse a bad data config with a message naming the value; cheap, no process group or megatron import needed."""
     if cfg.source not in SOURCES:
@@ -78,7 +94,7 @@ def validate(cfg: DataConfig) -> None:
     if cfg.bundled_vocab_size < 512 or cfg.bundled_vocab_size > 65536:
         raise ValueError(f"data.bundled_vocab_size={cfg.bundled_vocab_size} is outside 512..65536 (the bundled corpus "
                          f"is 9 M characters; 2048-8192 suits it)")
-    if cfg.num_workers < 0:
+    if cfg.num_workers is not None and cfg.num_workers < 0:
         raise ValueError(f"data.num_workers={cfg.num_workers} must be 0 (load in the training process) or more")
     if cfg.preprocess_workers < 1:
         raise ValueError(f"data.preprocess_workers={cfg.preprocess_workers} must be at least 1")
@@ -95,10 +111,19 @@ def validate(cfg: DataConfig) -> None:
         if cfg.tokenizer_dir is None:
             raise ValueError("data.source='shards' needs data.tokenizer_dir, the tokenizer the shards were made with")
         for prefix in cfg.blend:
-            for suffix in (".bin", ".idx"):
-                path = resolve_path(prefix) + suffix
-                if not os.path.isfile(path):
-                    raise ValueError(f"data.blend entry {prefix!r}: shard file {path} does not exist")
+            shards = blend_shards(resolve_path(prefix))
+            for number, shard in enumerate(shards, start=1):
+                for suffix in (".bin", ".idx"):
+                    path = shard + suffix
+                    if os.path.isfile(path):
+                        continue
+                    if len(shards) == 1:
+                        raise ValueError(f"data.blend entry {prefix!r}: shard file {path} does not exist")
+                    raise ValueError(
+                        f"data.blend entry {prefix!r} names {len(shards)} partitions, but partition {number} "
+                        f"({path}) does not exist: run `python -m data.preprocess ... --partition "
+                        f"{number}/{len(shards)}` (or resubmit the SLURM array) until all {len(shards)} are written"
+                    )
     if cfg.blend_weights is not None:
         if cfg.source == "bundled":
             raise ValueError("data.blend_weights is set but data.source='bundled' has a single dataset")

@@ -44,8 +44,10 @@ def prepare(cfg: DataConfig) -> PreparedData:
     `cfg` is a DataConfig or an OmegaConf node of its schema."""
     validate(cfg)
     if cfg.source == "shards":
-        prefixes = [resolve_path(p) for p in cfg.blend]
-        weights = list(cfg.blend_weights) if cfg.blend_weights is not None else None
+        from data.preprocess import expand_blend
+
+        # an entry PREFIX-*-of-N (the shards of `data.preprocess --partition I/N`) stands for its N shards
+        prefixes, weights = expand_blend([resolve_path(p) for p in cfg.blend], cfg.blend_weights)
         return PreparedData(resolve_path(cfg.tokenizer_dir), prefixes, weights)
     return _prepare_bundled(cfg)
 

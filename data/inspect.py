@@ -1,4 +1,6 @@
-"""Inspect a blend before training: tokens per shard and split, epochs the planned steps imply, decoded samples.
+"""Inspect a blend before training: tokens per shard and split, epochs the planned steps imply, the share of tokens in
+documents at least a sequence long (what long-context training learns long-range dependencies from: shorter
+documents are packed with their neighbours), decoded samples.
 
     python -m data.inspect --blend PREFIX [PREFIX ...] [--weights W ...] --tokenizer DIR \\
         --seq-length 2048 --global-batch-size 128 --train-steps 40000 [--split 969,30,1] [--samples 3]
@@ -30,11 +32,14 @@ class ShardSummary:
     split_tokens: List[int]  # train, valid, test
     weight: float  # normalised share of the blend
     skipped: dict
+    long_share: Optional[float] = None  # share of the tokens in documents of at least the sequence length
 
 
 def summarise_blend(prefixes: Sequence[str], weights: Optional[Sequence[float]], split: str,
-                    vocab_size: Optional[int] = None) -> List[ShardSummary]:
-    """Token counts per shard and split, by megatron-core's document ranges (rounded split book-ends)."""
+                    vocab_size: Optional[int] = None, seq_length: Optional[int] = None) -> List[ShardSummary]:
+    """Token counts per shard and split, by megatron-core's document ranges (rounded split book-ends); with
+    ``seq_length``, the share of each shard's tokens in documents at least that long (with the end-of-document
+    token)."""
     proportions = np.array(parse_split(split))
     bookends = np.concatenate([[0.0], np.cumsum(proportions / proportions.sum())])
     summaries = []
@@ -46,8 +51,11 @@ def summarise_blend(prefixes: Sequence[str], weights: Optional[Sequence[float]],
         edges = [int(round(b * documents)) for b in bookends]
         split_tokens = [int(per_document[edges[i]:edges[i + 1]].sum()) for i in range(3)]
         manifest = preprocess.read_manifest(prefix) or {}
+        long_share = None
+        if seq_length is not None and index.num_tokens:
+            long_share = float(per_document[per_document >= seq_length].sum() / per_document.sum())
         summaries.append(ShardSummary(prefix, documents, index.num_tokens, split_tokens, 0.0,
-                                      manifest.get("totals", {}).get("skipped", {})))
+                                      manifest.get("totals", {}).get("skipped", {}), long_share))
     if weights is None:  # megatron weights by size when none are given
         raw = np.array([s.tokens for s in summaries], dtype=np.float64)
     else:
@@ -65,17 +73,18 @@ def epochs_implied(summaries: Sequence[ShardSummary], train_tokens: int) -> List
 def report(summaries: Sequence[ShardSummary], *, seq_length: int, global_batch_size: int, train_steps: int) -> str:
     train_tokens = train_steps * global_batch_size * seq_length
     lines = [f"{'shard':<60} {'weight':>7} {'documents':>10} {'tokens':>14} {'train':>14} {'valid':>12} "
-             f"{'test':>10} {'epochs':>7}"]
+             f"{'test':>10} {'epochs':>7} {'>=seq':>6}"]
     for summary, epochs in zip(summaries, epochs_implied(summaries, train_tokens)):
         name = summary.prefix if len(summary.prefix) <= 60 else "..." + summary.prefix[-57:]
         lines.append(f"{name:<60} {summary.weight:>7.3f} {summary.documents:>10,} {summary.tokens:>14,} "
                      f"{summary.split_tokens[0]:>14,} {summary.split_tokens[1]:>12,} {summary.split_tokens[2]:>10,} "
-                     f"{epochs:>7.2f}")
+                     f"{epochs:>7.2f} " + ("     -" if summary.long_share is None else f"{summary.long_share:>6.1%}"))
         if summary.skipped:
             lines.append(f"    skipped at preprocessing: {summary.skipped}")
     total = sum(s.tokens for s in summaries)
     lines.append(f"total {total:,} tokens; planned {train_steps:,} steps x {global_batch_size} sequences x "
-                 f"{seq_length} tokens = {train_tokens:,} train tokens")
+                 f"{seq_length} tokens = {train_tokens:,} train tokens; >=seq: the share of a shard's tokens in "
+                 f"documents of at least {seq_length} tokens (shorter ones share their samples with their neighbours)")
     return "\n".join(lines)
 
 
@@ -144,7 +153,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     global_batch_size = args.global_batch_size or 1
     train_steps = args.train_steps or 0
     tokenizer = load_tokenizer(prepared.tokenizer_dir)
-    summaries = summarise_blend(prepared.prefixes, prepared.weights, split, tokenizer.vocab_size)
+    summaries = summarise_blend(prepared.prefixes, prepared.weights, split, tokenizer.vocab_size, seq_length)
     samples = []
     if args.samples > 0:
         samples = decode_samples(prepared, tokenizer, seq_length=seq_length, seed=args.seed, split=split,

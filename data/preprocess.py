@@ -1,7 +1,7 @@
 """Tokenize corpus files into one megatron-core IndexedDataset shard (`PREFIX.bin`, `PREFIX.idx`).
 
     python -m data.preprocess --input FILES --tokenizer DIR --out PREFIX [--workers N] [--text-field text]
-        [--preset NAME] [--txt-mode file|blank_line] [--unit-mb 256] [--chunk-docs 1024]
+        [--preset NAME] [--txt-mode file|blank_line] [--unit-mb 256] [--chunk-docs 1024] [--partition I/N]
 
 Each document becomes one sequence followed by the end-of-document token. The inputs are cut into work units (a
 file; a byte range of a large uncompressed JSON Lines file; a run of row groups of a parquet file). One pipeline
@@ -13,6 +13,12 @@ then concatenated in input order. An interrupted run, rerun, reuses the finished
 is byte-identical to an uninterrupted run; `PREFIX.manifest.json` records inputs (sizes, sha256), the tokenizer
 hash, the options, document and token counts and the records skipped per reason. Rerunning on unchanged inputs (same
 sizes and modification times, same tokenizer and options) is a no-op.
+
+A corpus too large for one machine is tokenized by N independent jobs: `--partition I/N` (1 <= I <= N) takes the I-th
+of N contiguous runs of the sorted work units (about equal input bytes each; the same for every job given the same
+inputs and --unit-mb) and writes `PREFIX-I-of-N.{bin,idx,manifest.json}`. Concatenated in order, the N shards hold
+exactly the tokens of one unpartitioned run. The blend entry `PREFIX-*-of-N` names all N (`expand_blend`), and
+`python -m launch.slurm preprocess` submits them as one SLURM job array.
 
 A record that cannot be read (bad JSON, no text, not UTF-8, the unreadable rest of a truncated file) is skipped and
 counted. A failure to tokenize or to write stops the run with a PreprocessError naming the file and the records;
@@ -30,6 +36,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import sys
 import time
@@ -40,6 +47,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from data import indexed, readers
+from data.config import blend_shards, partition_prefix
 from data.locking import file_lock
 from data.tokenizer import Tokenizer, file_sha256, load_tokenizer
 from diff_transformer.cli import ArgumentParser, run
@@ -580,6 +588,78 @@ def _tokenize_units(files: Sequence[str], tokenizer: Tokenizer, tokenizer_path: 
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+# ---- Partitions: one corpus, N independent jobs ----
+
+
+@dataclass(frozen=True)
+class Partition:
+    """The `index`-th (1-based) of `count` partitions of a corpus's work units."""
+
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or not 1 <= self.index <= self.count:
+            raise ValueError(f"--partition {self.index}/{self.count} is out of range: give I/N with 1 <= I <= N")
+
+    @classmethod
+    def parse(cls, text: str) -> "Partition":
+        match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+        if not match:
+            raise ValueError(f"--partition {text!r} is not I/N: give e.g. 2/8, the second of 8 partitions")
+        return cls(int(match.group(1)), int(match.group(2)))
+
+    def prefix(self, out_prefix: str) -> str:
+        return partition_prefix(out_prefix, self.index, self.count)
+
+
+def _unit_weight(unit: WorkUnit, units_of_file: int) -> float:
+    """Input bytes a unit reads (a parquet file's row-group units share its size equally)."""
+    if unit.kind == "bytes":
+        return unit.end - unit.start
+    if unit.kind == "row_groups":
+        return unit.input_bytes / units_of_file
+    return unit.input_bytes
+
+
+def partition_units(units: Sequence[WorkUnit], count: int) -> list[list[WorkUnit]]:
+    """The units cut into `count` contiguous runs of about equal input bytes, each of one unit at least: the
+    partitions, in order, are the units in order. A function of the units alone, so every job computes the same."""
+    if count > len(units):
+        raise ValueError(f"{count} partitions of {len(units)} work units: the inputs cut into {len(units)} units at "
+                         f"this --unit-mb; give at most {len(units)} partitions or a smaller --unit-mb")
+    per_file = Counter(unit.path for unit in units)
+    cumulative = [0.0]
+    for unit in units:
+        cumulative.append(cumulative[-1] + _unit_weight(unit, per_file[unit.path]))
+    bounds = [0]
+    for p in range(1, count):
+        target = cumulative[-1] * p / count
+        candidates = range(bounds[-1] + 1, len(units) - (count - p) + 1)
+        bounds.append(min(candidates, key=lambda j: (abs(cumulative[j] - target), j)))
+    bounds.append(len(units))
+    return [list(units[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def expand_blend(prefixes: Sequence[str], weights: Optional[Sequence[float]]) -> tuple[list[str], Optional[list[float]]]:
+    """A blend with each `PREFIX-*-of-N` entry replaced by its N shards in order (``data.config.blend_shards``); the
+    entry's weight is shared among them in proportion to their tokens, so the N weigh as the one shard an
+    unpartitioned run writes."""
+    out_prefixes: list[str] = []
+    out_weights: Optional[list[float]] = None if weights is None else []
+    for position, entry in enumerate(prefixes):
+        shards = blend_shards(entry)
+        out_prefixes.extend(shards)
+        if out_weights is None:
+            continue
+        if len(shards) == 1:
+            out_weights.append(float(weights[position]))
+            continue
+        tokens = [indexed.read_index(indexed.idx_path(shard)).num_tokens for shard in shards]
+        out_weights.extend(float(weights[position]) * t / (sum(tokens) or 1) for t in tokens)
+    return out_prefixes, out_weights
+
+
 # ---- The run ----
 
 
@@ -595,9 +675,11 @@ def read_manifest(prefix: str) -> Optional[dict]:
         return None
 
 
-def _is_up_to_date(prefix: str, files: Sequence[str], options: Options) -> Optional[dict]:
+def _is_up_to_date(prefix: str, files: Sequence[str], options: Options, partition: Optional[dict] = None) -> Optional[dict]:
     manifest = read_manifest(prefix)
     if manifest is None or manifest.get("version") != MANIFEST_VERSION or manifest.get("options") != asdict(options):
+        return None
+    if manifest.get("partition") != partition:
         return None
     recorded = [(i["path"], i["bytes"], i["mtime_ns"]) for i in manifest["inputs"]]
     current = []
@@ -641,24 +723,40 @@ def preprocess(
     segment_tokens: int = 64_000_000,
     keep_parts: bool = False,
     progress: bool = False,
+    partition: Optional[Partition] = None,
 ) -> dict:
-    """Tokenize `files` into `out_prefix.{bin,idx}` and return the manifest (see the module docstring)."""
+    """Tokenize `files` into `out_prefix.{bin,idx}` (with `partition`, its share into `out_prefix-I-of-N.{bin,idx}`)
+    and return the manifest (see the module docstring)."""
     settings = RunSettings(workers=workers, unit_bytes=unit_bytes, chunk_docs=chunk_docs, chunk_bytes=chunk_bytes,
                            segment_tokens=segment_tokens, keep_parts=keep_parts, progress=progress)
     files = [os.path.abspath(f) for f in files]
     _check_inputs(files, text_field, txt_mode)
-    out_prefix = os.path.abspath(out_prefix)
+    units = None
+    if partition is not None:  # before the tokenizer loads: too many partitions is a bad argument
+        units = partition_units(plan_units(files, settings.unit_bytes), partition.count)[partition.index - 1]
+    out_prefix = os.path.abspath(out_prefix if partition is None else partition.prefix(out_prefix))
     # Two runs writing one prefix would race on its parts and final renames: the second waits, then finds it done.
     with file_lock(out_prefix + ".lock"):
-        return _preprocess_locked(files, tokenizer_path, out_prefix, text_field, txt_mode, settings)
+        return _preprocess_locked(files, tokenizer_path, out_prefix, text_field, txt_mode, settings, partition, units)
+
+
+def _partition_record(partition: Partition, units: Sequence[WorkUnit], files: Sequence[str], settings: RunSettings) -> dict:
+    """What a partition's manifest records of the plan that chose its units: any change to it makes the shard stale."""
+    return {"index": partition.index, "count": partition.count, "units": [units[0].index, units[-1].index + 1],
+            "unit_bytes": settings.unit_bytes, "all_inputs": len(files)}
 
 
 def _preprocess_locked(files: list[str], tokenizer_path: str, out_prefix: str, text_field: str, txt_mode: str,
-                       settings: RunSettings) -> dict:
+                       settings: RunSettings, partition: Optional[Partition] = None,
+                       units: Optional[list[WorkUnit]] = None) -> dict:
     tokenizer = load_tokenizer(tokenizer_path)
     options = Options(tokenizer.model_sha256, text_field, txt_mode,
                       np.dtype(indexed.token_dtype(tokenizer.vocab_size)).name)
-    manifest = _is_up_to_date(out_prefix, files, options)
+    plan = None
+    if partition is not None:
+        plan = _partition_record(partition, units, files, settings)
+        files = list(dict.fromkeys(unit.path for unit in units))  # this partition's inputs, in order
+    manifest = _is_up_to_date(out_prefix, files, options, plan)
     if manifest is not None:
         if settings.progress:
             print(f"{out_prefix}: up to date ({manifest['totals']['documents']} documents, "
@@ -668,14 +766,15 @@ def _preprocess_locked(files: list[str], tokenizer_path: str, out_prefix: str, t
     started = time.perf_counter()
     parts_dir = out_prefix + ".parts"
     os.makedirs(parts_dir, exist_ok=True)
-    units = plan_units(files, settings.unit_bytes)
+    if units is None:
+        units = plan_units(files, settings.unit_bytes)
     fingerprint = options.fingerprint()
     names = [unit.part_name(fingerprint) for unit in units]
     stats = _finished_parts(units, names, parts_dir)
     reused = len(stats)
     dtype = np.dtype(options.dtype).type
-    writers = {unit.index: _UnitWriter(unit, parts_dir, names[unit.index], dtype, settings.segment_tokens)
-               for unit in units if unit.index not in stats}
+    writers = {unit.index: _UnitWriter(unit, parts_dir, name, dtype, settings.segment_tokens)
+               for unit, name in zip(units, names) if unit.index not in stats}
 
     bar = _ProgressBar(units, stats) if settings.progress else None
     try:
@@ -691,6 +790,8 @@ def _preprocess_locked(files: list[str], tokenizer_path: str, out_prefix: str, t
     manifest = _build_manifest(files, units, ordered, hashes, tokenizer, options, out_prefix,
                                seconds=time.perf_counter() - started, reused_parts=reused,
                                resumed_segments=sum(len(writer.resumed) for writer in writers.values()))
+    if plan is not None:
+        manifest["partition"] = plan
     _write_json_atomic(manifest_path(out_prefix), manifest)
     if not settings.keep_parts:
         shutil.rmtree(parts_dir, ignore_errors=True)
@@ -799,9 +900,18 @@ def summary(manifest: dict) -> str:
                       for i in manifest["inputs"] for error in i.get("errors", [])))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = ArgumentParser(prog="python -m data.preprocess", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def partition_plan(inputs: Sequence[str], count: int, unit_mb: int = 256,
+                   preset: Optional[str] = None) -> list[list[WorkUnit]]:
+    """The work units each of `--partition 1/count` .. `count/count` takes of these inputs (files, globs,
+    directories), as every job computes them; ValueError or FileNotFoundError naming what is wrong."""
+    files = readers.expand_inputs(inputs, readers.PRESETS[preset].globs if preset else ())
+    return partition_units(plan_units(files, unit_mb * MIB), count)
+
+
+def build_parser(parser_class: type = argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The command line of `python -m data.preprocess` (also read by `python -m launch.slurm preprocess`)."""
+    parser = parser_class(prog="python -m data.preprocess", description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", required=True, help="files, globs or directories")
     parser.add_argument("--tokenizer", required=True, help="tokenizer directory or model file")
     parser.add_argument("--out", required=True, help="output prefix: writes PREFIX.bin, PREFIX.idx, PREFIX.manifest.json")
@@ -815,16 +925,31 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--segment-mtok", type=float, default=64,
                         help="checkpoint a unit every this many million tokens (resume granularity)")
     parser.add_argument("--keep-parts", action="store_true", help="keep PREFIX.parts/ after merging")
+    parser.add_argument("--partition", metavar="I/N",
+                        help="tokenize only the I-th of N partitions of the work units into PREFIX-I-of-N "
+                             "(blend entry PREFIX-*-of-N names all N)")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = build_parser(ArgumentParser)
     args = parser.parse_args(argv)
     try:
         settings = RunSettings(workers=args.workers, unit_bytes=args.unit_mb * MIB, chunk_docs=args.chunk_docs,
                                segment_tokens=int(args.segment_mtok * 1e6), keep_parts=args.keep_parts, progress=True)
+        partition = Partition.parse(args.partition) if args.partition else None
     except ValueError as err:
         parser.error(str(err))
     preset = readers.PRESETS[args.preset] if args.preset else None
     text_field = args.text_field or (preset.text_field if preset else "text")
     files = readers.expand_inputs(args.input, preset.globs if preset else ())
-    preprocess(files, args.tokenizer, args.out, text_field=text_field, txt_mode=args.txt_mode, **asdict(settings))
+    if partition is not None:
+        try:
+            partition_units(plan_units([os.path.abspath(f) for f in files], settings.unit_bytes), partition.count)
+        except ValueError as err:
+            parser.error(f"--partition {args.partition}: {err}")
+    preprocess(files, args.tokenizer, args.out, text_field=text_field, txt_mode=args.txt_mode, partition=partition,
+               **asdict(settings))
 
 
 if __name__ == "__main__":

@@ -1,19 +1,24 @@
-"""Compare DIFF with its mirrored baseline: loss curves, scaling-law fits, and the parameter and token ratios at equal loss;
-or, with --table, every variant of an ablation sweep: final validation loss over seeds and paired differences.
+"""Compare every attention variant with a reference (DIFF with its mirrored baseline, DIFF V2 with its own): loss
+curves, scaling-law fits, and the parameter and token ratios at equal loss; or, with --table, every variant of an
+ablation sweep: final validation loss over seeds and paired differences.
 
     python -m diff_transformer.compare multirun/tiny/2026-11-25_22-10-00 --out docs/tiny_sweep.png
+    python -m diff_transformer.compare multirun/v2/2026-11-27_09-00-00 --reference vanilla
     python -m diff_transformer.compare --wandb my-team/diff-transformer/paper-scaling
     python -m diff_transformer.compare multirun/ablations/2026-11-26_05-00-00 --table --out docs/ablations.png
 
 Runs are read from run directories (`run.json` + `metrics.jsonl`, found recursively under each path) or from the W&B
-API. Per attention kind the final validation losses are fitted with L(N) = E + A * (N / N_ref)^(-alpha); the parameter
-ratio is N_diff / N_baseline at which both fits give the same loss (the paper: 62.2% at 6.8B). The token ratio does the
-same along one run of each kind with L(D) over the validation losses at its evaluation steps (the paper: 63.7% at 3B).
-Uncertainties come from the fits' covariances, propagated to the ratios by sampling the fitted parameters.
+API. Per variant (run.json "variant": the attention kind and its ablation keys) the final validation losses are fitted
+with L(N) = E + A * (N / N_ref)^(-alpha); each variant's parameter ratio is N_variant / N_reference at which both fits
+give the same loss (the paper, DIFF against the Transformer: 62.2% at 6.8B). The reference is --reference (default
+vanilla), except for DIFF V2, which is compared with its own baseline (vanilla with model.num_kv_heads=Hkv/2: the same
+query and KV heads; run.json "baseline_variant") when that was trained. The token ratio does the same along one run of
+each, on the largest model both trained, with L(D) over the validation losses at its evaluation steps (the paper: 63.7%
+at 3B). Uncertainties come from the fits' covariances, propagated to the ratios by sampling the fitted parameters.
 
---table groups runs by their variant (run.json "variant": the attention kind and its ablation keys) and reports the mean
-± standard deviation of the final validation loss over seeds, and each variant minus the --reference variants paired by
-seed, with a paired t-test (diff_transformer/analysis/variants.py).
+--table groups runs by their variant and reports the mean ± standard deviation of the final validation loss over seeds,
+and each variant minus the --reference variants (default vanilla and diff) paired by seed, with a paired t-test
+(diff_transformer/analysis/variants.py).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--wandb", metavar="ENTITY/PROJECT/GROUP", help="read the runs of this W&B group instead, and log the comparison there")
     parser.add_argument("--out", help="figure path (default: compare.png in the first path, or ./compare-<group>.png)")
     parser.add_argument("--parameters", choices=PARAMETER_COUNTS, default="total", help="parameter count on the x axis of the size fit")
-    parser.add_argument("--token-ratio-model", help="model name whose DIFF/baseline pair gives the token ratio (default: the largest)")
+    parser.add_argument("--token-ratio-model", help="model name whose runs give each pair's token ratio (default: the largest both trained)")
     parser.add_argument("--token-fit-from", type=float, default=0.1, help="fit L(D) on evaluations past this fraction of training")
     parser.add_argument("--at", type=float, nargs="+", default=[], metavar="N",
                         help="also report the parameter ratio at these DIFF sizes, e.g. --at 6.8e9 (extrapolated)")
@@ -45,8 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--title", help="figure title")
     parser.add_argument("--table", action="store_true",
                         help="the seed-spread table of every variant instead of the scaling comparison")
-    parser.add_argument("--reference", nargs="+", default=["vanilla", "diff"], metavar="VARIANT",
-                        help="with --table: variants every other one is compared with, paired by seed")
+    parser.add_argument("--reference", nargs="+", default=None, metavar="VARIANT",
+                        help="the variant every other one is compared with (default vanilla; DIFF V2 is compared with "
+                             "its own baseline when it was trained); with --table: variants every other one is "
+                             "compared with, paired by seed (default vanilla diff)")
     args = parser.parse_args(argv)
     if bool(args.paths) == bool(args.wandb):
         parser.error("give run or sweep directories, or --wandb ENTITY/PROJECT/GROUP (one of the two)")
@@ -54,10 +61,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = load_wandb_runs(args.wandb) if args.wandb else load_runs(args.paths)
         if args.table:
             check_comparable(runs, require_finished=not args.allow_unfinished)
-            stats = seed_spread(runs, args.reference, args.parameters)
+            stats = seed_spread(runs, args.reference or ["vanilla", "diff"], args.parameters)
         else:
+            if args.reference and len(args.reference) > 1:
+                raise ValueError(f"--reference {' '.join(args.reference)}: the scaling comparison takes one reference "
+                                 "variant (several only with --table)")
+            reference = args.reference[0] if args.reference else "vanilla"
+            variants = sorted({r.variant for r in runs})
+            if args.reference and reference not in variants:
+                raise ValueError(f"--reference {reference!r} is not a variant of these runs; they have: "
+                                 f"{', '.join(variants)}")
             comparison = compare_runs(runs, args.parameters, args.token_ratio_model, args.token_fit_from,
-                                      not args.allow_unfinished, args.at)
+                                      not args.allow_unfinished, args.at, reference)
     except (RunMismatchError,) + USER_ERRORS as error:
         print_error(error)
         return EXIT_REFUSED

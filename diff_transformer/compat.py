@@ -10,6 +10,10 @@ Two kinds:
 - **DeepSpeed on a CPU** (:func:`apply_deepspeed_cpu_patches`, engine=deepspeed): DeepSpeed's CPU accelerator
   compiles a shared-memory all-reduce op when its communication backend starts; gloo reduces the same tensors. Like
   the CPU patches, applied only without CUDA.
+- **Speed workarounds** (:func:`apply_grad_norm_patches`, :func:`fuse_torch_adamw`, :func:`install_fused_rope`,
+  :func:`keep_fused_cross_entropy_grad_dtype`): where megatron-core without TransformerEngine or Apex falls back to
+  slow paths (a host sync per parameter tensor in the gradient norm, torch's foreach AdamW, no fused RoPE), or where
+  its fused path loses precision (the native fused cross-entropy's bf16 gradient), on any device.
 - **Checkpoint workarounds** (:func:`fork_checkpoint_results_queue`, :func:`initialise_adam_state`,
   :func:`adam_step_left_out_of_param_copies`, :func:`unshare_adam_step_tensors`): defects of megatron-core's
   distributed-optimizer checkpointing on the torch-Adam path and of its writer start-up, needed on any device.
@@ -98,6 +102,7 @@ _MODULES_WITH_LITERAL_CUDA = (
     "megatron.core.dist_checkpointing.exchange_utils",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.utils",
+    "megatron.core.models.common.embeddings.rope_utils",
 )
 
 PATCH_SITES = (
@@ -136,6 +141,24 @@ PATCH_SITES = (
     PatchSite("adam step on load", "megatron.core.optimizer.distrib_optimizer",
               "DistributedOptimizer._set_main_param_and_optimizer_states", "dst_tensors[key].copy_(tensors[key])"),
     *(PatchSite("literal cuda devices", name, "torch") for name in _MODULES_WITH_LITERAL_CUDA),
+    PatchSite("grad norm", "megatron.core.optimizer.clip_grads", "l2_norm_impl"),
+    PatchSite("grad norm", "megatron.core.optimizer.clip_grads", "multi_tensor_scale_impl"),
+    PatchSite("grad norm", "megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", "l2_norm_impl,"),
+    PatchSite("grad norm", "megatron.core.optimizer.optimizer", "multi_tensor_scale_impl"),
+    PatchSite("grad norm", "megatron.core.utils", "local_multi_tensor_l2_norm", "torch.tensor(l2)"),
+    PatchSite("fused adamw", "megatron.core.optimizer", "_get_megatron_optimizer_based_on_param_groups",
+              "adam_cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam"),
+    PatchSite("fused rope", "megatron.core.models.common.embeddings.rope_utils", "fused_apply_rotary_pos_emb"),
+    PatchSite("fused rope", "megatron.core.models.common.embeddings.rope_utils", "apply_rotary_pos_emb",
+              "fused_apply_rotary_pos_emb(t, freqs, interleaved=config.rotary_interleaved)"),
+    PatchSite("fused cross-entropy", "megatron.core.fusions.fused_cross_entropy", "calculate_gradients",
+              "grad_input = grad_input.to(torch.bfloat16)"),
+    PatchSite("fused cross-entropy", "megatron.core.fusions.fused_cross_entropy", "_VocabParallelCrossEntropy.backward",
+              "softmax, target_mask, masked_target_1d = ctx.saved_tensors"),
+    PatchSite("fused cross-entropy", "megatron.core.tensor_parallel.cross_entropy",
+              "VocabParallelCrossEntropy.prepare_gradient_calculation_operands"),
+    PatchSite("pinned memory", "megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank",
+              "pin_memory=True"),
     PatchSite("deepspeed shm op", "deepspeed.comm.torch", "build_shm_op", "ShareMemCommBuilder"),
     PatchSite("deepspeed shm op", "deepspeed.comm.torch", "TorchBackend.__init__", "build_shm_op()"),
     # not patched, but private functions engine=deepspeed calls: megatron-core's parameter groups (no weight decay on
@@ -254,6 +277,7 @@ def _on_cpu(factory, *args, **kwargs):
     device = kwargs.get("device")
     if device is not None and torch.device(device).type == "cuda":
         kwargs["device"] = "cpu"
+    kwargs.pop("pin_memory", None)  # a CPU-only torch has no pinned-memory allocator and refuses the request
     return factory(*args, **kwargs)
 
 
@@ -261,7 +285,9 @@ def _on_cpu(factory, *args, **kwargs):
 # Literal device="cuda": pipeline_parallel/schedules.py:596,983,2138 (token counters),
 # optimizer/optimizer.py:473,481,485,907 (loss-scale tensors), optimizer/clip_grads.py:90,103,115,174,207,
 # dist_checkpointing/strategies/state_dict_saver.py:204, dist_checkpointing/exchange_utils.py:104,110,326,
-# utils.py:1207 (local_multi_tensor_l2_norm, the grad-norm fallback without apex/TE).
+# utils.py:1207 (local_multi_tensor_l2_norm, the grad-norm fallback without apex/TE). Pinned staging buffers
+# (refused without CUDA): models/common/embeddings/rope_utils.py:62-64 (get_pos_emb_on_this_cp_rank, the rotary
+# positions of a context-parallel rank's chunks).
 # Tensor.cuda(): models/common/language_module/language_module.py:244 (tied embeddings across PP stages),
 # dist_checkpointing/exchange_utils.py:336,499 (resharding exchange); ShardedTensor.init_data("cuda"):
 # exchange_utils.py:98,106.
@@ -353,6 +379,124 @@ def apply_deepspeed_cpu_patches() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Speed workarounds (any device)
+# ---------------------------------------------------------------------------------------------------------------
+def _multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """amp_C.multi_tensor_l2norm's contract ((1,) fp32 norm of every tensor, None) without leaving the device."""
+    tensors = list(tensor_lists[0])
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float, device=noop_flag.device), None
+    norms = [n.float() for n in torch._foreach_norm(tensors)]
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+def _multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """amp_C.multi_tensor_scale's contract (dst = src · scale), one foreach call instead of one kernel per tensor."""
+    src, dst = tensor_lists
+    if all(s is d for s, d in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    elif scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def apply_grad_norm_patches() -> bool:
+    """Without TransformerEngine or Apex, megatron-core's gradient norm is ``local_multi_tensor_l2_norm``
+    (utils.py:1205-1207): ``torch.tensor(l2)`` of a list of device scalars reads every parameter tensor's norm to the
+    host, one sync each, then ``float()`` of the total; and gradients are scaled one tensor at a time
+    (``local_multi_tensor_scale``, utils.py:1212-1215). clip_grads.py:42-43 and optimizer.py:37 pick these at import
+    as ``l2_norm_impl`` and ``multi_tensor_scale_impl``; put one norm of the stacked per-tensor norms (on the device;
+    ``get_grad_norm_fp32``'s ``.item()`` at clip_grads.py:133 stays the step's one sync) and foreach scaling in
+    their place. Same contracts, same math. Any device; idempotent; returns whether it patched."""
+    check_megatron_core_version()
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    patched = False
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = _multi_tensor_l2_norm
+        patched = True
+    for module in (clip_grads, optimizer):
+        if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = _multi_tensor_scale
+            patched = True
+    return patched
+
+
+def fuse_torch_adamw(optimizer, device_type: str = "cuda") -> int:
+    """megatron-core without TransformerEngine or Apex builds ``torch.optim.AdamW`` with torch's default (foreach)
+    implementation (optimizer/__init__.py:360, no ``fused`` flag). Switch every param group whose parameters all live
+    on ``device_type`` to torch's fused kernel (one kernel per group and dtype; state made later lives on the device,
+    as fused AdamW needs). Call on CUDA only (the caller decides); returns the number of groups switched."""
+    switched = 0
+    inners = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else _inner_optimizers(optimizer)
+    for inner in inners:
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            params = group["params"]
+            if params and all(p.device.type == device_type and p.is_floating_point() for p in params):
+                group["fused"], group["foreach"] = True, False
+                for p in params:  # state made before the switch: fused AdamW keeps its step on the device
+                    step = inner.state.get(p, {}).get("step")
+                    if torch.is_tensor(step):
+                        inner.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
+                switched += 1
+    return switched
+
+
+def install_fused_rope(apply_fn) -> bool:
+    """megatron-core's ``apply_rope_fusion`` calls TransformerEngine's fused RoPE through a module global,
+    ``fused_apply_rotary_pos_emb`` (models/common/embeddings/rope_utils.py:286-287, TE's signature
+    ``(t, freqs, interleaved=False)``), which is None without TE, and TransformerConfig refuses the switch when it is
+    (transformer/transformer_config.py:1544-1552). Put ``apply_fn`` there unless TE's own is installed; returns
+    whether the hook now holds ``apply_fn``."""
+    check_megatron_core_version()
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = apply_fn
+    return rope_utils.fused_apply_rotary_pos_emb is apply_fn
+
+
+@functools.lru_cache(maxsize=None)
+def keep_fused_cross_entropy_grad_dtype() -> None:
+    """megatron-core's native fused cross-entropy (``cross_entropy_fusion_impl="native"``) rounds the logits' gradient
+    to bf16 whatever the logits' dtype (fusions/fused_cross_entropy.py:82, in ``calculate_gradients``, called from
+    ``_VocabParallelCrossEntropy.backward`` at line 131): right for a bf16 model, a 3e-4 relative error in the
+    gradient norm of an fp32 one. Give the gradient the logits' own dtype instead (the same fused function, the cast
+    inside it: bf16 models are unchanged). Idempotent."""
+    check_megatron_core_version()
+    from megatron.core.fusions import fused_cross_entropy
+    from megatron.core.jit import jit_fuser
+    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+
+    @jit_fuser
+    def calculate_gradients(softmax, grad_output, target_mask, masked_target_1d, dtype: torch.dtype):
+        grad_2d, arange_1d, softmax_update, grad_input = (
+            VocabParallelCrossEntropy.prepare_gradient_calculation_operands(softmax, target_mask)
+        )
+        grad_input = VocabParallelCrossEntropy.calculate_gradients(
+            grad_2d, arange_1d, masked_target_1d, softmax_update, grad_input, grad_output
+        )
+        return grad_input.to(dtype)
+
+    function = fused_cross_entropy._VocabParallelCrossEntropy
+    original_forward = function.forward
+
+    def forward(ctx, vocab_parallel_logits, target, tp_group):
+        ctx.logits_dtype = vocab_parallel_logits.dtype
+        return original_forward(ctx, vocab_parallel_logits, target, tp_group)
+
+    def backward(ctx, grad_output):
+        softmax, target_mask, masked_target_1d = ctx.saved_tensors
+        return calculate_gradients(softmax, grad_output, target_mask, masked_target_1d, ctx.logits_dtype), None, None
+
+    function.forward, function.backward = staticmethod(forward), staticmethod(backward)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Checkpoint workarounds (any device)
 # ---------------------------------------------------------------------------------------------------------------
 def fork_checkpoint_results_queue() -> None:
@@ -379,7 +523,8 @@ def initialise_adam_state(optimizer) -> None:
             for param in group["params"]:
                 if not inner.state[param]:
                     inner.state[param] = {
-                        "step": torch.zeros((), dtype=torch.float32),
+                        # fused AdamW (fuse_torch_adamw) keeps its step on the parameter's device
+                        "step": torch.zeros((), dtype=torch.float32, device=param.device if group.get("fused") else None),
                         "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
                         "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
                     }

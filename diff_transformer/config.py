@@ -45,7 +45,8 @@ class ModelConfig:
     name: str = MISSING
     # a key of ATTENTION_KINDS: diff | vanilla | diff_v2 | vanilla_subln | vanilla_wide | topk | signed_mask
     attention: str = "diff"
-    attention_backend: str = "sdpa"  # eager | sdpa | flash_attn | triton (what each kind runs on: README)
+    # auto (timed once per GPU and shape, sdpa on a CPU) | eager | sdpa | flash_attn | triton (each kind's: README)
+    attention_backend: str = "auto"
     num_layers: int = MISSING
     hidden_size: int = MISSING
     num_heads: int = MISSING  # differential heads H; the mirrored baseline has 2H heads of size head_dim
@@ -70,6 +71,8 @@ class ModelConfig:
 class ParallelConfig:
     tp: int = 1
     pp: int = 1
+    # context parallelism: each sequence split over cp ranks (ring attention); null: the smallest the memory plan fits
+    cp: Optional[int] = 1
     distributed_optimizer: bool = False
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
     sequence_parallel: bool = False  # shard norms, residuals and their activations over the sequence (needs tp >= 2)
@@ -106,6 +109,13 @@ class TrainerConfig:
     gpu_memory_gib: Optional[float] = None  # memory plan budget per device; None: the GPU's memory (no check on CPU)
     # attention entropy, sink rate and largest logit per layer on eval steps: auto (on when it costs <= 1%) | on | off
     attention_diagnostics: str = "auto"
+    # fused RoPE, SwiGLU, cross-entropy, DIFF epilogue and λ: auto (on with CUDA, off on a CPU) | on | off
+    fusions: str = "auto"
+    diff_epilogue: str = "triton"  # the DIFF epilogue when fusions are on: triton (one kernel each way) | compile
+    profile_step: Optional[int] = None  # write profile_step_<N>.json: step N's time by kind of work (torch.profiler)
+    # draw the initial weights on the GPU (seconds instead of minutes for billions of parameters); they then depend
+    # on the TP layout, unlike the default CPU initialisation (and a resume or weights-only start loads them anyway)
+    init_on_gpu: bool = False
 
 
 @dataclass
@@ -256,6 +266,11 @@ def validate_engine(cfg: Any) -> None:
             f"engine.nvme_path={e.nvme_path} is read only with engine.offload_optimizer=nvme or "
             "engine.offload_param=nvme; set one of them or leave it unset"
         )
+    if p.cp is None or p.cp > 1:
+        raise ValueError(
+            f"engine=deepspeed does not run context parallelism (parallel.cp={_shown(p.cp)}); use engine=megatron for "
+            "CP, or parallel.cp=1"
+        )
     if p.pp > 1:
         raise ValueError(
             f"engine=deepspeed does not run pipeline parallelism (parallel.pp={p.pp}); use engine=megatron for PP, "
@@ -307,6 +322,7 @@ DECAYS = ("linear", "cosine", "constant")
 RECOMPUTE_MODES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 ATTENTION_DIAGNOSTICS_MODES = ("auto", "on", "off")
+FUSION_MODES = ("auto", "on", "off")
 
 
 def _divisors(n: int) -> str:
@@ -328,6 +344,10 @@ def validate_settings(cfg: Any) -> None:
                          f"{', '.join(ATTENTION_DIAGNOSTICS_MODES)}")
     if t.gpu_memory_gib is not None and t.gpu_memory_gib <= 0:
         raise ValueError(f"trainer.gpu_memory_gib={t.gpu_memory_gib} must be positive (or null: the GPU's memory)")
+    if t.fusions not in FUSION_MODES:
+        raise ValueError(f"trainer.fusions={t.fusions!r} is unknown; use one of {', '.join(FUSION_MODES)}")
+    if t.profile_step is not None and not 1 <= t.profile_step <= t.max_steps:
+        raise ValueError(f"trainer.profile_step={t.profile_step} must be a step of the run, 1..{t.max_steps} (or null)")
     if o.decay not in DECAYS:
         raise ValueError(f"optim.decay={o.decay!r} is unknown; use one of {', '.join(DECAYS)}")
     if not (o.lr > 0 and 0 <= o.min_lr <= o.lr):
@@ -350,13 +370,17 @@ def validate(cfg: Any, world_size: int) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.trainer
     validate_settings(cfg)
     # the attention kinds are megatron-core ModuleSpecs: imported here, after the checks that need none of them
-    from diff_transformer.models.attention import BACKENDS
+    from diff_transformer.models.attention import BACKENDS, EPILOGUE_IMPLS
     from diff_transformer.models.layer_specs import ATTENTION_KINDS, num_kv_heads
+
+    backend_choices = ("auto",) + BACKENDS
 
     if m.attention not in ATTENTION_KINDS:
         raise ValueError(f"model.attention={m.attention!r} is unknown; use one of {', '.join(ATTENTION_KINDS)}")
-    if m.attention_backend not in BACKENDS:
-        raise ValueError(f"model.attention_backend={m.attention_backend!r} is unknown; use one of {', '.join(BACKENDS)}")
+    if m.attention_backend not in backend_choices:
+        raise ValueError(
+            f"model.attention_backend={m.attention_backend!r} is unknown; use one of {', '.join(backend_choices)}"
+        )
     for key in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "seq_length"):
         if getattr(m, key) < 1:
             raise ValueError(f"model.{key}={getattr(m, key)} must be a positive integer")
@@ -376,8 +400,11 @@ def validate(cfg: Any, world_size: int) -> None:
         )
     validate_attention_kind(m)
     validate_engine(cfg)  # before the layout: engine=deepspeed refuses PP whatever the world size
-    if p.tp < 1 or p.pp < 1:
-        raise ValueError(f"parallel.tp={p.tp} and parallel.pp={p.pp} must be positive")
+    if p.tp < 1 or p.pp < 1 or (p.cp is not None and p.cp < 1):
+        raise ValueError(
+            f"parallel.tp={p.tp}, parallel.pp={p.pp} and parallel.cp={_shown(p.cp)} must be positive (parallel.cp may "
+            "be null: chosen by the memory plan)"
+        )
     if m.num_heads % p.tp:
         raise ValueError(
             f"parallel.tp={p.tp} does not divide model.num_heads={m.num_heads} (a differential head's pair of "
@@ -389,24 +416,30 @@ def validate(cfg: Any, world_size: int) -> None:
         raise ValueError(
             f"parallel.pp={p.pp} does not divide model.num_layers={m.num_layers}; use {_divisors(m.num_layers)}"
         )
-    if world_size % (p.tp * p.pp):
+    model_parallel = p.tp * p.pp * (p.cp or 1)
+    if world_size % model_parallel:
+        names = "parallel.tp*parallel.pp" + ("*parallel.cp" if p.cp not in (None, 1) else "")
         raise ValueError(
-            f"world size {world_size} is not divisible by parallel.tp*parallel.pp={p.tp * p.pp}; launch a multiple "
-            f"of {p.tp * p.pp} processes or change the layout"
+            f"world size {world_size} is not divisible by {names}={model_parallel}; launch a multiple "
+            f"of {model_parallel} processes or change the layout"
         )
-    dp = world_size // (p.tp * p.pp)
+    dp = world_size // model_parallel
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ValueError(
             f"trainer.micro_batch_size={t.micro_batch_size} and trainer.global_batch_size={t.global_batch_size} "
             "must be positive"
         )
-    if t.global_batch_size % (t.micro_batch_size * dp):
+    if p.cp is not None and t.global_batch_size % (t.micro_batch_size * dp):  # null: checked once chosen
         raise ValueError(
             f"trainer.global_batch_size={t.global_batch_size} is not divisible by trainer.micro_batch_size="
             f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}"
         )
     validate_recompute(t, m.num_layers // p.pp)
+    fused_epilogues = tuple(e for e in EPILOGUE_IMPLS if e != "unfused")
+    if t.diff_epilogue not in fused_epilogues:
+        raise ValueError(f"trainer.diff_epilogue={t.diff_epilogue!r} is unknown; use one of {', '.join(fused_epilogues)}")
     validate_parallel_switches(p, m.seq_length, dp)
+    validate_context_parallel(cfg)
 
 
 def validate_attention_kind(m: ModelConfig) -> None:
@@ -414,7 +447,7 @@ def validate_attention_kind(m: ModelConfig) -> None:
     from diff_transformer.models.layer_specs import ABLATION_KEY_DEFAULTS, ATTENTION_KINDS
 
     kind = ATTENTION_KINDS[m.attention]
-    if m.attention_backend not in kind.backends:
+    if m.attention_backend != "auto" and m.attention_backend not in kind.backends:
         raise ValueError(
             f"model.attention={m.attention} does not run on model.attention_backend={m.attention_backend}; "
             f"use {', '.join(kind.backends)}"
@@ -530,6 +563,58 @@ def validate_parallel_switches(p: Any, seq_length: int, dp: int) -> None:
         )
     if p.ddp_bucket_size is not None and p.ddp_bucket_size < 1:
         raise ValueError(f"parallel.ddp_bucket_size={p.ddp_bucket_size} must be a positive number of parameters")
+
+
+def _shown(value: Any) -> str:
+    return "null" if value is None else str(value)
+
+
+def validate_ring_attention(m: Any, shown: str, backend_key: str = "model.attention_backend") -> None:
+    """The attention kind and backend of ``m`` have a ring-attention path (``shown``: the CP setting, for the message;
+    ``backend_key``: how the user sets the backend)."""
+    from diff_transformer.models.layer_specs import context_parallel_kinds
+    from diff_transformer.models.ring_attention import IMPLEMENTATIONS as RING_IMPLEMENTATIONS
+
+    kinds = context_parallel_kinds(m)
+    if m.attention not in kinds:
+        why = " (its head calibration reads whole attention maps)" if m.attention == "dex" else ""
+        raise ValueError(
+            f"model.attention={m.attention} has no ring-attention path for context parallelism ({shown}){why}; "
+            f"use one of {', '.join(kinds)}, or no context parallelism"
+        )
+    if m.attention_backend not in RING_IMPLEMENTATIONS + ("auto",):  # auto chooses among the ring's
+        raise ValueError(
+            f"model.attention_backend={m.attention_backend} has no ring-attention path for context parallelism "
+            f"({shown}): the ring merges each softmax map by its log-sum-exp, which this backend does not expose; "
+            f"use {backend_key}=sdpa (or eager)"
+        )
+
+
+def validate_context_parallel(cfg: Any) -> None:
+    """``parallel.cp`` > 1 (or null, which may choose it): a sequence that splits into 2·cp equal chunks, and an
+    attention kind and backend with a ring-attention path (models/ring_attention.py)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.trainer
+    if p.cp == 1:
+        return
+    shown = f"parallel.cp={_shown(p.cp)}"
+    validate_ring_attention(m, shown)
+    if t.attention_diagnostics == "on":
+        raise ValueError(
+            f"trainer.attention_diagnostics=on reads whole attention maps, which context parallelism ({shown}) "
+            "splits over ranks; use trainer.attention_diagnostics=auto (off under CP) or parallel.cp=1"
+        )
+    if p.cp is None:
+        return
+    if m.seq_length % (2 * p.cp):
+        raise ValueError(
+            f"model.seq_length={m.seq_length} is not divisible by 2*parallel.cp={2 * p.cp} (each context-parallel rank "
+            f"holds two equal chunks, one from each end of the sequence, so that causal work is even)"
+        )
+    if p.sequence_parallel and (m.seq_length // p.cp) % p.tp:
+        raise ValueError(
+            f"parallel.sequence_parallel=true splits each context-parallel rank's {m.seq_length // p.cp} tokens "
+            f"(model.seq_length={m.seq_length} / parallel.cp={p.cp}) over parallel.tp={p.tp}, which does not divide them"
+        )
 
 
 # Config keys that name files or directories; relative values are taken from the directory the user launched from.

@@ -56,9 +56,11 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def init_distributed(backend: str, tp: int = 1, pp: int = 1, seed: int = 0) -> None:
-    """Start the default process group (torchrun's env, or a single local process) and megatron's TP/PP groups."""
+def init_distributed(backend: str, tp: int = 1, pp: int = 1, seed: int = 0, cp: int = 1) -> None:
+    """Start the default process group (torchrun's env, or a single local process) and megatron's TP/CP/PP groups
+    (megatron's order tp-cp-ep-dp-pp: the ranks of a TP group are adjacent, then those of a CP group)."""
     compat.apply_cpu_patches()
+    compat.apply_grad_norm_patches()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -71,7 +73,9 @@ def init_distributed(backend: str, tp: int = 1, pp: int = 1, seed: int = 0) -> N
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.distributed.init_process_group(backend=backend)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+        )
     model_parallel_cuda_manual_seed(seed)
 
 
@@ -102,14 +106,29 @@ def all_reduce_tensor(tensor: torch.Tensor, group: Optional[Any] = None) -> torc
     """Sum ``tensor`` in place over ``group``; it must already live where the group's backend reduces."""
     if _is_trivial(group):
         return tensor
+    _check_device(tensor, group, "all_reduce_tensor")
+    torch.distributed.all_reduce(tensor, group=group)
+    return tensor
+
+
+def all_gather_tensor(tensor: torch.Tensor, group: Optional[Any] = None) -> List[torch.Tensor]:
+    """Every rank's ``tensor`` (the same shape and dtype on every rank of ``group``), in group-rank order; it must
+    already live where the group's backend gathers."""
+    if _is_trivial(group):
+        return [tensor]
+    _check_device(tensor, group, "all_gather_tensor", "gathered over")
+    gathered = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(gathered, tensor.contiguous(), group=group)
+    return gathered
+
+
+def _check_device(tensor: torch.Tensor, group: Optional[Any], what: str, verb: str = "reduced over") -> None:
     expected = device_type_for_backend(torch.distributed.get_backend(group))
     if tensor.device.type != expected:
         raise RuntimeError(
-            f"all_reduce_tensor: a {tensor.device.type} tensor cannot be reduced over a "
+            f"{what}: a {tensor.device.type} tensor cannot be {verb} a "
             f"{torch.distributed.get_backend(group)} group, which needs {expected} tensors"
         )
-    torch.distributed.all_reduce(tensor, group=group)
-    return tensor
 
 
 def _is_trivial(group: Optional[Any]) -> bool:
@@ -156,6 +175,36 @@ def all_gather_objects(obj: Any, group: Optional[Any] = None) -> List[Any]:
     gathered: List[Any] = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(gathered, obj, group=group)
     return gathered
+
+
+class RingExchange:
+    """The sends and receives of one step around a ring, in flight; :meth:`wait` returns the received tensors."""
+
+    def __init__(self, requests: List[Any], sent: List[torch.Tensor], received: List[torch.Tensor]):
+        self._requests = requests
+        self._sent = sent  # alive until the sends complete
+        self._received = received
+
+    def wait(self) -> List[torch.Tensor]:
+        for request in self._requests:
+            request.wait()
+        return self._received
+
+
+def ring_exchange(tensors: Sequence[torch.Tensor], group: Any) -> RingExchange:
+    """Start sending ``tensors`` to the next rank of ``group`` (group rank + 1, wrapping) and receiving tensors of the
+    same shapes and dtypes from the previous one, without waiting: the caller computes, then calls ``wait()``.
+    Every rank of the group calls it with the same shapes (context parallelism's ring attention)."""
+    for tensor in tensors:
+        _check_device(tensor, group, "ring_exchange", "sent around")
+    ranks = torch.distributed.get_process_group_ranks(group)
+    me = torch.distributed.get_rank(group)
+    send_to, receive_from = ranks[(me + 1) % len(ranks)], ranks[(me - 1) % len(ranks)]
+    sent = [t.contiguous() for t in tensors]
+    received = [torch.empty_like(t) for t in sent]
+    operations = [torch.distributed.P2POp(torch.distributed.isend, t, send_to, group) for t in sent]
+    operations += [torch.distributed.P2POp(torch.distributed.irecv, t, receive_from, group) for t in received]
+    return RingExchange(torch.distributed.batch_isend_irecv(operations), sent, received)
 
 
 def barrier() -> None:

@@ -7,6 +7,12 @@ RUN_OR_CHECKPOINT: a run directory, a checkpoints directory, a step_* checkpoint
 or a .pt file from `python -m diff_transformer.checkpoint convert`. One process by default (GPU when there is one);
 under torchrun the work is split over the ranks, each holding the whole model.
 
+Long context: --seq-length N evaluates at N tokens instead of the run's training length (ppl windows and the longest
+NIAH context; RoPE positions past the training length when N is larger). --cp C, under torchrun, splits each sequence
+over C ranks (context parallelism: ring attention, each rank holds two chunks of every sequence and the model whole),
+for contexts whose activations do not fit one device; the world is C x data-parallel ranks:
+    torchrun --nproc_per_node=8 -m diff_transformer.evaluate runs/diff-64k --tasks niah,ppl --cp 8 --seq-length 65536
+
 ppl: mean NLL and perplexity on the run's validation split and on each --text file (.txt or .jsonl, tokenized with
 the run's tokenizer, documents joined by end-of-document tokens as in training), sliding windows at the model's
 sequence length (--stride, default half of it), and the NLL at each position of the window.
@@ -26,6 +32,7 @@ import gc
 import logging
 import os
 import sys
+import time
 import warnings
 from typing import Dict, List, Optional, Sequence
 
@@ -45,6 +52,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--stride", type=int, help="window stride (default half the sequence length)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--backend", help="attention backend to evaluate with (default: the trained one)")
+    parser.add_argument("--seq-length", type=int, help="context length to evaluate at (default: the run's)")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context parallelism: ranks each sequence is split over (under torchrun; default 1)")
     parser.add_argument("--needles", type=int, default=6, help="N needles per context (default 6)")
     parser.add_argument("--asked", type=int, default=2, help="R of them asked (default 2)")
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], help="context lengths, e.g. 1024,2048,4096")
@@ -55,17 +65,23 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def context_length(args, run) -> int:
+    """The context the run is evaluated at: --seq-length, else its training length."""
+    return args.seq_length or run.seq_length
+
+
 def niah_config(args, run):
-    """The NIAH settings for ``run``: --lengths, or the quarters of its sequence length that hold the needles."""
+    """The NIAH settings for ``run``: --lengths, or the quarters of its context length that hold the needles."""
     from diff_transformer.evaluation.inference import load_run_tokenizer
     from diff_transformer.evaluation.niah import DEFAULT_DEPTHS, NeedleFactory, NiahConfig
 
+    length = context_length(args, run)
     minimum = NeedleFactory(load_run_tokenizer(run), args.value_digits).minimum_length(args.needles, args.asked)
-    lengths = args.lengths or [n for n in sorted({run.seq_length * k // 4 for k in (1, 2, 3, 4)}) if n >= minimum]
-    config = NiahConfig(needles=args.needles, asked=args.asked, lengths=tuple(lengths or [run.seq_length]),
+    lengths = args.lengths or [n for n in sorted({length * k // 4 for k in (1, 2, 3, 4)}) if n >= minimum]
+    config = NiahConfig(needles=args.needles, asked=args.asked, lengths=tuple(lengths or [length]),
                         depths=tuple(args.depths or DEFAULT_DEPTHS), samples=args.samples, seed=args.seed,
                         value_digits=args.value_digits)
-    config.validate(max_length=run.seq_length, min_length=minimum)
+    config.validate(max_length=length, min_length=minimum)
     return config
 
 
@@ -106,10 +122,12 @@ def evaluate(args: argparse.Namespace) -> int:
         raise ValueError(f"--tasks {args.tasks!r}: use a comma-separated subset of {', '.join(TASKS)}")
     # everything that can be checked without a model first: one clear error before minutes of loading
     runs = [resolve_run(path, args.tokenizer) for path in args.runs]
+    if args.seq_length is not None and args.seq_length < 2:
+        raise ValueError(f"--seq-length {args.seq_length} must be at least 2")
     for path in args.text:
         read_text_documents(path)
     configs = [niah_config(args, run) if "niah" in tasks else None for run in runs]
-    if args.stride is not None and not all(1 <= args.stride <= run.seq_length for run in runs):
+    if args.stride is not None and not all(1 <= args.stride <= context_length(args, run) for run in runs):
         raise ValueError(f"--stride {args.stride} must lie in [1, the model's sequence length]")
     labels = report.unique_labels([run.label for run in runs])
     out = report.output_dir(args.out, "evaluate")
@@ -117,9 +135,9 @@ def evaluate(args: argparse.Namespace) -> int:
     results: Dict[str, Dict] = {}
     try:
         for run, label, config in zip(runs, labels, configs):
-            model = load_for_inference(run, args.backend)
+            model = load_for_inference(run, args.backend, args.seq_length, args.cp)
             results[label] = evaluate_one(model, run, args, tasks, config)
-            rank = model.rank
+            rank = model.global_rank
             del model
             gc.collect()
     finally:
@@ -137,7 +155,8 @@ def evaluate(args: argparse.Namespace) -> int:
     if "niah" in tasks:
         niah_results = {k: v["niah"] for k, v in results.items()}
         written.append(plots.plot_niah_heatmaps(niah_results, out / "niah_accuracy.png"))
-        written.append(plots.plot_attention_allocation(niah_results, out / "niah_attention.png"))
+        if any(r["attention_allocation"] for r in niah_results.values()):  # none under context parallelism
+            written.append(plots.plot_attention_allocation(niah_results, out / "niah_attention.png"))
     table = comparison_table(results, tasks)
     (out / "comparison.md").write_text(table)
     print(table)
@@ -148,12 +167,15 @@ def evaluate(args: argparse.Namespace) -> int:
 def evaluate_one(model, run, args, tasks: List[str], config) -> Dict:
     from diff_transformer.evaluation import tasks as task_lib
     from diff_transformer.evaluation.inference import load_run_tokenizer
+    from diff_transformer.training.accounting import memory_gib
 
+    start = time.perf_counter()
     tokenizer = load_run_tokenizer(run)
     result: Dict = {"run": {"label": run.label, "checkpoint": run.checkpoint, "step": run.step,
                             "attention": run.attention, "seq_length": run.seq_length,
+                            "evaluated_length": model.seq_length, "rope_base": model.cfg.model.rope_base,
                             "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""),
-                            "world_size": model.world_size}}
+                            "world_size": model.world_size * model.cp, "context_parallel": model.cp}}
     if "ppl" in tasks:
         result["ppl"] = task_lib.run_ppl(model, tokenizer, args.text, args.max_tokens, args.stride, args.batch_size,
                                          args.tokenizer)
@@ -162,6 +184,8 @@ def evaluate_one(model, run, args, tasks: List[str], config) -> Dict:
         result["niah"] = task_lib.run_niah(model, tokenizer, config, haystack, args.batch_size)
     if model.lambdas():
         result["lambda"] = model.lambdas()
+    result["seconds"] = time.perf_counter() - start
+    result["peak_memory_gib"] = memory_gib()  # this process's peak GPU memory (resident memory on a CPU)
     return result
 
 
@@ -181,9 +205,11 @@ def comparison_table(results: Dict[str, Dict], tasks: List[str]) -> str:
             row += [r["ppl"]["validation"]["nll"], r["ppl"]["validation"]["perplexity"]]
             row += [r["ppl"][t]["perplexity"] if t in r["ppl"] else None for t in texts]
         if "niah" in tasks:
-            allocation = r["niah"]["attention_allocation"].values()
-            row += [r["niah"]["accuracy"], sum(a["answer"] for a in allocation) / len(allocation),
-                    sum(a["haystack"] for a in allocation) / len(allocation)]
+            allocation = r["niah"]["attention_allocation"].values()  # empty under context parallelism
+            row += [r["niah"]["accuracy"]] + [
+                sum(a[region] for a in allocation) / len(allocation) if allocation else None
+                for region in ("answer", "haystack")
+            ]
         rows.append(row)
     return report.markdown_table(header, rows)
 

@@ -4,9 +4,14 @@
     python -m launch.slurm submit model=3b nodes=4 gpus_per_node=8 parallel.tp=2 account=proj qos=high
     python -m launch.slurm status runs/smoke/2026-11-25_22-30-00      # or a job id
     python -m launch.slurm cancel runs/smoke/2026-11-25_22-30-00
+    python -m launch.slurm preprocess partitions=64 cpus_per_task=32 partition=cpu time=24:00:00 \
+        --input 'corpus/*.jsonl.zst' --tokenizer tok/ --out shards/corpus
 
 `submit` takes launch settings (the KEY=VALUE names in LAUNCH_KEYS) and Hydra overrides for train.py (everything
-else), composes the config to fail on a bad key before anything is queued, then writes into the run directory:
+else), composes the config to fail on a bad key before anything is queued, and runs the memory plan for the GPUs it
+asks for (nodes x gpus_per_node, each of `trainer.gpu_memory_gib` or else the memory of the partition's GPU type,
+read from SLURM): it prints the estimate, and refuses a job that cannot fit with the `error:` line train.py would
+print once the job had waited in the queue and started. Then it writes into the run directory:
   code/             a snapshot of the repository's files, which the job runs (later edits do not leak into it)
   config.yaml       the resolved config at submission (train.py rewrites it at start with the same content)
   submit.sbatch     the job script: srun starts launch/torchrun.sh once per node; `sbatch submit.sbatch` resubmits
@@ -15,6 +20,13 @@ The job asks for `--signal=USR1@<grace>`, `--requeue` and `--open-mode=append`: 
 USR1 to the workers, which save a checkpoint; global rank 0 requeues the job
 (diff_transformer.training.failures.requeue_current_job), and the requeued job resumes
 from that checkpoint (checkpoint.resume=auto) with its log appended to slurm-<jobid>.out.
+
+`preprocess` submits `python -m data.preprocess` as a job array of `partitions` tasks, task I running
+`--partition I/partitions` (data/preprocess.py) on one node, from a code snapshot in its run directory
+(default runs/preprocess/<out name>/<timestamp>: code/, preprocess.sbatch, launch.json, slurm-<job>_<task>.out). Every
+task resumes from the units and segments already committed, so `sbatch <run dir>/preprocess.sbatch` (or
+`sbatch --array=3,5 ...` for the tasks that failed) finishes the work without redoing any; a finished partition is a
+no-op. Then `data.blend=[PREFIX-*-of-N]` trains on the N shards as one.
 """
 
 from __future__ import annotations
@@ -78,14 +90,24 @@ def _parse_bool(key: str, text: str) -> bool:
 
 def split_arguments(arguments: Sequence[str]) -> tuple[LaunchSettings, list[str]]:
     """Launch settings from KEY=VALUE arguments named in LAUNCH_KEYS; the rest are Hydra overrides, in order."""
+    settings, overrides = _settings_from(LaunchSettings, arguments, others_allowed=True)
+    validate_settings(settings)
+    return settings, overrides
+
+
+def _settings_from(cls, arguments: Sequence[str], others_allowed: bool):
+    """An instance of the dataclass ``cls`` from the KEY=VALUE arguments naming its fields, and the other arguments."""
+    keys = tuple(f.name for f in dataclasses.fields(cls))
     values: dict = {}
     overrides: list[str] = []
-    types = {f.name: f.type for f in dataclasses.fields(LaunchSettings)}
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
     for argument in arguments:
         key, sep, value = argument.partition("=")
         if not sep:
-            raise ValueError(f"argument {argument!r} is not KEY=VALUE; launch settings are {', '.join(LAUNCH_KEYS)}")
-        if key not in LAUNCH_KEYS:
+            raise ValueError(f"argument {argument!r} is not KEY=VALUE; launch settings are {', '.join(keys)}")
+        if key not in keys:
+            if not others_allowed:
+                raise ValueError(f"{key} is not a setting; settings are {', '.join(keys)}")
             overrides.append(argument)
             continue
         if key in values:
@@ -100,9 +122,12 @@ def split_arguments(arguments: Sequence[str]) -> tuple[LaunchSettings, list[str]
             values[key] = _parse_bool(key, value)
         else:
             values[key] = value
-    settings = LaunchSettings(**values)
-    validate_settings(settings)
-    return settings, overrides
+    return cls(**values), overrides
+
+
+def _check_time(time: str) -> None:
+    if not _TIME_FORMAT.match(time):
+        raise ValueError(f"time={time!r} is not a SLURM time; use e.g. 04:00:00, 2-00:00:00 or 90 (minutes)")
 
 
 def validate_settings(settings: LaunchSettings) -> None:
@@ -116,8 +141,7 @@ def validate_settings(settings: LaunchSettings) -> None:
         raise ValueError(f"cpus_per_task={settings.cpus_per_task} must be at least 1")
     if settings.grace < 10:
         raise ValueError(f"grace={settings.grace} s is too short to save a checkpoint; give 10 or more seconds")
-    if not _TIME_FORMAT.match(settings.time):
-        raise ValueError(f"time={settings.time!r} is not a SLURM time; use e.g. 04:00:00, 2-00:00:00 or 90 (minutes)")
+    _check_time(settings.time)
 
 
 def procs_per_node(settings: LaunchSettings) -> int:
@@ -271,6 +295,109 @@ def _refuse_existing_submission(run_dir: Path) -> None:
         )
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# The memory plan at submission
+# ------------------------------------------------------------------------------------------------------------------
+# Memory of one device in GiB by GPU model, as SLURM names them in a GRES type or a node feature (datasheets; a size
+# in the name, such as a100_80gb, wins). Longest names are matched first, so a100 is not read as a10.
+GPU_MEMORY_GIB = {
+    "h200": 141.0, "gh200": 96.0, "h100nvl": 94.0, "h100_nvl": 94.0, "h100": 80.0, "h800": 80.0, "a100": 40.0,
+    "a800": 80.0, "l40s": 48.0, "l40": 48.0, "a40": 48.0, "a6000": 48.0, "l4": 24.0, "a10": 24.0, "v100": 16.0,
+    "mi300x": 192.0, "mi250x": 64.0, "mi250": 64.0,
+}
+_SIZE_IN_NAME = re.compile(r"(?<![0-9])([0-9]{2,3})g(?:b|ib)?(?![a-z0-9])")
+
+
+def gpu_memory_of_type(name: str) -> float | None:
+    """GiB of a GPU named like SLURM GRES types and features are (h100, nvidia_h100_80gb_hbm3, a100-80g), or None."""
+    lowered = name.lower()
+    size = _SIZE_IN_NAME.search(lowered)
+    if size and any(model in lowered for model in GPU_MEMORY_GIB):
+        return float(size.group(1))
+    for model in sorted(GPU_MEMORY_GIB, key=len, reverse=True):
+        if model in lowered:
+            return GPU_MEMORY_GIB[model]
+    return None
+
+
+def partition_gpu_memory(partition: str | None) -> tuple[float | None, str]:
+    """(GiB of the smallest GPU on the partition's nodes, where it was read) from SLURM's GRES types and node features
+    (sinfo); (None, why not) when SLURM names no GPU model whose memory is known."""
+    where = f"partition {partition}" if partition else "the default partition"
+    command = ["sinfo", "-h", "-o", "%P|%G|%f"] + (["-p", partition] if partition else [])
+    try:
+        rows = _run(command, "the memory plan").splitlines()
+    except RuntimeError as error:
+        return None, f"SLURM did not describe {where} ({error})"
+    if not partition:
+        rows = [row for row in rows if row.split("|")[0].endswith("*")]
+    found: dict[str, float] = {}
+    for row in rows:
+        _, gres, features = (row.split("|") + ["", ""])[:3]
+        names = [entry.split(":")[1] for entry in re.split(r",(?![^(]*\))", gres) if entry.startswith("gpu:")
+                 and entry.count(":") >= 2]
+        names += [feature for feature in features.split(",") if feature and feature != "(null)"]
+        for name in names:
+            gib = gpu_memory_of_type(name)
+            if gib is not None:
+                found[name] = gib
+    if not found:
+        return None, (f"no GPU model with a known memory size on {where} (GRES and features: "
+                      f"{'; '.join(rows) or 'none'})")
+    name = min(found, key=found.get)
+    return found[name], f"{where}: {name}" + (f", the smallest of {', '.join(sorted(found))}" if len(found) > 1 else "")
+
+
+def _planned_vocab(typed) -> int:
+    """The vocabulary train.py will pad: model.vocab_size, else the tokenizer's (the bundled one is trained to
+    data.bundled_vocab_size pieces)."""
+    if typed.model.vocab_size is not None:
+        return typed.model.vocab_size
+    if typed.data.tokenizer_dir is not None:
+        from data.tokenizer import load_tokenizer
+
+        return load_tokenizer(typed.data.tokenizer_dir).vocab_size
+    return typed.data.bundled_vocab_size
+
+
+def check_memory_plan(cfg, settings: LaunchSettings) -> dict | None:
+    """The job's memory per GPU at its size (``training.accounting.check_memory_plan``, as train.py runs it): the
+    estimate and its budget, None when there is nothing to check (a CPU job without trainer.gpu_memory_gib), or a
+    record saying why it was not checked. ValueError, with train.py's message, when it cannot fit."""
+    import torch
+
+    from diff_transformer.config import padded_vocab_size, to_object
+    from diff_transformer.training.accounting import USABLE_MEMORY_FRACTION, check_memory_plan as plan
+
+    typed = to_object(cfg)
+    gpu = settings.gpus_per_node > 0
+    budget, source = typed.trainer.gpu_memory_gib, "trainer.gpu_memory_gib"
+    if budget is None and gpu:
+        budget, source = partition_gpu_memory(settings.partition)
+        if budget is None:
+            return {"checked": False, "reason": f"{source}; give trainer.gpu_memory_gib=GiB to check at submission"}
+    if budget is None:
+        return None
+    precision = typed.trainer.precision
+    dtype = torch.bfloat16 if precision == "bf16" or (precision == "auto" and gpu) else torch.float32
+    world = settings.nodes * procs_per_node(settings)
+    padded = padded_vocab_size(_planned_vocab(typed), typed.model.make_vocab_size_divisible_by, typed.parallel.tp)
+    estimate = plan(typed, dtype, world, padded, budget_gib=budget, device="cuda" if gpu else "cpu")
+    return {"checked": True, "estimate_gib": estimate, "budget_gib": budget, "source": source,
+            "usable_gib": USABLE_MEMORY_FRACTION * budget, "world_size": world}
+
+
+def describe_memory_plan(plan: dict | None) -> str | None:
+    if plan is None:
+        return None
+    if not plan["checked"]:
+        return f"memory plan not checked at submission: {plan['reason']}"
+    e = plan["estimate_gib"]
+    parts = ", ".join(f"{k} {e[k]:.1f}" for k in ("weights", "grads", "optimizer", "activations", "logits"))
+    return (f"memory plan: estimated {e['total']:.2f} GiB per GPU ({parts}) fits the {plan['usable_gib']:.1f} GiB "
+            f"usable of {plan['budget_gib']:g} GiB ({plan['source']}) on {plan['world_size']} processes")
+
+
 def submit(arguments: Sequence[str], dry_run: bool = False) -> dict:
     """Snapshot code and config into the run directory, write submit.sbatch and submit it; returns launch.json."""
     from omegaconf import OmegaConf
@@ -286,6 +413,7 @@ def submit(arguments: Sequence[str], dry_run: bool = False) -> dict:
     if given_run_dir:
         _refuse_existing_submission(Path(given_run_dir).expanduser().absolute())
     cfg = compose_config(overrides, world_size=settings.nodes * procs_per_node(settings))
+    memory_plan = check_memory_plan(cfg, settings)  # refuses, before anything is written, a job that cannot fit
     # the job runs inside the code snapshot: relative paths are taken from here, the directory submit runs in
     absolute = resolve_launch_paths(cfg, os.getcwd())
     changed_keys = {o.split("=", 1)[0] for o in absolute}
@@ -311,14 +439,177 @@ def submit(arguments: Sequence[str], dry_run: bool = False) -> dict:
         "run_dir": str(run_dir),
         "git": git,
         "files_in_snapshot": copied,
-        "submitted_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "job_ids": [],
+        "memory_plan": memory_plan,
     }
+    return _sbatch_and_record(run_dir / "submit.sbatch", record, dry_run)
+
+
+def _sbatch_and_record(script: Path, record: dict, dry_run: bool) -> dict:
+    """Submit ``script`` (unless dry_run) and write launch.json beside it: ``record``, the time and the job id."""
+    record = {**record, "submitted_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "job_ids": []}
     if not dry_run:
-        output = _run(["sbatch", "--parsable", str(run_dir / "submit.sbatch")], "submit")
+        output = _run(["sbatch", "--parsable", str(script)], "submit")
         record["job_ids"].append(output.strip().split(";")[0])
-    (run_dir / "launch.json").write_text(json.dumps(record, indent=2) + "\n")
+    (script.parent / "launch.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Preprocessing as a job array
+# ------------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class PreprocessSettings:
+    """The KEY=VALUE settings of `preprocess`; the arguments from the first --option on are data.preprocess's."""
+
+    partitions: int = 0  # N: tasks of the array, one per --partition I/N
+    cpus_per_task: int = 8  # one task's CPUs; data.preprocess gets --workers cpus_per_task - 1 unless given
+    max_running: int | None = None  # tasks running at once (SLURM's --array=1-N%K)
+    mem: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str = "24:00:00"
+    constraint: str | None = None
+    job_name: str = "preprocess"
+    run_dir: str | None = None  # default: runs/preprocess/<name of --out>/<timestamp>
+    python: str | None = None  # default: <repo>/.venv/bin/python
+
+
+class _RefusingParser(argparse.ArgumentParser):
+    """data.preprocess's parser, raising ValueError where it would exit."""
+
+    def error(self, message):
+        raise ValueError(f"data.preprocess arguments: {message}")
+
+
+_PATH_OPTIONS = ("--input", "--tokenizer", "--out")
+
+
+def _absolute_path_arguments(arguments: Sequence[str]) -> list[str]:
+    """data.preprocess arguments with the paths (and globs) of --input, --tokenizer and --out made absolute: the
+    tasks run in the code snapshot."""
+    out, option = [], None
+    for argument in arguments:
+        if argument.startswith("--"):
+            name, sep, value = argument.partition("=")
+            option = name if name in _PATH_OPTIONS else None
+            if sep and option:
+                argument = f"{name}={os.path.abspath(os.path.expanduser(value))}"
+                option = None
+            out.append(argument)
+        elif option:
+            out.append(os.path.abspath(os.path.expanduser(argument)))
+            if option != "--input":  # only --input takes several
+                option = None
+        else:
+            out.append(argument)
+    return out
+
+
+def split_preprocess_arguments(arguments: Sequence[str]) -> tuple[PreprocessSettings, list[str], str]:
+    """The settings (KEY=VALUE, before the first --option), data.preprocess's arguments (paths made absolute) and its
+    --out prefix, checked as the tasks will run them: inputs that exist, a tokenizer, no more partitions than work
+    units."""
+    from data.preprocess import build_parser, partition_plan
+
+    first = next((i for i, a in enumerate(arguments) if a.startswith("--")), len(arguments))
+    settings, _ = _settings_from(PreprocessSettings, arguments[:first], others_allowed=False)
+    command = list(arguments[first:])
+    if settings.partitions < 1:
+        raise ValueError(f"partitions={settings.partitions}: give partitions=N, the number of array tasks (1 or more)")
+    if settings.cpus_per_task < 1:
+        raise ValueError(f"cpus_per_task={settings.cpus_per_task} must be at least 1")
+    if settings.max_running is not None and settings.max_running < 1:
+        raise ValueError(f"max_running={settings.max_running} must be at least 1")
+    _check_time(settings.time)
+    parsed = build_parser(_RefusingParser).parse_args(command)
+    if parsed.partition:
+        raise ValueError(f"--partition {parsed.partition}: each array task takes its own; give partitions=N only")
+    if not os.path.exists(parsed.tokenizer):
+        raise ValueError(f"--tokenizer {parsed.tokenizer} does not exist")
+    if parsed.unit_mb < 1:
+        raise ValueError(f"--unit-mb {parsed.unit_mb} must be at least 1")
+    try:
+        partition_plan(parsed.input, settings.partitions, parsed.unit_mb, parsed.preset)
+    except (ValueError, FileNotFoundError) as error:
+        raise ValueError(f"partitions={settings.partitions}: {error}") from None
+    command = _absolute_path_arguments(command)
+    if parsed.workers == 1 and not any(a == "--workers" or a.startswith("--workers=") for a in command):
+        command += ["--workers", str(max(1, settings.cpus_per_task - 1))]  # the reader and writer need one
+    return settings, command, os.path.abspath(os.path.expanduser(parsed.out))
+
+
+def render_preprocess_sbatch(settings: PreprocessSettings, command: Sequence[str], run_dir: Path, python: str,
+                             command_line: str, git: dict) -> str:
+    """The array job: task I runs data.preprocess --partition I/N from the code snapshot."""
+    n = settings.partitions
+    directives = [
+        f"--job-name={settings.job_name}",
+        f"--array=1-{n}" + (f"%{settings.max_running}" if settings.max_running else ""),
+        "--nodes=1",
+        "--ntasks=1",
+        f"--cpus-per-task={settings.cpus_per_task}",
+        f"--time={settings.time}",
+        f"--output={run_dir}/slurm-%A_%a.out",
+        "--open-mode=append",
+        "--requeue",  # a preempted task runs again and resumes from what it committed
+    ]
+    for key in ("partition", "account", "qos", "mem", "constraint"):
+        value = getattr(settings, key)
+        if value:
+            directives.append(f"--{key}={value}")
+    code_dir = run_dir / "code"
+    lines = [
+        "#!/bin/bash",
+        f"# {command_line}",
+        f"# Commit {git.get('commit') or 'unknown'}{' with uncommitted changes' if git.get('dirty') else ''}; "
+        f"code snapshot in {code_dir}.",
+        f"# Resubmit (each task resumes): sbatch {run_dir}/preprocess.sbatch; some tasks only: sbatch --array=3,5 ...",
+        *(f"#SBATCH {d}" for d in directives),
+        "",
+        "set -euo pipefail",
+        f"cd {shlex.quote(str(code_dir))}",
+        f"export PYTHONPATH={shlex.quote(str(code_dir))}${{PYTHONPATH:+:$PYTHONPATH}}",
+        'echo "task ${SLURM_ARRAY_TASK_ID} of job ${SLURM_ARRAY_JOB_ID} on $(hostname) at $(date -u +%FT%TZ)"',
+        f"{shlex.quote(python)} -m data.preprocess \\",
+        *(f"  {shlex.quote(a)} \\" for a in command),
+        f'  --partition "${{SLURM_ARRAY_TASK_ID}}/{n}"',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def submit_preprocess(arguments: Sequence[str], dry_run: bool = False) -> dict:
+    """Snapshot the code, write preprocess.sbatch (a job array) into the run directory and submit it."""
+    settings, command, out = split_preprocess_arguments(arguments)
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    default = REPO_ROOT / "runs" / "preprocess" / Path(out).name / stamp
+    run_dir = Path(settings.run_dir or default).expanduser().absolute()
+    if (run_dir / "preprocess.sbatch").exists():
+        raise FileExistsError(f"{run_dir} already holds a submission; resubmit it with "
+                              f"`sbatch {run_dir}/preprocess.sbatch` or give another run_dir")
+    python = settings.python or str(REPO_ROOT / ".venv" / "bin" / "python")
+    if not Path(python).exists() and not dry_run:
+        raise FileNotFoundError(f"python={python} does not exist; create the .venv or pass python=/path/to/python")
+    command_line = "python -m launch.slurm preprocess " + " ".join(shlex.quote(a) for a in arguments)
+    git = git_state(REPO_ROOT)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    copied = snapshot_code(REPO_ROOT, run_dir / "code")
+    script = render_preprocess_sbatch(settings, command, run_dir, python, command_line, git)
+    (run_dir / "preprocess.sbatch").write_text(script)
+    n = settings.partitions
+    record = {
+        "command": command_line,
+        "settings": dataclasses.asdict(settings),
+        "preprocess": command,
+        "shards": [f"{out}-{i}-of-{n}" for i in range(1, n + 1)],
+        "blend_entry": f"{out}-*-of-{n}",
+        "run_dir": str(run_dir),
+        "git": git,
+        "files_in_snapshot": copied,
+    }
+    return _sbatch_and_record(run_dir / "preprocess.sbatch", record, dry_run)
 
 
 def resolve_job(target: str) -> tuple[str, Path | None]:
@@ -403,6 +694,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     submit_parser.add_argument("--dry-run", action="store_true", help="write the run directory without submitting")
     submit_parser.add_argument("arguments", nargs="*", metavar="KEY=VALUE")
+    preprocess_parser = commands.add_parser(
+        "preprocess", help="data.preprocess as a SLURM job array, one --partition I/N per task",
+        description=f"Settings (KEY=VALUE, first): {', '.join(f.name for f in dataclasses.fields(PreprocessSettings))}."
+                    " Then data.preprocess's arguments (--input ... --tokenizer DIR --out PREFIX ...).",
+    )
+    preprocess_parser.add_argument("--dry-run", action="store_true", help="write the run directory without submitting")
+    preprocess_parser.add_argument("arguments", nargs=argparse.REMAINDER, metavar="KEY=VALUE ... --input ...")
     for name, text in (("status", "state of a job and its latest metrics"), ("cancel", "scancel a job")):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("target", help="run directory (with launch.json) or job id")
@@ -410,11 +708,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "submit":
             record = submit(args.arguments, dry_run=args.dry_run)
+            if describe_memory_plan(record["memory_plan"]):
+                print(describe_memory_plan(record["memory_plan"]))
             where = record["run_dir"]
             if record["job_ids"]:
                 print(f"submitted job {record['job_ids'][-1]}; run directory {where}")
             else:
                 print(f"wrote {where}/submit.sbatch (not submitted: --dry-run)")
+        elif args.command == "preprocess":
+            record = submit_preprocess(args.arguments, dry_run=args.dry_run)
+            where = record["run_dir"]
+            if record["job_ids"]:
+                print(f"submitted job array {record['job_ids'][-1]} ({record['settings']['partitions']} tasks); "
+                      f"run directory {where}; then train with data.blend=[{record['blend_entry']}]")
+            else:
+                print(f"wrote {where}/preprocess.sbatch (not submitted: --dry-run)")
         elif args.command == "status":
             print(json.dumps(status(args.target), indent=2))
         else:

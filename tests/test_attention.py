@@ -183,6 +183,85 @@ def test_unknown_backend_and_missing_flash_attn():
             attn(q, q, q, None, attn_mask_type=AttnMaskType.causal)
 
 
+@pytest.mark.parametrize("kind", ["diff", "diff_v2"])
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2), (4, 1)], ids=["H2-Hkv2", "H4-Hkv2-gqa", "H4-Hkv1-gqa"])
+def test_library_layout_equals_eager_in_fp64(kind, heads, kv_heads):
+    """DIFF's sdpa path (two calls of 2H query heads with equal head dims, V's halves repeated per head pair; GQA in
+    map-major order) and V2's one call equal the materialised maps in fp64: outputs and every gradient, q, k, v,
+    λ's vectors, the norm weight and V2's λ logits."""
+    from diff_transformer.models.attention import DiffV2CoreAttention
+
+    torch.manual_seed(heads * 10 + kv_heads)
+    d, n, b = 8, 19, 2
+    if kind == "diff":
+        config = make_config(heads, kv_heads, d)
+        make = lambda backend: DifferentialCoreAttention(config, 3, AttnMaskType.causal, backend=backend)  # noqa
+        shapes = (2 * heads, 2 * kv_heads, 2 * kv_heads)
+    else:
+        config = TransformerConfig(num_layers=2, hidden_size=2 * heads * d, num_attention_heads=2 * heads,
+                                   num_query_groups=kv_heads, kv_channels=d, use_cpu_initialization=True)
+        make = lambda backend: DiffV2CoreAttention(config, 1, AttnMaskType.causal, backend=backend)  # noqa
+        shapes = (2 * heads, kv_heads, kv_heads)
+    eager, sdpa = make("eager").double(), make("sdpa").double()
+    if kind == "diff":
+        with torch.no_grad():
+            eager.sublayer_norm.weight.uniform_(0.5, 1.5)
+    sdpa.load_state_dict(eager.state_dict())
+    tensors = [torch.randn(n, b, h, d, dtype=torch.float64) for h in shapes]
+    if kind == "diff_v2":
+        tensors.append(torch.randn(n, b, heads, dtype=torch.float64))  # λ's logits
+
+    def run(module):
+        inputs = [t.clone().requires_grad_(True) for t in tensors]
+        bias = inputs[3] if kind == "diff_v2" else None
+        out = module(*inputs[:3], None, attn_mask_type=AttnMaskType.causal, attention_bias=bias)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64))
+        return [out.detach()] + [t.grad for t in inputs] + [p.grad for p in module.parameters()]
+
+    got, want = run(sdpa), run(eager)
+    assert len(got) == len(want) >= 4
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float64
+        assert rel_err(g, w) < 1e-12
+
+
+def test_sdpa_calls_have_equal_head_dims_and_run_the_flash_kernel():
+    """What torch's dispatcher picks for each SDPA call (torch._fused_sdp_choice): DIFF makes two calls of the
+    baseline's shape (2H query heads of d, V d wide) and the baseline one; on a CPU both run torch's flash kernel,
+    which needs equal head dims (DIFF's former calls with a 2d-wide V ran the materialising math kernel)."""
+    from diff_transformer.models.attention.base import record_sdpa_kernels
+
+    heads, d, n, b = 2, 16, 32, 2
+    config = make_config(heads, heads, d)
+    q, k, v = (torch.randn(n, b, 2 * heads, d) for _ in range(3))
+    with record_sdpa_kernels() as diff_calls:
+        DifferentialCoreAttention(config, 1, AttnMaskType.causal, backend="sdpa")(q, k, v, None)
+    with record_sdpa_kernels() as vanilla_calls:
+        VanillaCoreAttention(config, 1, AttnMaskType.causal, backend="sdpa")(q, k, v, None)
+    shape = f"q {(b, 2 * heads, n, d)} k {(b, 2 * heads, n, d)} v {(b, 2 * heads, n, d)} float32"
+    assert vanilla_calls == [f"flash: {shape}"]
+    assert diff_calls == [f"flash: {shape}"] * 2
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2)], ids=["H2-Hkv2", "H4-Hkv2"])
+def test_fused_epilogue_in_the_model_matches_eager(heads, kv_heads):
+    """DIFF's sdpa path with the fused Triton epilogue (Triton's interpreter on CPU) against eager, fp32."""
+    torch.manual_seed(9)
+    d, n, b = 16, 24, 2
+    config = make_config(heads, kv_heads, d)
+    eager = DifferentialCoreAttention(config, 2, AttnMaskType.causal, backend="eager")
+    fused = DifferentialCoreAttention(config, 2, AttnMaskType.causal, backend="sdpa", epilogue="triton")
+    with torch.no_grad():
+        eager.sublayer_norm.weight.uniform_(0.5, 1.5)
+    fused.load_state_dict(eager.state_dict())
+    q, k, v = torch.randn(n, b, 2 * heads, d), torch.randn(n, b, 2 * kv_heads, d), torch.randn(n, b, 2 * kv_heads, d)
+    out_e, grads_e, pgrads_e = _run(eager, q, k, v)
+    out_f, grads_f, pgrads_f = _run(fused, q, k, v)
+    assert out_f.is_contiguous()
+    for got, want in zip([out_f] + grads_f + pgrads_f, [out_e] + grads_e + pgrads_e):
+        assert rel_err(got, want) < 1e-5
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2)], ids=["H2-Hkv2", "H4-Hkv2"])
 def test_triton_backend_matches_eager_values_and_grads(heads, kv_heads):
     """The fused kernel as the model's backend (Triton's interpreter on CPU)."""

@@ -294,6 +294,32 @@ def test_diff_v2_core_attention_needs_lambda_and_refuses_a_bias(megatron_single_
         module(torch.randn(6, 1, 16), None, attention_bias=torch.zeros(1))
 
 
+def test_diff_v2_records_its_per_token_lambda_only_when_asked(megatron_single_process):
+    """The sums a logging step reads (count, Σλ, Σλ² over tokens and heads, two micro-batches) against sigmoid(x·W_λ)
+    computed here; nothing is recorded outside a recording."""
+    from diff_transformer.models.attention.diff_v2 import record_lambda, recorded_lambda_sums
+
+    torch.manual_seed(5)
+    module = build_v2_attention(2, 2, 8, 24, "sdpa")
+    with torch.no_grad():
+        module.linear_lambda.weight.normal_(0.0, 0.5)
+    xs = [torch.randn(10, 2, 24), torch.randn(10, 3, 24)]
+    module(xs[0], None)
+    assert module.lambda_sums is None
+    record_lambda([module], True)
+    with torch.no_grad():
+        for x in xs:
+            module(x, None)
+    (sums,) = recorded_lambda_sums([module]).tolist()
+    record_lambda([module], False)
+    lam = torch.cat([torch.sigmoid(x.double() @ module.linear_lambda.weight.double().T).flatten() for x in xs])
+    assert sums[0] == lam.numel() == 2 * (10 * 2 + 10 * 3)
+    assert sums[1] == pytest.approx(lam.sum().item(), rel=1e-6)
+    assert sums[2] == pytest.approx(lam.square().sum().item(), rel=1e-6)
+    module(xs[0], None)
+    assert module.lambda_sums is None
+
+
 def _v2_core_outputs(backend, q, k, v, lam_logits):
     core = DiffV2CoreAttention(make_config(q.shape[2], k.shape[2], q.shape[3]), 1, CAUSAL, backend=backend)
     return run_with_grads(lambda q, k, v, lam: core(q, k, v, None, attn_mask_type=CAUSAL, attention_bias=lam),

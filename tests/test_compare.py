@@ -37,16 +37,22 @@ def token_loss(d, attention):
 
 
 def write_run(root, attention, n, final_val_loss, *, noise=0.0, rng=None, data="corpus-v1", max_steps=MAX_STEPS,
-              stop_at=None, tokens_per_step=TOKENS_PER_STEP, eval_interval=50, follow_token_law=False):
+              stop_at=None, tokens_per_step=TOKENS_PER_STEP, eval_interval=50, follow_token_law=False,
+              variant=None, baseline_variant=None):
     """A run directory as train.py writes it; validation losses have the token law's shape, ending at final_val_loss
     (or following the token law exactly when follow_token_law)."""
-    run_dir = root / f"n{int(n)}_{attention}"
+    run_dir = root / f"n{int(n)}_{(variant or attention).replace(' ', '_')}"
     run_dir.mkdir(parents=True)
-    (run_dir / "run.json").write_text(json.dumps({
+    description = {
         "name": "synthetic", "model": f"n{int(n)}", "attention": attention, "num_parameters": int(n),
         "num_non_embedding_parameters": int(n) // 2, "tokens_per_step": tokens_per_step,
         "seq_length": 128, "data": {"corpus": data}, "max_steps": max_steps,
-    }))
+    }
+    if variant:
+        description["variant"] = variant
+    if baseline_variant:
+        description["baseline_variant"] = baseline_variant
+    (run_dir / "run.json").write_text(json.dumps(description))
     last = stop_at or max_steps
     # The token law's shape along the run, shifted so the last evaluation lands on this size's final loss.
     shift = 0.0 if follow_token_law else final_val_loss - token_loss(max_steps * tokens_per_step, attention)
@@ -159,6 +165,61 @@ def test_token_ratio_along_one_run(tmp_path, noise):
         assert estimate.ratio == pytest.approx(TOKEN_RATIO, rel=1e-4)
         assert comparison.token_fits["diff"].alpha == pytest.approx(BETA, rel=1e-4)
         assert comparison.token_fits["vanilla"].E == pytest.approx(E_D, rel=1e-4)
+
+
+# Variants of a sweep: (attention, variant label, baseline_variant in run.json, the size at which it matches the
+# baseline law, as a fraction of the baseline's: L_v(N) = L_vanilla(N / SIZE_FACTOR)).
+V2_BASELINE = "vanilla num_kv_heads=1"
+VARIANTS = [
+    ("vanilla", "vanilla", None, 1.0),
+    ("diff", "diff", None, RATIO),
+    ("diff_v2", "diff_v2", V2_BASELINE, 0.8),
+    ("vanilla", V2_BASELINE, None, 1.1),
+    ("topk", "topk topk=8", None, 0.9),
+]
+
+
+def variant_sweep(root):
+    for attention, variant, baseline_variant, factor in VARIANTS:
+        for n in SIZES:
+            write_run(root, attention, n, float(baseline_loss(n / factor)), variant=variant,
+                      baseline_variant=baseline_variant)
+    return root
+
+
+def test_every_variant_is_fitted_against_its_reference_and_v2_against_its_own_baseline(tmp_path, capsys):
+    factor = {variant: f for _, variant, _, f in VARIANTS}
+    comparison = scaling.compare_runs(run_records.load_runs([variant_sweep(tmp_path / "sweep")]))
+    assert set(comparison.size_fits) == set(factor)
+    pairs = {pair.variant: pair for pair in comparison.pairs}
+    assert comparison.pairs[0].variant == "diff"  # the figure's pair: DIFF against the reference
+    assert {v: p.reference for v, p in pairs.items()} == {
+        "diff": "vanilla", "diff_v2": V2_BASELINE, V2_BASELINE: "vanilla", "topk topk=8": "vanilla"}
+    for variant, pair in pairs.items():
+        expected = factor[variant] / factor[pair.reference]
+        assert [r.ratio for r in pair.parameter_ratios] == pytest.approx([expected] * len(SIZES), rel=1e-3), variant
+        assert [r.name for r in pair.token_pair] == [f"n100000000_{variant.replace(' ', '_')}",
+                                                     f"n100000000_{pair.reference.replace(' ', '_')}"]
+        assert pair.token_ratio is not None
+
+    # --reference: every variant against diff, but V2 still against its own baseline; a reference not trained: refused
+    out = tmp_path / "figure.png"
+    assert compare.main([str(tmp_path / "sweep"), "--reference", "diff", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads(out.with_suffix(".json").read_text())
+    ratios = {(p["variant"], p["reference"]): p["parameter_ratios"][0]["ratio"] for p in summary["pairs"]}
+    assert ratios == pytest.approx({("vanilla", "diff"): 1 / RATIO, ("diff_v2", V2_BASELINE): 0.8 / 1.1,
+                                    (V2_BASELINE, "diff"): 1.1 / RATIO, ("topk topk=8", "diff"): 0.9 / RATIO}, rel=1e-3)
+    assert "diff_v2 against vanilla num_kv_heads=1:" in printed and "topk topk=8 against DIFF:" in printed
+    assert compare.main([str(tmp_path / "sweep"), "--reference", "dex", "--out", str(out)]) == 2
+    assert "--reference 'dex' is not a variant of these runs" in capsys.readouterr().err
+
+    # Without its own baseline, V2 is compared with the reference, and the report says so.
+    runs = [r for r in run_records.load_runs([tmp_path / "sweep"]) if r.variant != V2_BASELINE]
+    comparison = scaling.compare_runs(runs)
+    v2 = next(p for p in comparison.pairs if p.variant == "diff_v2")
+    assert v2.reference == "vanilla" and v2.parameter_ratios[0].ratio == pytest.approx(0.8, rel=1e-3)
+    assert any("its own baseline (vanilla num_kv_heads=1) was not trained" in note for note in comparison.notes)
 
 
 def test_a_size_that_breaks_the_power_law_leaves_a_note_not_a_crash(tmp_path):

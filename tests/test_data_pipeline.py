@@ -393,3 +393,60 @@ def test_tiktoken_rank_file(tmp_path):
     assert tokenizer.encode("hello") == [256, 257, ord("o")]
     assert tokenizer.decode(tokenizer.encode("hello ☃")) == "hello ☃"
     assert tokenizer.encode_batch(["hello"], append_eod=True) == [[256, 257, ord("o"), 258]]
+
+
+def test_partitions_concatenate_to_the_unpartitioned_shard(tmp_path, tokenizer_dir, documents, capsys):
+    """--partition I/N for I = 1..3: each shard a contiguous run of the work units; in order, their tokens are the
+    one unpartitioned run's; the blend entry PREFIX-*-of-3 names the three."""
+    from data.datasets import prepare
+    from data.config import DataConfig
+
+    inputs = []
+    for i, docs in enumerate((documents[:10] * 2, documents[10:14], documents[14:] * 3)):
+        _write_jsonl(tmp_path / f"in{i}.jsonl{'.gz' if i == 1 else ''}", docs)
+        inputs.append(str(tmp_path / f"in{i}.jsonl{'.gz' if i == 1 else ''}"))
+    unit_bytes = 8192  # several byte-range units per plain file, the compressed file one unit
+    whole = preprocess.preprocess(inputs, tokenizer_dir, str(tmp_path / "one" / "s"), unit_bytes=unit_bytes)
+    assert whole["run"]["parts"] >= 6
+    parts = [preprocess.preprocess(inputs, tokenizer_dir, str(tmp_path / "three" / "s"), unit_bytes=unit_bytes,
+                                   partition=preprocess.Partition(i, 3)) for i in (1, 2, 3)]
+    prefixes = [str(tmp_path / "three" / f"s-{i}-of-3") for i in (1, 2, 3)]
+    assert [m["prefix"] for m in parts] == prefixes
+    assert [m["partition"]["units"] for m in parts][0][0] == 0
+    assert [m["partition"]["units"][1] for m in parts][-1] == whole["run"]["parts"]
+    assert all(a["partition"]["units"][1] == b["partition"]["units"][0] for a, b in zip(parts, parts[1:]))
+    assert all(m["totals"]["documents"] > 0 for m in parts)
+    concatenated = b"".join((tmp_path / "three" / f"s-{i}-of-3.bin").read_bytes() for i in (1, 2, 3))
+    assert concatenated == (tmp_path / "one" / "s.bin").read_bytes()
+    lengths = np.concatenate([indexed.read_index(p + ".idx").sequence_lengths for p in prefixes])
+    assert lengths.tolist() == indexed.read_index(str(tmp_path / "one" / "s.idx")).sequence_lengths.tolist()
+    assert sum(m["totals"]["tokens"] for m in parts) == whole["totals"]["tokens"]
+
+    # A partition rerun on unchanged inputs is a no-op.
+    before = os.stat(prefixes[1] + ".bin").st_mtime_ns
+    again = preprocess.preprocess(inputs, tokenizer_dir, str(tmp_path / "three" / "s"), unit_bytes=unit_bytes,
+                                  partition=preprocess.Partition(2, 3))
+    assert again == parts[1] and os.stat(prefixes[1] + ".bin").st_mtime_ns == before
+
+    # The blend entry: the three shards in order, the entry's weight shared by their tokens.
+    entry = str(tmp_path / "three" / "s-*-of-3")
+    assert preprocess.expand_blend([entry, "other"], None) == (prefixes + ["other"], None)
+    expanded, weights = preprocess.expand_blend([entry, "other"], [0.6, 0.4])
+    tokens = [m["totals"]["tokens"] for m in parts]
+    assert weights == pytest.approx([0.6 * t / sum(tokens) for t in tokens] + [0.4])
+    prepared = prepare(DataConfig(source="shards", tokenizer_dir=tokenizer_dir, blend=[entry]))
+    assert prepared.prefixes == prefixes
+
+    # Refusals: a missing partition, more partitions than work units, a malformed --partition.
+    os.remove(prefixes[2] + ".idx")
+    with pytest.raises(ValueError, match=r"partition 3 \(.*s-3-of-3.idx\) does not exist.*--partition 3/3"):
+        prepare(DataConfig(source="shards", tokenizer_dir=tokenizer_dir, blend=[entry]))
+    with pytest.raises(ValueError, match="give at most"):
+        preprocess.preprocess(inputs, tokenizer_dir, str(tmp_path / "many" / "s"), partition=preprocess.Partition(1, 4))
+    for bad in ("4/3", "0/3", "two/3"):
+        with pytest.raises(SystemExit) as exit_info:
+            preprocess.main(["--input", *inputs, "--tokenizer", tokenizer_dir, "--out", str(tmp_path / "bad" / "s"),
+                             "--partition", bad])
+        assert exit_info.value.code == 2
+        assert "--partition" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "many").exists()

@@ -131,9 +131,59 @@ def test_autotokenizer_gives_the_framework_ids(exported, megatron_single_process
     ids = theirs(text)["input_ids"]
     assert ids == ours.encode(text)  # no BOS, no EOS added
     assert theirs.decode(ids) == text
-    assert theirs.eos_token_id == ours.eod and theirs.bos_token_id == ours.bos
+    # BOS is the end-of-document token, which precedes a document in training; neither is added
+    assert theirs.eos_token_id == ours.eod and theirs.bos_token_id == ours.eod
     generation = json.loads((exported / "vanilla_hf" / "generation_config.json").read_text())
     assert generation["eos_token_id"] == ours.eod
+
+
+LM_EVAL_TASK = REPO / "tests" / "lm_eval_tasks" / "corpus_cloze.yaml"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["vanilla", "diff"])
+def test_lm_eval_scores_the_export_as_the_framework_does(exported, name, megatron_single_process, tmp_path,
+                                                         monkeypatch):
+    """lm-eval-harness (offline, in this process, ``--model hf`` as a user runs it) on the repository's 20-item task:
+    its per-choice log-likelihoods and accuracy equal the framework's own scoring of the checkpoint; its document
+    prefix for perplexity is the end-of-document token, so a document's log-likelihood equals the framework's after
+    ``</s>``, as training shows it."""
+    import yaml
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    import lm_eval
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from diff_transformer.evaluation.choices import read_items, score_multiple_choice
+    from diff_transformer.evaluation.inference import load_for_inference, load_run_tokenizer, resolve_run
+
+    task = yaml.safe_load(LM_EVAL_TASK.read_text())
+    items_path = REPO / task["dataset_kwargs"]["data_files"]["test"]
+    task["dataset_kwargs"]["data_files"]["test"] = str(items_path)  # the YAML's path is from the repository root
+    lm = HFLM(pretrained=str(exported / f"{name}_hf"), dtype="float32", device="cpu", batch_size=8)
+    out = lm_eval.simple_evaluate(model=lm, tasks=[task], log_samples=True, verbosity="ERROR",
+                                  task_manager=TaskManager(include_defaults=False))  # no index of lm-eval's own tasks
+    samples = sorted(out["samples"]["corpus_cloze"], key=lambda sample: sample["doc_id"])
+    theirs = [[float(ll) for ll, _ in sample["filtered_resps"]] for sample in samples]
+
+    run = resolve_run(str(exported / name))
+    model, tokenizer = load_for_inference(run), load_run_tokenizer(run)
+    ours = score_multiple_choice(model, tokenizer, read_items(str(items_path)))
+    assert len(theirs) == len(ours.loglikelihoods) == 20
+    assert torch.tensor(theirs).double() == pytest.approx(torch.tensor(ours.loglikelihoods).double(), abs=1e-4)
+    assert out["results"]["corpus_cloze"]["acc,none"] == ours.accuracy
+    print(f"{name}: lm-eval accuracy {out['results']['corpus_cloze']['acc,none']:.2f}, framework {ours.accuracy:.2f}")
+
+    document = "And God said, Let there be light: and there was light."
+    ids = tokenizer.encode(document)
+    (rolling,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (document,), 0)])
+    framework = -float(model.token_nll(torch.tensor([[tokenizer.eod] + ids])).double().sum())
+    assert rolling == pytest.approx(framework, abs=1e-4)
+    assert lm.prefix_token_id == tokenizer.eod
 
 
 # ------------------------------------------------------------------------------------------------------------------

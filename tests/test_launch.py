@@ -28,6 +28,9 @@ def fake_slurm_commands(bin_dir: Path, job_state: str = "RUNNING", fail: str | N
             'TimeLimit=1-00:00:00 NodeList=node07 ExitCode=0:0"; fi'
         ),
         "scancel": "true",
+        # partitions gpu (default) and small, as `sinfo -h -o "%P|%G|%f"` lists them
+        "sinfo": ('if [ "$5" = small ]; then echo "small|gpu:mystery:2|(null)"; '
+                  'else echo "gpu*|gpu:a100_80gb:4(S:0-1)|(null)"; fi'),
     }
     for name, answer in answers.items():
         script = bin_dir / name
@@ -90,7 +93,8 @@ def test_submit_writes_snapshot_config_and_sbatch_then_status_and_cancel(tmp_pat
     config = (run_dir / "config.yaml").read_text()
     assert "max_steps: 7" in config and "name: debug" in config
     calls = fake_slurm.read_text().splitlines()
-    assert calls == [f"sbatch --parsable {run_dir}/submit.sbatch"]
+    assert calls == ["sinfo -h -o %P|%G|%f -p gpu", f"sbatch --parsable {run_dir}/submit.sbatch"]  # the plan's GPUs
+    assert json.loads((run_dir / "launch.json").read_text())["memory_plan"]["budget_gib"] == 80.0
 
     state = slurm.status(str(run_dir))
     assert (state["job_id"], state["state"], state["restarts"], state["nodes"]) == ("4242", "RUNNING", 1, "node07")
@@ -120,6 +124,84 @@ def test_cpu_job_dry_run_takes_one_process_per_node(tmp_path):
     assert json.loads((tmp_path / "launch.json").read_text())["job_ids"] == []
     with pytest.raises(ValueError, match="never submitted"):
         slurm.status(str(tmp_path))
+
+
+@pytest.mark.parametrize("name, gib", [
+    ("h100", 80.0), ("nvidia_h100_80gb_hbm3", 80.0), ("h100nvl", 94.0), ("a100", 40.0), ("a100-sxm4-80gb", 80.0),
+    ("a100_80g", 80.0), ("a10", 24.0), ("h200", 141.0), ("l40s", 48.0), ("v100-32gb", 32.0), ("mystery", None),
+])
+def test_gpu_memory_of_slurm_gpu_type_names(name, gib):
+    assert slurm.gpu_memory_of_type(name) == gib
+
+
+def test_submit_runs_the_memory_plan_for_the_gpus_it_asks_for(tmp_path, fake_slurm, capsys):
+    """Refused with the plan's error line (budget given, or the partition's GPU type), before anything is written;
+    a partition of GPUs of unknown memory is submitted with a note that the plan was not checked."""
+    big = ["model=13.1b", "nodes=1", "gpus_per_node=8", "python=/usr/bin/python3"]
+    assert slurm.main(["submit", *big, "trainer.gpu_memory_gib=80", f"run_dir={tmp_path / 'a'}"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: estimated memory per GPU")
+    assert "exceeds the 72.0 GiB usable of 80 GiB (90%; trainer.gpu_memory_gib sets the budget)" in errors[0]
+    assert not (tmp_path / "a").exists() and not fake_slurm.exists()
+    # the partition's a100_80gb (fake sinfo): the same line
+    assert slurm.main(["submit", *big, f"run_dir={tmp_path / 'b'}"]) == 2
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")] == errors
+    assert slurm.main(["submit", "--dry-run", *big, "partition=small", f"run_dir={tmp_path / 'c'}"]) == 0
+    assert "memory plan not checked at submission: no GPU model with a known memory size on partition small" in (
+        capsys.readouterr().out)
+
+
+def _corpus(tmp_path, files=3):
+    paths = []
+    for i in range(files):
+        paths.append(tmp_path / f"in{i}.jsonl")
+        paths[-1].write_text(json.dumps({"text": f"document {i}"}) + "\n")
+    (tmp_path / "tok").mkdir()
+    return [str(p) for p in paths]
+
+
+def test_preprocess_array_sbatch(tmp_path, fake_slurm, monkeypatch):
+    inputs = _corpus(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "array"
+    record = slurm.submit_preprocess(["partitions=3", "cpus_per_task=16", "max_running=2", "partition=cpu",
+                                      "time=12:00:00", f"run_dir={run_dir}", "python=/usr/bin/python3",
+                                      "--input", "in*.jsonl", "--tokenizer", "tok", "--out=shards/corpus"])
+    assert record["job_ids"] == ["4242"] and fake_slurm.read_text().splitlines() == [
+        f"sbatch --parsable {run_dir}/preprocess.sbatch"]
+    assert record["blend_entry"] == f"{tmp_path}/shards/corpus-*-of-3"
+    assert record["shards"] == [f"{tmp_path}/shards/corpus-{i}-of-3" for i in (1, 2, 3)]
+    lines = (run_dir / "preprocess.sbatch").read_text().splitlines()
+    for line in ("#SBATCH --array=1-3%2", "#SBATCH --nodes=1", "#SBATCH --ntasks=1", "#SBATCH --cpus-per-task=16",
+                 "#SBATCH --time=12:00:00", "#SBATCH --partition=cpu", f"#SBATCH --output={run_dir}/slurm-%A_%a.out",
+                 "#SBATCH --requeue", "#SBATCH --open-mode=append", f"cd {run_dir}/code",
+                 "/usr/bin/python3 -m data.preprocess \\", f"  '{tmp_path}/in*.jsonl' \\", f"  {tmp_path}/tok \\",
+                 f"  --out={tmp_path}/shards/corpus \\", "  --workers \\", "  15 \\",
+                 '  --partition "${SLURM_ARRAY_TASK_ID}/3"'):
+        assert line in lines, line
+    assert (run_dir / "code" / "data" / "preprocess.py").read_bytes() == (REPO_ROOT / "data/preprocess.py").read_bytes()
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["partitions=4"], r"partitions=4: 4 partitions of 3 work units"),
+    (["partitions=0"], r"partitions=0: give partitions=N"),
+    (["partitions=2", "nodes=2"], r"nodes is not a setting"),
+    (["partitions=2", "--partition", "1/2"], r"--partition 1/2: each array task takes its own"),
+    (["partitions=2", "--tokenizer", "nowhere"], r"--tokenizer nowhere does not exist"),
+])
+def test_preprocess_array_refuses_bad_arguments_before_writing(tmp_path, fake_slurm, monkeypatch, capsys,
+                                                                arguments, message):
+    inputs = _corpus(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    settings = [a for a in arguments if not a.startswith("--") and "=" in a]
+    rest = [a for a in arguments if a not in settings]
+    command = ["preprocess", *settings, f"run_dir={tmp_path / 'run'}", "--input", *inputs, "--out", "s"]
+    command += rest if "--tokenizer" in rest else rest + ["--tokenizer", "tok"]
+    assert slurm.main(command) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1
+    assert __import__("re").search(message, errors[0]), errors[0]
+    assert not (tmp_path / "run").exists() and not fake_slurm.exists()
 
 
 def test_requeue_current_job(tmp_path, monkeypatch):

@@ -21,7 +21,9 @@ ALLOWED = {
     "diff_transformer.compat": (),
     "diff_transformer.distributed": ("diff_transformer.compat",),
     "data": ("data", "diff_transformer.fileio", "diff_transformer.cli"),
-    "diff_transformer.models": ("diff_transformer.models", "kernels", "diff_transformer.distributed"),
+    "diff_transformer.models": (
+        "diff_transformer.models", "kernels", "diff_transformer.distributed", "diff_transformer.compat",
+    ),
     "diff_transformer.config": ("data.config", "diff_transformer.models"),
     "diff_transformer.training": (
         "diff_transformer.training", "diff_transformer.models", "diff_transformer.config", "diff_transformer.compat",
@@ -54,7 +56,10 @@ ALLOWED = {
     "diff_transformer.evaluate": ("diff_transformer.evaluation", "diff_transformer.distributed", "diff_transformer.cli"),
     "diff_transformer.analyze": ("diff_transformer.evaluation", "diff_transformer.distributed",
                                  "diff_transformer.evaluate", "diff_transformer.cli"),
-    "launch": ("launch", "diff_transformer.config", "diff_transformer.cli"),
+    # the job's config, the memory plan train.py runs (refused at submission), data.preprocess's command line and
+    # partitions (the job array), the tokenizer's vocabulary (the plan's logits)
+    "launch": ("launch", "diff_transformer.config", "diff_transformer.training.accounting", "data",
+               "diff_transformer.cli"),
     "train": ("diff_transformer.config", "diff_transformer.distributed", "diff_transformer.training",
               "diff_transformer.cli"),
 }

@@ -90,6 +90,24 @@ def test_diff_v2_at_tp2_and_pp2_matches_tp1_from_the_first_step(layout, kind_run
 
 
 @pytest.mark.multiproc
+def test_diff_v2_logs_per_token_lambda_on_logging_steps_equal_across_layouts(kind_runs):
+    """λ's mean and spread per layer on the logging step (the last; smoke logs every 5) and on no other, the same
+    whether the heads are split over TP ranks or the layers over pipeline stages; run.json names V2's baseline."""
+    logged = {}
+    for layout in ("tp1", "tp2", "pp2"):
+        rows = read_metrics(kind_runs / "diff_v2" / layout)
+        assert [r["step"] for r in rows if "lambda_mean" in r] == [STEPS], layout
+        logged[layout] = rows[-1]
+    for layout in ("tp2", "pp2"):
+        for key in ("lambda_mean", "lambda_std"):
+            assert logged[layout][key] == pytest.approx(logged["tp1"][key], abs=1e-5), (layout, key)
+    means, stds = logged["tp1"]["lambda_mean"], logged["tp1"]["lambda_std"]
+    assert len(means) == len(stds) == 2 and all(0 < m < 1 for m in means) and all(0 < s < 0.5 for s in stds)
+    described = json.loads((kind_runs / "diff_v2" / "tp1" / "run.json").read_text())
+    assert described["baseline_variant"] == "vanilla num_kv_heads=1"  # debug: H = Hkv = 2
+
+
+@pytest.mark.multiproc
 @pytest.mark.parametrize("kind", KINDS)
 def test_convert_gives_full_tensors_equal_across_layouts(kind, kind_runs, megatron_single_process):
     import torch

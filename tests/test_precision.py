@@ -39,7 +39,8 @@ def test_a_bf16_model_has_only_bf16_weights_and_computes_lambda_in_fp32(megatron
 
 
 def test_sdpa_subtracts_in_fp32(megatron_single_process):
-    """bf16 inputs: the sdpa backend's two bf16 outputs are combined as o1 − λ·o2 in fp32 and rounded once."""
+    """bf16 inputs: the sdpa backend's bf16 outputs (each d-wide half of V in its own call) are combined as
+    o1 − λ·o2 and multiplied by (1 − λ_init) in fp32, and rounded once."""
     import torch.nn.functional as F
 
     cfg = compose_cfg("model=debug")
@@ -55,10 +56,13 @@ def test_sdpa_subtracts_in_fp32(megatron_single_process):
     q, k, v = (torch.randn(s, b, heads, d, generator=g).bfloat16() for _ in range(3))
     with torch.no_grad():
         out = attn(q, k, v)
-        qh, kh = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3)
-        vh = v.transpose(0, 1).reshape(b, s, heads // 2, 2 * d).transpose(1, 2)
-        o1, o2 = (F.scaled_dot_product_attention(qh[:, i::2], kh[:, i::2], vh, is_causal=True) for i in (0, 1))
-    expected = (o1.float() - 0.9 * o2.float()).bfloat16() * (1 - 0.9)  # then DIFF's (1 − λ_init) scaling
+        qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # value heads 2g, 2g+1: the halves of group g's V
+        o1, o2 = (
+            torch.cat([F.scaled_dot_product_attention(qh[:, i::2], kh[:, i::2], vh[:, c::2], is_causal=True)
+                       for c in (0, 1)], dim=-1)
+            for i in (0, 1)
+        )
+    expected = ((o1.float() - 0.9 * o2.float()) * (1 - 0.9)).bfloat16()  # DIFF's (1 − λ_init) before the rounding
     expected = expected.permute(2, 0, 1, 3).reshape(s, b, heads * d)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, expected, rtol=0, atol=0)

@@ -22,6 +22,7 @@ STEPS = 4  # 2N: the resumed runs start from the checkpoint at step N = 2
 SHORT_RUN = [
     "experiment=smoke", f"trainer.max_steps={STEPS}", "optim.warmup_steps=1", "trainer.eval_interval=0",
     "trainer.micro_batch_size=2", "trainer.global_batch_size=4", "checkpoint.interval=2",
+    "trainer.log_interval=1",  # λ on every step's record
 ]
 
 

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.slurm
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("slurm-wlm", "munge")
+GPU_TYPE, GPUS = "h100", 1  # declared on the node, for the memory plan at submission
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
 
@@ -85,6 +86,8 @@ class LocalSlurmCluster:
         (self.root / "cgroup.conf").write_text(
             "CgroupPlugin=cgroup/v1\nCgroupAutomount=no\nConstrainCores=no\nConstrainRAMSpace=no\nConstrainDevices=no\n"
         )
+        # GPUs the node declares by model (no devices: the memory plan at submission reads the model; jobs ask none)
+        (self.root / "gres.conf").write_text(f"NodeName={host} Name=gpu Type={GPU_TYPE} File=/dev/null Count={GPUS}\n")
         self.conf.write_text(
             "\n".join([
                 "ClusterName=localtest",
@@ -114,6 +117,7 @@ class LocalSlurmCluster:
                 "JobCompType=jobcomp/none",
                 "SwitchType=switch/none",
                 "MpiDefault=none",
+                "GresTypes=gpu",
                 "SelectType=select/cons_tres",
                 "SelectTypeParameters=CR_CPU",
                 "SchedulerType=sched/builtin",
@@ -124,7 +128,7 @@ class LocalSlurmCluster:
                 "InactiveLimit=0",
                 "SlurmctldTimeout=30",
                 "SlurmdTimeout=30",
-                f"NodeName={host} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN",
+                f"NodeName={host} NodeAddr=127.0.0.1 CPUs={self.cpus} Gres=gpu:{GPU_TYPE}:{GPUS} State=UNKNOWN",
                 "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
                 "",
             ])
@@ -339,3 +343,74 @@ def test_smoke_job_runs_to_completion(cluster, jobs, capsys):
     assert slurm.main(["status", str(run_dir)]) == 0
     status = json.loads(capsys.readouterr().out)
     assert status["state"] == "COMPLETED" and status["last_metrics"]["step"] == 30
+
+
+def test_submission_refuses_a_job_that_cannot_fit_the_partitions_gpus(cluster, tmp_path, capsys):
+    """The memory plan at submission, for the GPUs asked for: their memory read from the partition's GRES type (the
+    node declares h100s), the estimate printed, and a job that cannot fit refused with train.py's error line, before
+    anything is written or queued."""
+    import torch
+
+    from diff_transformer.config import padded_vocab_size, to_object
+    from diff_transformer.training.accounting import memory_plan_problem
+
+    big = ["model=13.1b", "nodes=1", f"gpus_per_node={GPUS}", "partition=debug", f"run_dir={tmp_path / 'big'}"]
+    assert slurm.main(["submit", *big]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    typed = to_object(slurm.compose_config(["model=13.1b"], world_size=GPUS))
+    vocab = typed.model.vocab_size or typed.data.bundled_vocab_size
+    padded = padded_vocab_size(vocab, typed.model.make_vocab_size_divisible_by, 1)
+    assert errors == ["error: " + memory_plan_problem(typed, torch.bfloat16, GPUS, padded, 80.0, "cuda")]
+    assert "exceeds the 72.0 GiB usable of 80 GiB" in errors[0]
+    assert not (tmp_path / "big").exists()
+
+    assert slurm.main(["submit", "--dry-run", *SMOKE, "nodes=1", f"gpus_per_node={GPUS}",
+                       f"run_dir={tmp_path / 'smoke'}"]) == 0
+    printed = capsys.readouterr().out
+    assert "memory plan: estimated" in printed and "of 80 GiB (the default partition: h100)" in printed
+    plan = json.loads((tmp_path / "smoke" / "launch.json").read_text())["memory_plan"]
+    assert plan["budget_gib"] == 80.0 and 0 < plan["estimate_gib"]["total"] < 1
+
+
+def array_states(cluster: LocalSlurmCluster, job: str) -> list[str]:
+    listing = cluster.client("scontrol", "show", "job", "-o", job, check=False).stdout
+    return re.findall(r"JobState=(\S+)", listing)
+
+
+def test_preprocess_job_array_writes_the_partitions_of_one_run(cluster, tmp_path):
+    """`launch.slurm preprocess partitions=3`: one array task per partition; the three shards, concatenated, hold the
+    tokens of one unpartitioned run."""
+    import gzip
+
+    from data import indexed, preprocess
+    from data.config import BUNDLED_CORPUS
+    from data.tokenizer import train_tokenizer
+
+    with gzip.open(BUNDLED_CORPUS, "rt") as stream:
+        documents = [json.loads(line)["text"][:2000] for _, line in zip(range(30), stream)]
+    files = []
+    for i in range(3):
+        files.append(tmp_path / f"part{i}.jsonl")
+        files[-1].write_text("".join(json.dumps({"text": d}) + "\n" for d in documents[i * 10:(i + 1) * 10]))
+    train_tokenizer([str(f) for f in files], tmp_path / "tok", 512, num_threads=1)
+    whole = preprocess.preprocess([str(f) for f in files], str(tmp_path / "tok"), str(tmp_path / "one" / "s"))
+
+    run_dir = tmp_path / "array"
+    assert slurm.main(["preprocess", "partitions=3", "cpus_per_task=1", "time=10:00", f"run_dir={run_dir}",
+                       "--input", *map(str, files), "--tokenizer", str(tmp_path / "tok"),
+                       "--out", str(tmp_path / "three" / "s")]) == 0
+    script = (run_dir / "preprocess.sbatch").read_text()
+    assert "#SBATCH --array=1-3" in script and '--partition "${SLURM_ARRAY_TASK_ID}/3"' in script
+    job = job_id(run_dir)
+
+    def finished():
+        states = array_states(cluster, job)
+        return states if len(states) == 3 and all(s in FINISHED for s in states) else None
+
+    states = wait_for(finished, "the three array tasks", cluster, run_dir, timeout_s=180)
+    assert states == ["COMPLETED"] * 3, job_log(run_dir)
+    shards = [str(tmp_path / "three" / f"s-{i}-of-3") for i in (1, 2, 3)]
+    assert b"".join(open(s + ".bin", "rb").read() for s in shards) == (tmp_path / "one" / "s.bin").read_bytes()
+    lengths = [n for s in shards for n in indexed.read_index(s + ".idx").sequence_lengths.tolist()]
+    assert lengths == indexed.read_index(str(tmp_path / "one" / "s.idx")).sequence_lengths.tolist()
+    assert sum(preprocess.read_manifest(s)["totals"]["tokens"] for s in shards) == whole["totals"]["tokens"]

@@ -19,8 +19,10 @@ def test_smoke_experiment_loss_falls_and_run_dir_is_complete(tmp_path):
     vals = [r["val_loss"] for r in records if "val_loss" in r]
     assert len(vals) == 3 and vals[-1] < vals[0]
     for r in records:
-        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "lambda"} <= r.keys()
-        assert len(r["lambda"]) == 2 and r["tokens_per_s"] > 0
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= r.keys() and r["tokens_per_s"] > 0
+        # λ is read from the weights on logging steps only (trainer.log_interval=5 here): no host sync on the others
+        assert ("lambda" in r) == (r["step"] % 5 == 0)
+        assert len(r.get("lambda", [0, 0])) == 2
     assert records[0]["lr"] < records[4]["lr"]  # warm-up
     assert (tmp_path / "config.yaml").read_text().count("attention: diff") == 1
     info = json.loads((tmp_path / "run.json").read_text())

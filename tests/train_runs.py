@@ -35,11 +35,12 @@ def train_env():
     return env
 
 
-def run_train(run_dir, overrides, nproc: int = 1, expect_rc: int = 0, timeout: int = 300):
-    """Train with Hydra overrides into ``run_dir``; fails the test unless train.py exits with ``expect_rc``."""
+def run_train(run_dir, overrides, nproc: int = 1, expect_rc: int = 0, timeout: int = 300, env=None):
+    """Train with Hydra overrides into ``run_dir`` (``env``: variables to add); fails the test unless train.py exits
+    with ``expect_rc``."""
     proc = subprocess.run(
-        train_command(run_dir, overrides, nproc), cwd=REPO, env=train_env(), capture_output=True, text=True,
-        timeout=timeout,
+        train_command(run_dir, overrides, nproc), cwd=REPO, env={**train_env(), **(env or {})}, capture_output=True,
+        text=True, timeout=timeout,
     )
     if proc.returncode != expect_rc:
         raise AssertionError(

@@ -1,5 +1,6 @@
-"""Figures: the comparison of DIFF with its baseline (curves, size fit, token fit), the seed spread of every variant
-of an ablation sweep, and the quickstart's curves."""
+"""Figures: the scaling comparison (curves and size fits of every variant; the first pair's ratios, DIFF against its
+reference when both were trained, and its token fit), the seed spread of every variant of an ablation sweep, and the
+quickstart's curves."""
 
 from __future__ import annotations
 
@@ -130,17 +131,18 @@ def _draw_size_fit(ax, comparison: Comparison, runs: List[RunRecord]) -> None:
 
 
 def _draw_token_fit(ax, comparison: Comparison) -> None:
-    """Validation loss against tokens along the token-ratio pair, each run's L(D) fit, and the token ratio."""
+    """Validation loss against tokens along the first pair's runs, each run's L(D) fit, and the token ratio."""
     if comparison.token_pair is not None:
+        variants = sorted({r.variant for r in comparison.runs})
         for run in comparison.token_pair:
-            color = KIND_COLORS[run.variant]
-            ax.plot(run.val_tokens, run.val_loss, MARKERS[run.variant], color=color, ms=4,
-                    label=f"{LABELS[run.variant]} {run.model}")
+            color = _color(run.variant, variants)
+            ax.plot(run.val_tokens, run.val_loss, _marker(run.variant, variants), color=color, ms=4,
+                    label=f"{_label(run.variant)} {run.model}")
             if run.variant in comparison.token_fits:
                 fit = comparison.token_fits[run.variant]
                 tokens = np.geomspace(max(run.val_tokens.min(), 1.0), run.val_tokens.max() * 1.5, 200)
-                ax.plot(tokens, fit(tokens), STYLES[run.variant], color=color,
-                        label=f"{LABELS[run.variant]} fit: α={fit.alpha:.2f}")
+                ax.plot(tokens, fit(tokens), _style(run.variant, variants), color=color,
+                        label=f"{_label(run.variant)} fit: α={fit.alpha:.2f}")
         if comparison.token_ratio is not None:
             _annotate_ratio(ax, comparison.token_ratio, "tokens")
         ax.set_xscale("log")

@@ -1,6 +1,7 @@
 """Training runs as data: a run directory's ``run.json`` and ``metrics.jsonl`` read into a RunRecord, and the check
 that a set of runs can be compared (same data, same token budget, finished). Runs of any attention kind load; the
-scaling comparison pairs DIFF with its baseline, the seed-spread table (``variants.py``) compares every variant."""
+scaling comparison fits every variant against a reference, the seed-spread table (``variants.py``) compares every
+variant."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import numpy as np
 
 DIFF = "diff"
 BASELINE = "vanilla"
-SCALING_PAIR = (DIFF, BASELINE)  # the variants whose scaling laws give the parameter and token ratios
 PARAMETER_COUNTS = ("total", "non_embedding")
 
 
@@ -43,6 +43,7 @@ class RunRecord:
     val_loss: np.ndarray
     variant: str = ""  # the attention kind and its ablation keys (run.json "variant"); the kind for older runs
     seed: int | None = None
+    baseline_variant: str | None = None  # the variant this one is compared with at equal size (DIFF V2's baseline)
 
     def __post_init__(self):
         self.variant = self.variant or self.attention
@@ -107,6 +108,7 @@ def record_from_description(name: str, source: str, description: dict, rows: Ite
         **_metric_rows_to_arrays(rows, tokens_per_step),
         variant=str(description.get("variant") or ""),
         seed=int(description["seed"]) if description.get("seed") is not None else None,
+        baseline_variant=description.get("baseline_variant"),
     )
 
 

@@ -1,6 +1,9 @@
-"""Scaling-law fits and the ratios the paper reports: L(N) = E + A·(N/N_ref)^-α per attention kind, the parameter
-ratio N_diff / N_baseline at equal loss (the paper: 62.2% at 6.8B), and the token ratio along one run of each kind
-(63.7% at 3B). Uncertainties come from the fits' covariances, propagated to the ratios by sampling."""
+"""Scaling-law fits and the ratios the paper reports: L(N) = E + A·(N/N_ref)^-α per variant (attention kind and its
+ablation keys), the parameter ratio N_variant / N_reference at equal loss (the paper, DIFF against the Transformer:
+62.2% at 6.8B), and the token ratio along one run of each (63.7% at 3B), for every variant present against a
+reference (default ``vanilla``), DIFF V2 against its own baseline (``vanilla model.num_kv_heads=Hkv/2``, recorded in
+its run.json) when that was trained. Uncertainties come from the fits' covariances, propagated to the ratios by
+sampling."""
 
 from __future__ import annotations
 
@@ -18,6 +21,12 @@ from diff_transformer.analysis.runs import (
     RunRecord,
     check_comparable,
 )
+
+LABELS = {DIFF: "DIFF", BASELINE: "the Transformer"}
+
+
+def label(variant: str) -> str:
+    return LABELS.get(variant, variant)
 
 
 @dataclasses.dataclass
@@ -121,11 +130,12 @@ class RatioEstimate:
     std: float
     valid_fraction: float
 
-    def describe(self, what: str, unit: str) -> str:
+    def describe(self, what: str, unit: str, variant: str = DIFF, reference: str = BASELINE) -> str:
+        name, other = label(variant), label(reference)
         if not math.isfinite(self.ratio):
             return (
-                f"DIFF at {human_number(self.at)} {unit} (loss {self.loss:.4f}) is below the baseline's fitted asymptote: "
-                f"no baseline {what} matches it"
+                f"{name} at {human_number(self.at)} {unit} (loss {self.loss:.4f}) is below {other}'s fitted "
+                f"asymptote: no {what} of {other} matches it"
             )
         spread = (
             f" (68% interval {100 * self.low:.1f}-{100 * self.high:.1f}%, ±{100 * self.std:.1f}%)"
@@ -133,7 +143,7 @@ class RatioEstimate:
             else " (no uncertainty: each fit needs 4 or more points)"
         )
         return (
-            f"DIFF at {human_number(self.at)} {unit} (loss {self.loss:.4f}) matches the baseline at "
+            f"{name} at {human_number(self.at)} {unit} (loss {self.loss:.4f}) matches {other} at "
             f"{human_number(self.at / self.ratio)} {unit}: {what} ratio {100 * self.ratio:.1f}%{spread}"
         )
 
@@ -173,27 +183,73 @@ def matching_ratio(
 
 
 @dataclasses.dataclass
-class Comparison:
-    runs: list[RunRecord]
-    parameter_count: str
-    size_fits: dict[str, PowerLawFit]
+class PairComparison:
+    """One variant against its reference: the parameter ratio at each of its trained sizes (and any asked for), and
+    the token ratio along the largest model both trained."""
+
+    variant: str
+    reference: str
     parameter_ratios: list[RatioEstimate]
     token_pair: tuple[RunRecord, RunRecord] | None
     token_fits: dict[str, PowerLawFit]
     token_ratio: RatioEstimate | None
-    notes: list[str]
 
     def summary(self) -> dict:
-        def fit_dict(fit: PowerLawFit) -> dict:
-            return {
-                "E": fit.E,
-                "A": fit.A,
-                "alpha": fit.alpha,
-                "x_ref": fit.x_ref,
-                "stderr": fit.stderr.tolist() if fit.has_uncertainty else None,
-                "num_points": fit.num_points,
-            }
+        return {
+            "variant": self.variant,
+            "reference": self.reference,
+            "parameter_ratios": [dataclasses.asdict(r) for r in self.parameter_ratios],
+            "token_ratio_runs": [r.name for r in self.token_pair] if self.token_pair else None,
+            "token_fits": {k: _fit_dict(v) for k, v in self.token_fits.items()},
+            "token_ratio": dataclasses.asdict(self.token_ratio) if self.token_ratio else None,
+        }
 
+
+def _fit_dict(fit: PowerLawFit) -> dict:
+    return {
+        "E": fit.E,
+        "A": fit.A,
+        "alpha": fit.alpha,
+        "x_ref": fit.x_ref,
+        "stderr": fit.stderr.tolist() if fit.has_uncertainty else None,
+        "num_points": fit.num_points,
+    }
+
+
+@dataclasses.dataclass
+class Comparison:
+    """Every variant's size fit, and each variant against its reference (``pairs``; DIFF's first). The first pair's
+    ratios are also ``parameter_ratios``, ``token_pair``, ``token_fits`` and ``token_ratio``: the figure's."""
+
+    runs: list[RunRecord]
+    parameter_count: str
+    size_fits: dict[str, PowerLawFit]
+    pairs: list[PairComparison]
+    notes: list[str]
+
+    @property
+    def primary(self) -> PairComparison | None:
+        return self.pairs[0] if self.pairs else None
+
+    @property
+    def parameter_ratios(self) -> list[RatioEstimate]:
+        return self.primary.parameter_ratios if self.primary else []
+
+    @property
+    def token_pair(self) -> tuple[RunRecord, RunRecord] | None:
+        return self.primary.token_pair if self.primary else None
+
+    @property
+    def token_fits(self) -> dict[str, PowerLawFit]:
+        return self.primary.token_fits if self.primary else {}
+
+    @property
+    def token_ratio(self) -> RatioEstimate | None:
+        return self.primary.token_ratio if self.primary else None
+
+    def summary(self) -> dict:
+        primary = self.primary.summary() if self.primary else {
+            "parameter_ratios": [], "token_ratio_runs": None, "token_fits": {}, "token_ratio": None}
         return {
             "parameter_count": self.parameter_count,
             "runs": [
@@ -209,29 +265,70 @@ class Comparison:
                 }
                 for r in self.runs
             ],
-            "size_fits": {k: fit_dict(v) for k, v in self.size_fits.items()},
-            "parameter_ratios": [dataclasses.asdict(r) for r in self.parameter_ratios],
-            "token_ratio_runs": [r.name for r in self.token_pair] if self.token_pair else None,
-            "token_fits": {k: fit_dict(v) for k, v in self.token_fits.items()},
-            "token_ratio": dataclasses.asdict(self.token_ratio) if self.token_ratio else None,
+            "size_fits": {k: _fit_dict(v) for k, v in self.size_fits.items()},
+            "parameter_ratios": primary["parameter_ratios"],
+            "token_ratio_runs": primary["token_ratio_runs"],
+            "token_fits": primary["token_fits"],
+            "token_ratio": primary["token_ratio"],
+            "pairs": [pair.summary() for pair in self.pairs],
             "notes": self.notes,
         }
 
 
-def _largest_pair(runs: Sequence[RunRecord], model: str | None, count: str) -> tuple[RunRecord, RunRecord] | None:
+def reference_pairs(runs: Sequence[RunRecord], reference: str = BASELINE) -> tuple[list[tuple[str, str]], list[str]]:
+    """(variant, reference) for every variant present but the reference, DIFF's first, and notes on those left
+    without one. A variant whose runs name a baseline of their own (run.json ``baseline_variant``: DIFF V2's
+    ``vanilla num_kv_heads=Hkv/2``) is compared with it when it was trained, else with ``reference``."""
+    variants = list(dict.fromkeys(r.variant for r in runs))
+    own = {r.variant: r.baseline_variant for r in runs if r.baseline_variant}
+    pairs, notes = [], []
+    for variant in sorted(variants, key=lambda v: (v != DIFF, variants.index(v))):
+        if variant == reference:
+            continue
+        if own.get(variant) in variants:
+            pairs.append((variant, own[variant]))
+        elif reference in variants:
+            if variant in own:
+                notes.append(f"{variant}: its own baseline ({own[variant]}) was not trained; compared with {reference}")
+            pairs.append((variant, reference))
+        else:
+            notes.append(f"{variant}: no run of the reference {reference!r} (--reference) to compare with")
+    return pairs, notes
+
+
+def _largest_pair(runs: Sequence[RunRecord], model: str | None, count: str, variant: str,
+                  reference: str) -> tuple[RunRecord, RunRecord] | None:
     by_model: dict[str, dict[str, RunRecord]] = {}
     for run in runs:
         by_model.setdefault(run.model, {})[run.variant] = run
-    pairs = {m: kinds for m, kinds in by_model.items() if DIFF in kinds and BASELINE in kinds}
+    pairs = {m: kinds for m, kinds in by_model.items() if variant in kinds and reference in kinds}
     if model is not None:
-        if model not in pairs:
-            raise ValueError(f"--token-ratio-model {model!r} needs a DIFF and a baseline run; models with both: {sorted(pairs)}")
-        chosen = pairs[model]
+        chosen = pairs.get(model)
     elif pairs:
-        chosen = max(pairs.values(), key=lambda kinds: kinds[DIFF].parameters(count))
+        chosen = max(pairs.values(), key=lambda kinds: kinds[variant].parameters(count))
     else:
         return None
-    return chosen[DIFF], chosen[BASELINE]
+    return (chosen[variant], chosen[reference]) if chosen else None
+
+
+def _token_comparison(pair: tuple[RunRecord, RunRecord], token_fit_from: float, notes: list[str]):
+    fits: dict[str, PowerLawFit] = {}
+    for run in pair:
+        keep = run.val_tokens >= token_fit_from * run.token_budget
+        if np.count_nonzero(keep) < 3:
+            notes.append(
+                f"{run.name}: {np.count_nonzero(keep)} evaluations past {token_fit_from:.0%} of training; "
+                "the token fit needs 3 (lower trainer.eval_interval)"
+            )
+            return fits, None
+        try:
+            fits[run.variant] = fit_power_law(run.val_tokens[keep], run.val_loss[keep])
+        except ValueError as error:
+            notes.append(f"{run.name}: no token fit: {error}")
+            return fits, None
+    variant_run, reference_run = pair
+    ratio = matching_ratio(fits[variant_run.variant], fits[reference_run.variant], float(variant_run.val_tokens[-1]))
+    return fits, ratio
 
 
 def compare_runs(
@@ -241,15 +338,18 @@ def compare_runs(
     token_fit_from: float = 0.1,
     require_finished: bool = True,
     at_parameters: Sequence[float] = (),
+    reference: str = BASELINE,
 ) -> Comparison:
-    """Fit the scaling laws and compute both ratios; refuses runs that are not comparable."""
+    """Fit the scaling laws of every variant and compute both ratios of each against its reference (see
+    :func:`reference_pairs`); refuses runs that are not comparable."""
     if parameter_count not in PARAMETER_COUNTS:
         raise ValueError(f"parameter_count={parameter_count!r}; use one of {PARAMETER_COUNTS}")
     runs = list(runs)
     check_comparable(runs, require_finished=require_finished)
+    variants = list(dict.fromkeys(r.variant for r in runs))
     notes: list[str] = []
     size_fits: dict[str, PowerLawFit] = {}
-    for kind in dict.fromkeys(r.variant for r in runs):  # every variant gets its fit; DIFF and vanilla their ratio
+    for kind in variants:
         of_kind = [r for r in runs if r.variant == kind]
         sizes = {r.parameters(parameter_count) for r in of_kind}
         if len(sizes) < 3:
@@ -261,36 +361,29 @@ def compare_runs(
             )
         except ValueError as error:  # the curves are still worth drawing
             notes.append(f"{kind}: no scaling-law fit: {error}")
-    parameter_ratios = []
-    if DIFF in size_fits and BASELINE in size_fits:
-        # At each DIFF size trained, then at any size asked for (an extrapolation of both fits).
-        diff_sizes = sorted({r.parameters(parameter_count) for r in runs if r.variant == DIFF})
-        parameter_ratios = [matching_ratio(size_fits[DIFF], size_fits[BASELINE], n) for n in diff_sizes]
-        parameter_ratios += [matching_ratio(size_fits[DIFF], size_fits[BASELINE], float(n)) for n in at_parameters]
-
-    token_pair = _largest_pair(runs, token_ratio_model, parameter_count)
-    token_fits: dict[str, PowerLawFit] = {}
-    token_ratio = None
-    if token_pair is None:
-        notes.append("no model size has both a DIFF and a baseline run: no token ratio")
-    else:
-        for run in token_pair:
-            keep = run.val_tokens >= token_fit_from * run.token_budget
-            if np.count_nonzero(keep) < 3:
-                notes.append(
-                    f"{run.name}: {np.count_nonzero(keep)} evaluations past {token_fit_from:.0%} of training; "
-                    "the token fit needs 3 (lower trainer.eval_interval)"
-                )
-                break
-            try:
-                token_fits[run.variant] = fit_power_law(run.val_tokens[keep], run.val_loss[keep])
-            except ValueError as error:
-                notes.append(f"{run.name}: no token fit: {error}")
-                break
-        if len(token_fits) == 2:
-            diff_run = token_pair[0]
-            token_ratio = matching_ratio(token_fits[DIFF], token_fits[BASELINE], float(diff_run.val_tokens[-1]))
-    return Comparison(runs, parameter_count, size_fits, parameter_ratios, token_pair, token_fits, token_ratio, notes)
+    pair_names, pair_notes = reference_pairs(runs, reference)
+    notes += pair_notes
+    if token_ratio_model is not None and not any(
+            _largest_pair(runs, token_ratio_model, parameter_count, v, r) for v, r in pair_names):
+        raise ValueError(f"--token-ratio-model {token_ratio_model!r} has no run of both a variant and its reference; "
+                         f"models: {sorted({r.model for r in runs})}")
+    pairs = []
+    for variant, ref in pair_names:
+        parameter_ratios = []
+        if variant in size_fits and ref in size_fits:
+            # At each size of the variant trained, then at any size asked for (an extrapolation of both fits).
+            sizes = sorted({r.parameters(parameter_count) for r in runs if r.variant == variant})
+            parameter_ratios = [matching_ratio(size_fits[variant], size_fits[ref], n) for n in sizes]
+            parameter_ratios += [matching_ratio(size_fits[variant], size_fits[ref], float(n)) for n in at_parameters]
+        token_pair = _largest_pair(runs, token_ratio_model, parameter_count, variant, ref)
+        token_fits: dict[str, PowerLawFit] = {}
+        token_ratio = None
+        if token_pair is None:
+            notes.append(f"{variant} vs {ref}: no model size has runs of both: no token ratio")
+        else:
+            token_fits, token_ratio = _token_comparison(token_pair, token_fit_from, notes)
+        pairs.append(PairComparison(variant, ref, parameter_ratios, token_pair, token_fits, token_ratio))
+    return Comparison(runs, parameter_count, size_fits, pairs, notes)
 
 
 def human_number(n: float) -> str:
@@ -302,23 +395,27 @@ def human_number(n: float) -> str:
 
 def format_report(comparison: Comparison) -> str:
     count = comparison.parameter_count
-    lines = [f"{'run':<40} {'attention':<9} {'params (' + count + ')':>22} {'tokens':>10} {'final val loss':>15}"]
+    width = max([9] + [len(r.variant) for r in comparison.runs])
+    lines = [f"{'run':<40} {'variant':<{width}} {'params (' + count + ')':>22} {'tokens':>10} {'final val loss':>15}"]
     for r in sorted(comparison.runs, key=lambda r: (r.variant, r.parameters(count))):
         lines.append(
-            f"{r.name:<40} {r.variant:<9} {r.parameters(count):>22,} {human_number(r.token_budget):>10} {r.final_val_loss:>15.4f}"
+            f"{r.name:<40} {r.variant:<{width}} {r.parameters(count):>22,} {human_number(r.token_budget):>10} "
+            f"{r.final_val_loss:>15.4f}"
         )
     lines.append("")
     for kind, fit in comparison.size_fits.items():
-        lines.append(f"scaling fit {kind:<8} {fit.describe('N')}")
-    for estimate in comparison.parameter_ratios:
-        lines.append(estimate.describe("parameter", "parameters"))
-    if comparison.token_pair is not None:
-        pair = comparison.token_pair
+        lines.append(f"scaling fit {kind:<{width}} {fit.describe('N')}")
+    for pair in comparison.pairs:
         lines.append("")
-        for kind, fit in comparison.token_fits.items():
-            lines.append(f"token fit {kind:<8} {fit.describe('D')}")
-        if comparison.token_ratio is not None:
-            lines.append(f"along {pair[0].name} vs {pair[1].name}: " + comparison.token_ratio.describe("token", "tokens"))
+        lines.append(f"{label(pair.variant)} against {label(pair.reference)}:")
+        for estimate in pair.parameter_ratios:
+            lines.append("  " + estimate.describe("parameter", "parameters", pair.variant, pair.reference))
+        if pair.token_pair is not None:
+            for kind, fit in pair.token_fits.items():
+                lines.append(f"  token fit {kind:<{width}} {fit.describe('D')}")
+            if pair.token_ratio is not None:
+                lines.append(f"  along {pair.token_pair[0].name} vs {pair.token_pair[1].name}: "
+                             + pair.token_ratio.describe("token", "tokens", pair.variant, pair.reference))
     for note in comparison.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)

@@ -70,12 +70,15 @@ def log_to_wandb(comparison: Comparison, png: Path, path: str) -> str:
     runs_table = wandb.Table(columns=["run", "model", "attention", f"parameters_{count}", "tokens", "final_val_loss"])
     for r in comparison.runs:
         runs_table.add_data(r.name, r.model, r.variant, r.parameters(count), r.token_budget, r.final_val_loss)
-    ratio_table = wandb.Table(columns=["kind", "diff_at", "loss", "ratio", "low_68", "high_68", "std"])
-    for estimate in comparison.parameter_ratios:
-        ratio_table.add_data("parameters", estimate.at, estimate.loss, estimate.ratio, estimate.low, estimate.high, estimate.std)
-    if comparison.token_ratio is not None:
-        t = comparison.token_ratio
-        ratio_table.add_data("tokens", t.at, t.loss, t.ratio, t.low, t.high, t.std)
+    ratio_table = wandb.Table(columns=["variant", "reference", "kind", "variant_at", "loss", "ratio", "low_68",
+                                       "high_68", "std"])
+    for pair in comparison.pairs:
+        for estimate in pair.parameter_ratios:
+            ratio_table.add_data(pair.variant, pair.reference, "parameters", estimate.at, estimate.loss, estimate.ratio,
+                                 estimate.low, estimate.high, estimate.std)
+        if pair.token_ratio is not None:
+            t = pair.token_ratio
+            ratio_table.add_data(pair.variant, pair.reference, "tokens", t.at, t.loss, t.ratio, t.low, t.high, t.std)
     run.log({"comparison": wandb.Image(str(png)), "runs": runs_table, "ratios": ratio_table})
     run.summary.update({"summary": comparison.summary()})
     url = run.url

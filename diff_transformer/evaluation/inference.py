@@ -13,7 +13,13 @@ layout: dist_checkpointing reshards the weights onto one rank), or a ``.pt`` fil
 ``python -m diff_transformer.checkpoint convert``. The model runs on the GPU of ``LOCAL_RANK`` when there is one (in the
 precision the run trained in, ``trainer.precision``), else on the CPU in fp32; logits are scored in fp32. Under
 torchrun every process holds the whole model (data parallelism over the world), so evaluation loops split their work
-with :attr:`InferenceModel.rank` and :attr:`InferenceModel.world_size`.
+with :attr:`InferenceModel.rank` and :attr:`InferenceModel.world_size` and reduce over
+:attr:`InferenceModel.data_group`.
+
+Long contexts: ``seq_length`` evaluates at another context length than the run trained at (RoPE positions beyond
+the training length), and ``cp`` splits each sequence over that many ranks (context parallelism, ring attention:
+``models/ring_attention.py``): the ranks of a context-parallel group score the same sequences, each its two
+load-balanced chunks, and gather the per-token results, so the world is ``cp`` × data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from diff_transformer.config import Config, ModelConfig, padded_vocab_size
-from diff_transformer.distributed import init_distributed
+from diff_transformer.distributed import all_gather_tensor, init_distributed, world_size_from_env
 from diff_transformer.models.gpt import build_model_chunk, lambda_values, resolve_precision, set_dex_anneal
 from diff_transformer.models.layer_specs import variant_label
+from diff_transformer.models.ring_attention import context_parallel_chunks, load_balanced_indices
 from diff_transformer.training.checkpoint import (
     CHECKPOINTS_DIRNAME,
     list_checkpoints,
@@ -140,14 +147,22 @@ class InferenceModel:
     """A checkpoint's GPTModel at TP=1/PP=1, in eval mode on :attr:`device`."""
 
     def __init__(self, run: RunInfo, model: torch.nn.Module, cfg: Config, padded_vocab: int):
+        from megatron.core import parallel_state
+
         self.run = run
         self.model = model
         self.cfg = cfg
         self.padded_vocab = padded_vocab
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        self.world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        self.global_rank = torch.distributed.get_rank()
+        # the work is split over data-parallel ranks; a context-parallel group shares its sequences
+        self.rank = parallel_state.get_data_parallel_rank()
+        self.world_size = parallel_state.get_data_parallel_world_size()
+        self.data_group = parallel_state.get_data_parallel_group()
+        self.cp = parallel_state.get_context_parallel_world_size()
+        self.cp_rank = parallel_state.get_context_parallel_rank()
+        self.cp_group = parallel_state.get_context_parallel_group()
 
     @property
     def seq_length(self) -> int:
@@ -163,26 +178,48 @@ class InferenceModel:
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """(b, s) token ids -> (b, s, padded vocab) logits in the model's dtype."""
-        self.check_length(tokens.shape[-1])
-        tokens = tokens.to(self.device)
-        positions = torch.arange(tokens.shape[-1], device=self.device).expand_as(tokens)
-        return self.model(tokens, positions, None)
+        return self._per_position(tokens, lambda logits, _: logits)
 
     @torch.no_grad()
     def token_nll(self, tokens: torch.Tensor) -> torch.Tensor:
         """(b, s + 1) token ids -> (b, s) fp32 NLL of tokens[:, 1:] given the tokens before each (the inputs are
         tokens[:, :-1], at most the model's sequence length, as a training sample); over the padded vocabulary, as
         the training loss."""
-        logits = self.logits(tokens[:, :-1]).float()
-        targets = tokens[:, 1:].to(self.device)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none").view(
-            targets.shape
-        )
+
+        def nll(logits, positions):
+            targets = tokens[:, 1:].to(self.device).index_select(1, positions)
+            logits = logits.float()
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none").view(
+                targets.shape
+            )
+
+        return self._per_position(tokens[:, :-1], nll)
 
     @torch.no_grad()
     def greedy_next(self, tokens: torch.Tensor) -> torch.Tensor:
         """(b, s) -> (b, s) the most likely next token after each position (argmax over the real vocabulary)."""
-        return self.logits(tokens).argmax(-1)
+        return self._per_position(tokens, lambda logits, _: logits.argmax(-1))
+
+    def _per_position(self, tokens: torch.Tensor, score) -> torch.Tensor:
+        """``score(logits, positions)`` of the (b, s) inputs ``tokens``, (b, s, ...) in position order. Under context
+        parallelism each rank scores its chunks of the sequence (padded at the end to 2·cp equal chunks: causal, so
+        the padding changes no earlier position) and the ranks gather the scores, not the logits."""
+        self.check_length(tokens.shape[-1])
+        tokens = tokens.to(self.device)
+        s = tokens.shape[-1]
+        if self.cp == 1:
+            positions = torch.arange(s, device=self.device)
+            return score(self.model(tokens, positions.expand_as(tokens), None), positions)
+        padded = -(-s // (2 * self.cp)) * 2 * self.cp
+        tokens = F.pad(tokens, (0, padded - s))
+        positions = load_balanced_indices(padded, self.cp, self.cp_rank).to(self.device)
+        local = context_parallel_chunks(tokens, self.cp, self.cp_rank, dim=1)
+        scores = score(self.model(local, positions.expand_as(local), None), positions.clamp(max=s - 1))
+        gathered = all_gather_tensor(scores, self.cp_group)
+        order = torch.cat([load_balanced_indices(padded, self.cp, r) for r in range(self.cp)]).to(self.device)
+        out = torch.empty_like(torch.cat(gathered, dim=1))
+        out[:, order] = torch.cat(gathered, dim=1)
+        return out[:, :s]
 
     def lambdas(self) -> List[float]:
         """DIFF V1's per-layer λ (empty for other kinds)."""
@@ -202,16 +239,29 @@ def _saved_padded_vocab(run: RunInfo, cfg: Config) -> int:
     return padded_vocab_size(rows, cfg.model.make_vocab_size_divisible_by, 1)
 
 
-def inference_config(run: RunInfo, attention_backend: Optional[str] = None) -> Config:
-    """The run's config laid out for one rank: TP=PP=1, no sequence parallelism or recomputation."""
+def inference_config(run: RunInfo, attention_backend: Optional[str] = None, seq_length: Optional[int] = None,
+                     cp: int = 1) -> Config:
+    """The run's config laid out for inference: TP=PP=1, no sequence parallelism or recomputation, the sequence split
+    over ``cp`` ranks (context parallelism), the context ``seq_length`` (default: the run's)."""
+    from diff_transformer.config import validate_attention_kind, validate_ring_attention
+
     cfg = run.typed_config()
-    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sequence_parallel = 1, 1, False
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.sequence_parallel = 1, 1, cp, False
     cfg.trainer.recompute, cfg.trainer.recompute_layers = "none", None
     if attention_backend is not None:
-        from diff_transformer.config import validate_attention_kind
-
         cfg.model.attention_backend = attention_backend
         validate_attention_kind(cfg.model)
+    if seq_length is not None and seq_length != cfg.model.seq_length:
+        if cfg.model.attention == "signed_mask":
+            raise ValueError(
+                "model.attention=signed_mask lays its distance buckets out up to the training length "
+                f"(model.seq_length={cfg.model.seq_length}); evaluate it at that length (leave --seq-length unset)"
+            )
+        cfg.model.seq_length = seq_length
+    if cp < 1:
+        raise ValueError(f"--cp {cp} must be at least 1")
+    if cp > 1:
+        validate_ring_attention(cfg.model, f"--cp {cp}", backend_key="--backend")
     return cfg
 
 
@@ -234,20 +284,26 @@ def load_weights(model: torch.nn.Module, run: RunInfo, cfg: Config) -> None:
     load_single_rank_weights(model, checkpoint, cfg, read_trainer_state(checkpoint))
 
 
-def load_for_inference(run: RunInfo, attention_backend: Optional[str] = None) -> InferenceModel:
+def load_for_inference(run: RunInfo, attention_backend: Optional[str] = None, seq_length: Optional[int] = None,
+                       cp: int = 1) -> InferenceModel:
     """Build the run's model at TP=1/PP=1 on this process's device and load its weights.
 
     Starts the process group if none is (a world of one, or torchrun's world: every rank then holds the whole model);
-    an existing one must have TP=PP=1. ``attention_backend`` overrides the trained one (``eager`` materialises maps).
+    an existing one must have TP=PP=1. ``attention_backend`` overrides the trained one (``eager`` materialises maps);
+    ``seq_length`` the context length; ``cp`` splits each sequence over that many ranks (the world must be a multiple).
     """
-    cfg = inference_config(run, attention_backend)
-    init_distributed(cfg.parallel.backend, tp=1, pp=1, seed=cfg.seed)
+    cfg = inference_config(run, attention_backend, seq_length, cp)
+    if world_size_from_env() % cp:
+        raise ValueError(f"--cp {cp} does not divide the world of {world_size_from_env()} processes; launch a "
+                         f"multiple of {cp} processes (torchrun --nproc_per_node)")
+    init_distributed(cfg.parallel.backend, tp=1, pp=1, seed=cfg.seed, cp=cp)
     from megatron.core import parallel_state
 
     if parallel_state.get_tensor_model_parallel_world_size() != 1 or \
-            parallel_state.get_pipeline_model_parallel_world_size() != 1:
-        raise ValueError("load_for_inference needs tensor and pipeline parallel sizes of 1 (the model is whole on "
-                         "every rank)")
+            parallel_state.get_pipeline_model_parallel_world_size() != 1 or \
+            parallel_state.get_context_parallel_world_size() != cp:
+        raise ValueError(f"load_for_inference needs tensor and pipeline parallel sizes of 1 (the model is whole on "
+                         f"every rank) and a context-parallel size of {cp}")
     device = inference_device()
     dtype = resolve_precision(cfg.trainer.precision) if device.type == "cuda" else torch.float32
     padded = _saved_padded_vocab(run, cfg)

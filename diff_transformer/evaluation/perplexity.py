@@ -84,7 +84,8 @@ def stream_perplexity(model, stream: np.ndarray, stride: Optional[int] = None, b
         if n == L:
             position_sum += nll.sum(0)
             position_count += len(batch)
-    totals = all_reduce_values([float(nll_sum), count, position_count] + position_sum.cpu().tolist())
+    totals = all_reduce_values([float(nll_sum), count, position_count] + position_sum.cpu().tolist(),
+                               group=model.data_group)
     nll_total, count, position_count = totals[0], int(totals[1]), int(totals[2])
     position = [s / position_count if position_count else None for s in totals[3:]]
     return PerplexityResult(count, nll_total / count, position, len(windows), stride)

@@ -3,6 +3,7 @@ eval.json."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Dict, List, Optional, Sequence
 
@@ -35,7 +36,8 @@ def run_ppl(model, tokenizer, texts: Sequence[str], max_tokens: Optional[int], s
 def run_niah(model, tokenizer, config: niah.NiahConfig, haystack: np.ndarray, batch_size: int) -> Dict:
     """Accuracy by length × depth, and per layer the share of attention mass the answer rows put on the answer
     needle, the other needles, the haystack and the queries (normalised |weights| of each kind's combined map,
-    averaged over heads, answer rows and samples)."""
+    averaged over heads, answer rows and samples; not measured under context parallelism, where no rank holds a
+    whole map: empty)."""
     samples = niah.generate(config, tokenizer, haystack)
     if len(samples) < model.world_size:
         raise ValueError(f"niah has {len(samples)} samples for {model.world_size} processes; raise --samples or use "
@@ -64,17 +66,18 @@ def run_niah(model, tokenizer, config: niah.NiahConfig, haystack: np.ndarray, ba
                 region_sums[layer] = region_sums.get(layer, 0) + total
 
             tokens = torch.tensor([s.tokens for s in group])
-            with capture_attention([model.model], on_maps):
+            with capture_attention([model.model], on_maps) if model.cp == 1 else contextlib.nullcontext():
                 predictions = model.greedy_next(tokens).cpu()
             rows_seen += int(wanted.sum())
             for i, p in zip(indices, predictions):
                 results[i] = niah.retrieved(samples[i], p.tolist())
     gathered = {}
-    for part in all_gather_objects(results):
+    for part in all_gather_objects(results, group=model.data_group):
         gathered.update(part)
     ordered = [gathered[i] for i in range(len(samples))]
     layers = sorted(region_sums)
-    sums = all_reduce_values([float(x) for layer in layers for x in region_sums[layer]] + [rows_seen])
+    sums = all_reduce_values([float(x) for layer in layers for x in region_sums[layer]] + [rows_seen],
+                             group=model.data_group)
     rows_total = sums[-1]
     allocation = {
         str(layer): {region: sums[i * len(niah.REGIONS) + j] / rows_total for j, region in enumerate(niah.REGIONS)}

@@ -7,7 +7,10 @@ code: ``LlamaForCausalLM`` for vanilla, vanilla_wide and dex, ``DiffLlamaForCaus
 ``convert``). The vocabulary is the model's padded one (the extra rows are the model's own, so logits and losses
 equal the framework's); the tokenizer encodes text to the ids the model was trained on, adds no BOS and no EOS
 (the framework trains on documents with no BOS, each followed by the end-of-document token, which is the exported
-``eos_token``), and the export checks this on sample text before it writes anything.
+``eos_token``), and the export checks this on sample text before it writes anything. The exported ``bos_token`` (and
+``bos_token_id`` of the model and generation configs) is that end-of-document token too, as for GPT-2: it is what
+precedes a document in training, so a tool that starts a document from BOS (lm-eval-harness's document prefix for
+perplexity and for an empty context) conditions it as training did, not on a token the model never saw.
 """
 
 from __future__ import annotations
@@ -83,8 +86,8 @@ def export_hf(checkpoint: str, out_dir: str, dtype: str = "float32", tokenizer_d
         )
     hf_sd = to_hf_state_dict(cfg.model, sd, state["step"], cfg.trainer.max_steps)
     special = {"bos": None, "eos": None, "pad": None}
-    if tokenizer is not None:
-        special = {"bos": tokenizer.bos, "eos": tokenizer.eod, "pad": getattr(tokenizer, "_pad", None)}
+    if tokenizer is not None:  # BOS: the end-of-document token, which precedes every document in training
+        special = {"bos": tokenizer.eod, "eos": tokenizer.eod, "pad": getattr(tokenizer, "_pad", None)}
 
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
@@ -102,7 +105,7 @@ def export_hf(checkpoint: str, out_dir: str, dtype: str = "float32", tokenizer_d
             "dtype": dtype,
             "vocab_size": vocab,
             "tokenizer": None if tokenizer is None else {
-                "source": tokenizer.path, "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos,
+                "source": tokenizer.path, "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.eod,
                 "eos_id": tokenizer.eod, "adds_bos": False, "adds_eos": False,
             },
             "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -144,9 +147,8 @@ def _save_model(transformers, model, hf_sd, vocab, special, dtype, out_dir) -> N
 def _save_tokenizer(transformers, tokenizer: Tokenizer, max_length: int, out_dir: str) -> None:
     """The tokenizer files AutoTokenizer loads, checked to encode the probes to the framework's ids."""
     piece = tokenizer._backend.id_to_piece
-    special = {"eos_token": piece(tokenizer.eod)}
-    if tokenizer.bos is not None:
-        special["bos_token"] = piece(tokenizer.bos)
+    # bos_token is the end-of-document token: what a document follows in training (never added: add_bos_token)
+    special = {"eos_token": piece(tokenizer.eod), "bos_token": piece(tokenizer.eod)}
     if getattr(tokenizer, "_pad", None) is not None:
         special["pad_token"] = piece(tokenizer._pad)
     config: Dict[str, Any] = {
@@ -183,3 +185,8 @@ def _save_tokenizer(transformers, tokenizer: Tokenizer, max_length: int, out_dir
                 f"the exported tokenizer encodes {text!r} to {theirs[:16]}, the framework's to {ours[:16]}; "
                 "not exporting a tokenizer that would change the ids"
             )
+    if (hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id) != (tokenizer.eod, tokenizer.eod):
+        raise ValueError(
+            f"the exported tokenizer's BOS and EOS are ids {hf_tokenizer.bos_token_id} and "
+            f"{hf_tokenizer.eos_token_id}, not the end-of-document token {tokenizer.eod}; not exporting it"
+        )

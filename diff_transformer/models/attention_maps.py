@@ -101,6 +101,9 @@ def capture_attention(
 
     for model in models:
         for module in attention_modules(model):
+            if getattr(module, "ring", None) is not None:
+                raise ValueError("attention maps need every key on one rank; context parallelism (parallel.cp > 1) "
+                                 "splits the sequence over ranks: capture maps of a model built without it")
             handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     if not handles:
         raise ValueError("the model has no attention module implementing attention_maps")

@@ -14,6 +14,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from diff_transformer import compat
 from diff_transformer.distributed import all_reduce_tensor
 from diff_transformer.models.attention import (
     SIGNED_MASK_BUCKETS,
@@ -23,8 +24,9 @@ from diff_transformer.models.attention import (
     dex_anneal_fraction,
 )
 from diff_transformer.models.layer_specs import head_dim  # noqa: F401  (re-exported: accounting reads it here)
-from diff_transformer.models.layer_specs import attention_heads, layer_spec_for, num_kv_heads
+from diff_transformer.models.layer_specs import attention_heads, layer_spec_for, num_kv_heads, resolved_backend
 from diff_transformer.models.norms import RMSNorm
+from diff_transformer.models.rope import fused_apply_rotary_pos_emb
 
 
 def resolve_precision(precision: str) -> torch.dtype:
@@ -38,13 +40,28 @@ def resolve_precision(precision: str) -> torch.dtype:
 FUSED_ATTENTION_BACKENDS = ("triton", "flash_attn")
 
 
+def fusions_enabled(cfg: Any, device: Optional[str] = None) -> bool:
+    """``trainer.fusions``: auto is on with CUDA (the kernels are compiled there) and off on a CPU, where compiling
+    costs more than it saves; ``on`` forces them anywhere (on a CPU the Triton epilogue needs TRITON_INTERPRET=1).
+    ``device`` (cuda or cpu): the machine to decide for (default: this one)."""
+    mode = getattr(cfg.trainer, "fusions", "off")
+    if mode == "auto":
+        return device == "cuda" if device is not None else torch.cuda.is_available()
+    return mode == "on"
+
+
+def epilogue_impl(cfg: Any) -> str:
+    """The DIFF epilogue the model runs: ``trainer.diff_epilogue`` with fusions on, else the unfused definition."""
+    return cfg.trainer.diff_epilogue if fusions_enabled(cfg) else "unfused"
+
+
 def recompute_settings(cfg: Any) -> Dict[str, Any]:
     """TransformerConfig fields for ``trainer.recompute``: megatron-core's selective recomputation of the core
     attention (DIFF's whole differential core: both maps, λ and the sub-layer norm) or full recomputation of whole
     layers (``uniform``: every layer of a stage, in groups of N; ``block``: the first N layers of each stage)."""
     t = cfg.trainer
     mode = t.recompute
-    if mode == "selective" and cfg.model.attention_backend not in FUSED_ATTENTION_BACKENDS:
+    if mode == "selective" and resolved_backend(cfg.model) not in FUSED_ATTENTION_BACKENDS:
         return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
     if mode == "full":
         layers_per_stage = cfg.model.num_layers // cfg.parallel.pp
@@ -73,6 +90,12 @@ def transformer_config(
     m, p = cfg.model, cfg.parallel
     bf16 = dtype == torch.bfloat16
     query_heads, kv_heads, head_size = attention_heads(m)
+    # trainer.fusions: megatron-core's own fused SwiGLU and cross-entropy (torch.compile'd, no TransformerEngine
+    # needed) and our fused RoPE in its TransformerEngine hook
+    fused = fusions_enabled(cfg)
+    if fused:
+        compat.install_fused_rope(fused_apply_rotary_pos_emb)
+        compat.keep_fused_cross_entropy_grad_dtype()
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -91,18 +114,22 @@ def transformer_config(
         init_method_std=m.init_std,
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
+        context_parallel_size=p.cp,  # the core attentions' ring path, RoPE's positions of each rank's chunks
         # refused at TP=1 by config validation; a saved config rebuilt at TP=1 (checkpoint convert) drops it
         sequence_parallel=bool(getattr(p, "sequence_parallel", False)) and p.tp > 1,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=bf16,
-        # Full weights drawn on the CPU then sliced: identical initial weights for every TP layout.
-        use_cpu_initialization=True,
+        # Full weights drawn on the CPU then sliced: identical initial weights for every TP layout (unless
+        # trainer.init_on_gpu trades that for speed).
+        use_cpu_initialization=not (getattr(cfg.trainer, "init_on_gpu", False) and torch.cuda.is_available()),
         perform_initialization=perform_init,
-        bias_activation_fusion=False,
+        bias_activation_fusion=fused,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=fused,
+        cross_entropy_loss_fusion=fused,
+        cross_entropy_fusion_impl="native",
         gradient_accumulation_fusion=grad_accumulation_fusion,
         persist_layer_norm=False,
         batch_p2p_sync=False,
@@ -119,7 +146,7 @@ def build_model_chunk(
     config = transformer_config(cfg, dtype, perform_init, grad_accumulation_fusion)
     if perform_init:
         torch.manual_seed(cfg.seed)
-    layer_spec = layer_spec_for(cfg.model, seed=cfg.seed)
+    layer_spec = layer_spec_for(cfg.model, seed=cfg.seed, epilogue=epilogue_impl(cfg))
     block_spec = TransformerBlockSubmodules(
         layer_specs=[layer_spec] * get_num_layers_to_build(config), layer_norm=RMSNorm  # RMSNorm: the final norm
     )
@@ -143,7 +170,8 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens=None, pg_colle
     own heads; megatron-core reduces such gradients only for sequence-parallel norms, so we sum them here. The core
     attention sees the whole sequence (its heads are split, not the sequence), so with sequence parallelism these
     gradients are still partial over heads and still need exactly this one sum; a parameter that is also marked
-    ``sequence_parallel`` has had it from megatron-core already and is skipped, so none is summed twice.
+    ``sequence_parallel`` has had it from megatron-core already and is skipped, so none is summed twice. Over context
+    parallelism (each rank a part of the sequence, every parameter whole) DDP has averaged them with every gradient.
     """
     megatron_finalize_model_grads(model, num_tokens=num_tokens, pg_collection=pg_collection, **kwargs)
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
@@ -175,9 +203,13 @@ def diff_attention_modules(model_chunks) -> List[DifferentialCoreAttention]:
 
 @torch.no_grad()
 def lambda_values(model_chunks) -> List[float]:
-    """Per-layer λ of this rank's DIFF (or DEX) layers, in layer order (empty for the baseline)."""
+    """Per-layer λ of this rank's DIFF (or DEX) layers, in layer order (empty for the baseline): one read to the host
+    for all of them."""
     mods = sorted(diff_attention_modules(model_chunks) + dex_attention_modules(model_chunks), key=lambda m: m.layer_number)
-    return [float(m.lambda_full()) for m in mods]
+    if not mods:
+        return []
+    values = [m.lambda_full() for m in mods]
+    return torch.stack([v.to(values[0].device, torch.float64) for v in values]).tolist()
 
 
 def dex_attention_modules(model_chunks) -> List[DexCoreAttention]:

@@ -76,10 +76,17 @@ def _with_core_attention(seed: int, module, **params) -> ModuleSpec:
     return spec
 
 
-def diff_layer_spec(model_cfg, seed: int = 0) -> ModuleSpec:
+def resolved_backend(model_cfg) -> str:
+    """``model.attention_backend``, with ``auto`` read as ``sdpa``: what a model built without the trainer's timed
+    choice (``training.backend_choice``, which replaces ``auto`` before the model is built) runs on."""
+    return "sdpa" if model_cfg.attention_backend == "auto" else model_cfg.attention_backend
+
+
+def diff_layer_spec(model_cfg, seed: int = 0, epilogue: str = "unfused") -> ModuleSpec:
     return _with_core_attention(
         seed, DifferentialCoreAttention,
-        backend=model_cfg.attention_backend,
+        backend=resolved_backend(model_cfg),
+        epilogue=epilogue,
         lambda_init=model_cfg.lambda_init,
         sublayer_norm=model_cfg.sublayer_norm,
         norm_eps=model_cfg.norm_eps,
@@ -87,37 +94,37 @@ def diff_layer_spec(model_cfg, seed: int = 0) -> ModuleSpec:
     )
 
 
-def vanilla_layer_spec(model_cfg, seed: int = 0) -> ModuleSpec:
-    return _with_core_attention(seed, VanillaCoreAttention, backend=model_cfg.attention_backend)
+def vanilla_layer_spec(model_cfg, seed: int = 0, epilogue: str = "unfused") -> ModuleSpec:
+    return _with_core_attention(seed, VanillaCoreAttention, backend=resolved_backend(model_cfg))
 
 
-def diff_v2_layer_spec(model_cfg, seed: int = 0) -> ModuleSpec:
-    spec = _with_core_attention(seed, DiffV2CoreAttention, backend=model_cfg.attention_backend)
+def diff_v2_layer_spec(model_cfg, seed: int = 0, epilogue: str = "unfused") -> ModuleSpec:
+    spec = _with_core_attention(seed, DiffV2CoreAttention, backend=resolved_backend(model_cfg), epilogue=epilogue)
     spec.submodules.self_attention.module = DiffV2SelfAttention
     return spec
 
 
-def vanilla_subln_layer_spec(model_cfg, seed: int = 0) -> ModuleSpec:
+def vanilla_subln_layer_spec(model_cfg, seed: int = 0, epilogue: str = "unfused") -> ModuleSpec:
     return _with_core_attention(
         seed, VanillaSublnCoreAttention,
-        backend=model_cfg.attention_backend, lambda_init=model_cfg.lambda_init, norm_eps=model_cfg.norm_eps,
+        backend=resolved_backend(model_cfg), lambda_init=model_cfg.lambda_init, norm_eps=model_cfg.norm_eps,
     )
 
 
-def topk_layer_spec(model_cfg, seed: int = 0) -> ModuleSpec:
-    return _with_core_attention(seed, TopKCoreAttention, backend=model_cfg.attention_backend, topk=resolved_topk(model_cfg))
+def topk_layer_spec(model_cfg, seed: int = 0, epilogue: str = "unfused") -> ModuleSpec:
+    return _with_core_attention(seed, TopKCoreAttention, backend=resolved_backend(model_cfg), topk=resolved_topk(model_cfg))
 
 
-def signed_mask_layer_spec(model_cfg, seed: int = 0) -> ModuleSpec:
+def signed_mask_layer_spec(model_cfg, seed: int = 0, epilogue: str = "unfused") -> ModuleSpec:
     return _with_core_attention(
-        seed, SignedMaskCoreAttention, backend=model_cfg.attention_backend, max_distance=model_cfg.seq_length
+        seed, SignedMaskCoreAttention, backend=resolved_backend(model_cfg), max_distance=model_cfg.seq_length
     )
 
 
-def dex_layer_spec(model_cfg, seed: int = 0) -> ModuleSpec:
+def dex_layer_spec(model_cfg, seed: int = 0, epilogue: str = "unfused") -> ModuleSpec:
     return _with_core_attention(
         seed, DexCoreAttention,
-        backend=model_cfg.attention_backend,
+        backend=resolved_backend(model_cfg),
         heads_per_layer=None if model_cfg.dex.heads is None else [list(h) for h in model_cfg.dex.heads],
         lambda_init=model_cfg.lambda_init,
     )
@@ -153,7 +160,9 @@ def _wide_heads(m) -> Tuple[int, int, int]:
 class AttentionKind:
     """One value of ``model.attention``."""
 
-    layer_spec: Callable[..., ModuleSpec]  # (model_cfg, seed) -> the transformer layer's ModuleSpec
+    # (model_cfg, seed, epilogue) -> the transformer layer's ModuleSpec; ``epilogue`` is the DIFF epilogue's
+    # implementation (models.attention.epilogue), read by the differential kinds only
+    layer_spec: Callable[..., ModuleSpec]
     heads: Callable[..., Tuple[int, int, int]]  # model_cfg -> (query heads, KV heads, head size) of SelfAttention
     backends: Tuple[str, ...]
     keys: Tuple[str, ...] = ()  # the model.* ablation keys this kind reads, besides the head settings
@@ -185,8 +194,8 @@ def attention_kind(model_cfg) -> AttentionKind:
         ) from None
 
 
-def layer_spec_for(model_cfg, seed: int = 0) -> ModuleSpec:
-    return attention_kind(model_cfg).layer_spec(model_cfg, seed)
+def layer_spec_for(model_cfg, seed: int = 0, epilogue: str = "unfused") -> ModuleSpec:
+    return attention_kind(model_cfg).layer_spec(model_cfg, seed, epilogue)
 
 
 def attention_heads(model_cfg) -> Tuple[int, int, int]:
@@ -208,3 +217,14 @@ def variant_label(model_cfg) -> str:
         if getattr(model_cfg, key) is not None:
             parts.append(f"{key}={getattr(model_cfg, key)}")
     return " ".join(parts)
+
+
+def core_attention_class(model_cfg, kind: str) -> type:
+    """The core-attention module class of attention kind ``kind`` (built from ``model_cfg``'s other settings)."""
+    spec = ATTENTION_KINDS[kind].layer_spec(model_cfg)
+    return spec.submodules.self_attention.submodules.core_attention.module
+
+
+def context_parallel_kinds(model_cfg) -> Tuple[str, ...]:
+    """The attention kinds with a ring-attention path for a sequence split over a context-parallel group."""
+    return tuple(kind for kind in ATTENTION_KINDS if core_attention_class(model_cfg, kind).supports_context_parallel)

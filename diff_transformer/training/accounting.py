@@ -15,10 +15,12 @@ from diff_transformer.models.attention import SIGNED_MASK_BUCKETS
 from diff_transformer.models.gpt import (
     FUSED_ATTENTION_BACKENDS,
     attention_parameters_per_layer,
+    fusions_enabled,
     head_dim,
     num_kv_heads,
 )
-from diff_transformer.models.layer_specs import attention_heads
+from diff_transformer.models.layer_specs import attention_heads, context_parallel_kinds, resolved_backend
+from diff_transformer.models.ring_attention import IMPLEMENTATIONS as RING_IMPLEMENTATIONS
 
 
 GIB = 2**30
@@ -72,48 +74,83 @@ def parameters_per_stage(cfg: Any, padded_vocab: int) -> Dict[str, int]:
 # ------------------------------------------------------------------------------------------------------------------
 # Activations: what the backward pass needs, per micro-batch, per layer, on one rank
 # ------------------------------------------------------------------------------------------------------------------
-def core_attention_bytes_per_token(model: Any, backend: str, device: str, a: int) -> Tuple[float, bool]:
+def context_parallel_size(cfg: Any) -> int:
+    """parallel.cp, 1 while it is still to be chosen (null)."""
+    return getattr(cfg.parallel, "cp", 1) or 1
+
+
+def core_attention_bytes_per_token(
+    model: Any, backend: str, device: str, a: int, fused_epilogue: bool = False, cp: int = 1
+) -> Tuple[float, bool]:
     """(bytes per token the core attention keeps beyond its output, whether it keeps its inputs q, k, v among them):
     what selective recomputation drops (it keeps the inputs itself). ``a``: bytes of an activation element.
 
+    - context parallelism (``cp`` > 1, models/ring_attention.py): the ring keeps no map (each block's is recomputed in
+      the backward), only each softmax map's merged output and its fp32 LSE (DIFF: two maps over H heads of 2d);
+    - context parallelism (``cp`` > 1, models/ring_attention.py): the ring keeps no map (each block's is recomputed in
+      the backward), only each softmax map's merged output and its fp32 LSE (DIFF: two maps over H heads of 2d);
     - maps: ``eager`` keeps fp32 softmax maps of s keys per head (DIFF: A1, A2 and A1 − λA2 over H heads; the
-      baseline one over 2H); ``sdpa`` on a CPU runs torch's math path for DIFF (V is 2d wide, q/k d), which keeps
-      both maps and contiguous copies of its inputs instead of the inputs; fused kernels (sdpa's on a GPU,
-      ``flash_attn``, ``triton``) keep none;
-    - DIFF's differential core also keeps its two outputs (kernel paths), O2 in fp32 for λ's gradient, and the
-      sub-layer norm's input (on a CPU also its normalised input: torch's CPU rms_norm is not fused).
+      baseline one over 2H); the library kernels (sdpa's flash, cuDNN and memory-efficient kernels, on a CPU torch's
+      flash kernel, all with equal head dims) and ``triton`` keep none;
+    - DIFF on library kernels (``library_layout``) keeps the two halves of V repeated per head pair and the two calls'
+      outputs (with GQA also the map-major copies of q and k); eager its combined output in fp32; ``triton`` its
+      output and the sub-layer norm's input;
+    - DIFF's epilogue: the fused one keeps one rstd per head (nothing here); the unfused one x and x·rstd in fp32 (with
+      the sub-layer norm) and, for a bf16 model, the fp32 copy of map 2's output that λ's gradient reads.
     """
     h_heads, d, s = model.num_heads, head_dim(model), model.seq_length
     hq = 2 * h_heads * d  # query width = output width (DIFF: H heads of 2d)
+    hkv = 2 * num_kv_heads(model) * d
     diff = model.attention == "diff"
-    cpu = device == "cpu"
-    keeps_inputs = True
-    if backend == "eager":
+    maps = copies = 0
+    if cp > 1:  # the ring: each map's merged output and its fp32 LSE, no map
+        copies = 2 * hq * a + 2 * h_heads * 4 if diff else hq * a + 2 * h_heads * 4
+        backend = "ring"
+    elif backend == "eager":
         maps = 3 * h_heads * s * 4 if diff else 2 * h_heads * s * 4
         copies = 3 * hq * 4 if a == 2 else 0  # q, k, v cast to fp32
-    elif backend == "sdpa" and diff and cpu:
-        maps = 2 * h_heads * s * a
-        copies = 2 * 2 * hq * a  # per map: contiguous q and k halves (hq/2 each) and the 2d-wide V (hq)
-        keeps_inputs = False
-    else:
-        maps, copies = 0, 0
     if not diff:
-        return maps + copies, keeps_inputs
-    outputs = {"sdpa": 0 if cpu else 2 * hq * a, "flash_attn": 2 * hq * a, "triton": hq * a}.get(backend, 0)
-    lambda_grad = hq * 4 if backend != "triton" else 0  # O2 in fp32, which λ's gradient needs
-    norm = 0
-    if model.sublayer_norm:
-        norm = (0 if backend == "triton" else hq * a) + (hq * a if cpu else 0)
-    return maps + copies + outputs + lambda_grad + norm, keeps_inputs
+        return maps + copies, True
+    if backend == "triton":
+        norm = (hq * a if device == "cpu" else 0) if model.sublayer_norm else 0  # torch's CPU rms_norm keeps x·rstd
+        return hq * a + norm, True
+    if backend == "eager":
+        kept = hq * 4  # (A1 − λ·A2)·V in fp32
+    else:
+        gqa = (hq + hkv) * a if hkv < hq else 0
+        # the ring's two maps stacked as the epilogue's halves; the library layout's halves of V and outputs
+        kept = 2 * hq * a if backend == "ring" else 2 * hkv * a + 2 * hq * a + gqa
+    if not fused_epilogue:
+        kept += (2 * hq * 4 if model.sublayer_norm else 0) + (hq * 4 if a == 2 and backend != "eager" else 0)
+    return maps + copies + kept, True
+
+
+def ring_bytes_per_token(model: Any, backend: str, device: str, a: int, cp: int) -> float:
+    """Bytes per local token that one layer's ring attention holds while it runs (then frees), at its backward's peak:
+    the K and V in flight (the block computed and the one arriving), the visiting block's dK and dV accumulating in
+    fp32 and the ones arriving, the block's K and V repeated to the query heads (GQA), and with ``eager`` (or on a
+    CPU) a block's fp32 scores, probabilities and their gradient, over the at most s/cp keys of a block."""
+    if cp == 1:
+        return 0.0
+    query_heads, kv_heads, d = attention_heads(model)
+    kv_width = 4 * num_kv_heads(model) * d if model.attention == "diff" else 2 * kv_heads * d  # K and V together
+    maps = 2 * model.num_heads if model.attention == "diff" else query_heads  # softmax rows per token
+    value = 2 * d if model.attention == "diff" else d
+    expanded = maps * (d + value) * a
+    scores = 3 * maps * (model.seq_length // cp) * 4 if backend == "eager" or device == "cpu" else 0
+    return 2 * kv_width * a + 2 * kv_width * 4 + expanded + scores
 
 
 def activation_bytes_per_layer(cfg: Any, a: int, device: str) -> Dict[str, float]:
     """Bytes one layer keeps for its backward for one micro-batch on one rank: ``full`` without recomputation,
     ``selective`` with the core attention recomputed (its inputs kept, its internals dropped), ``core`` the
     internals that recomputation brings back for one layer at a time, ``input`` the layer's input (all that full
-    recomputation keeps), ``working`` the largest gradient its backward allocates."""
+    recomputation keeps), ``working`` the largest gradient its backward allocates, ``ring`` what context
+    parallelism's ring attention holds while one layer's attention runs. Under context parallelism a rank holds
+    model.seq_length / parallel.cp tokens of each sequence."""
     m, p = cfg.model, cfg.parallel
-    tokens = m.seq_length * cfg.trainer.micro_batch_size
+    cp = context_parallel_size(cfg)
+    tokens = m.seq_length // cp * cfg.trainer.micro_batch_size
     h, f, d = m.hidden_size, m.ffn_hidden_size, head_dim(m)
     hq, hkv = 2 * m.num_heads * d, 2 * num_kv_heads(m) * d
     seq_split = p.tp if p.sequence_parallel else 1
@@ -124,9 +161,11 @@ def activation_bytes_per_layer(cfg: Any, a: int, device: str) -> Dict[str, float
     out = hq * a / p.tp  # the core attention's output: linear_proj's input
     # q, k, v: the QKV output (V stays a view of it) and q and k after RoPE
     inputs = (2 * hq + 3 * hkv) * a / p.tp
-    core, keeps_inputs = core_attention_bytes_per_token(m, m.attention_backend, device, a)
+    fused_epilogue = fusions_enabled(cfg, device) and cfg.model.attention == "diff"
+    core, keeps_inputs = core_attention_bytes_per_token(m, resolved_backend(m), device, a, fused_epilogue, cp)
     core /= p.tp
     return {
+        "ring": tokens * ring_bytes_per_token(m, m.attention_backend, device, a, cp) / p.tp,
         "full": tokens * (norms + mlp + out + core + (inputs if keeps_inputs else 0)),
         "selective": tokens * (norms + mlp + out + inputs),
         "core": tokens * core,
@@ -138,7 +177,7 @@ def activation_bytes_per_layer(cfg: Any, a: int, device: str) -> Dict[str, float
 def logits_bytes(cfg: Any, padded_vocab: int, a: int) -> float:
     """The last stage's cross entropy keeps fp32 softmax over its vocabulary shard (computed in place of the logits in
     fp32; from a bf16 copy that is alive at the same time in bf16)."""
-    tokens = cfg.model.seq_length * cfg.trainer.micro_batch_size
+    tokens = cfg.model.seq_length // context_parallel_size(cfg) * cfg.trainer.micro_batch_size
     return tokens * padded_vocab / cfg.parallel.tp * (4 + (a if a != 4 else 0))
 
 
@@ -146,11 +185,16 @@ def activation_bytes_per_stage(cfg: Any, a: int, device: str, in_flight: int) ->
     """(stored, transient) activation bytes of a pipeline stage with ``in_flight`` micro-batches between their
     forward and backward (1F1B: up to pp on the first stage). ``stored`` is what the forward passes keep under
     ``trainer.recompute``; ``transient`` what recomputation brings back during the backward, once per stage (one
-    layer's core attention, or one group of fully recomputed layers)."""
+    layer's core attention, or one group of fully recomputed layers), and the ring's buffers of one layer."""
+    stored, transient = _stored_and_recomputed(cfg, a, device, in_flight)
+    return stored, transient + activation_bytes_per_layer(cfg, a, device)["ring"]
+
+
+def _stored_and_recomputed(cfg: Any, a: int, device: str, in_flight: int) -> Tuple[float, float]:
     t = cfg.trainer
     layers = cfg.model.num_layers // cfg.parallel.pp
     per = activation_bytes_per_layer(cfg, a, device)
-    if t.recompute == "selective" and cfg.model.attention_backend not in FUSED_ATTENTION_BACKENDS:
+    if t.recompute == "selective" and resolved_backend(cfg.model) not in FUSED_ATTENTION_BACKENDS:
         # one layer's core attention, recomputed after its MLP's backward (which frees about as much as the core's
         # own gradients then need)
         return in_flight * layers * per["selective"], per["core"]
@@ -185,9 +229,10 @@ def estimate_memory_per_gpu(
     p, t = cfg.parallel, cfg.trainer
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     a = 2 if dtype == torch.bfloat16 else 4
-    dp = world_size // (p.tp * p.pp)
+    cp = context_parallel_size(cfg)
+    dp = world_size // (p.tp * p.pp * cp)
     main = 4 if dtype == torch.bfloat16 else 0
-    optim_bytes = (main + 8) / (dp if p.distributed_optimizer else 1)
+    optim_bytes = (main + 8) / (dp * cp if p.distributed_optimizer else 1)  # sharded over DP×CP
     microbatches = t.global_batch_size // (t.micro_batch_size * dp)
     params = parameters_per_stage(cfg, padded_vocab)
     stages = [(params["first"], min(p.pp, microbatches), 0.0 if p.pp > 1 else logits_bytes(cfg, padded_vocab, a))]
@@ -288,7 +333,8 @@ def memory_switches(cfg: Any, world_size: int) -> List[Dict[str, Any]]:
     """The switches that lower memory and apply to ``cfg`` at this world size, cheapest first, each as
     ``{"group.key": value}`` overrides (a switch that needs another carries both)."""
     m, p, t = cfg.model, cfg.parallel, cfg.trainer
-    dp = world_size // (p.tp * p.pp)
+    cp = context_parallel_size(cfg)
+    dp = world_size // (p.tp * p.pp * cp)
     out: List[Dict[str, Any]] = []
     deepspeed = getattr(getattr(cfg, "engine", None), "name", "megatron") == "deepspeed"
     if deepspeed:
@@ -304,7 +350,7 @@ def memory_switches(cfg: Any, world_size: int) -> List[Dict[str, Any]]:
         out.append({"parallel.distributed_optimizer": True})
     if p.tp > 1 and not p.sequence_parallel and _divides(m.seq_length, p.tp):
         out.append({"parallel.sequence_parallel": True})
-    if t.recompute == "none" and m.attention_backend not in FUSED_ATTENTION_BACKENDS:
+    if t.recompute == "none" and resolved_backend(m) not in FUSED_ATTENTION_BACKENDS:
         out.append({"trainer.recompute": "selective"})
     if t.recompute != "full":
         out.append(
@@ -315,16 +361,29 @@ def memory_switches(cfg: Any, world_size: int) -> List[Dict[str, Any]]:
         if _divides(t.global_batch_size, mbs * dp):
             out.append({"trainer.micro_batch_size": mbs})
         mbs //= 2
+    if not deepspeed and (m.attention in context_parallel_kinds(m) and _divides(m.seq_length, 4 * cp)
+                          and _fits_layout(cfg, world_size, cfg.parallel.tp, p.pp, 2 * cp)):
+        # the sequence split over twice as many ranks (ring attention), on a backend with a ring path
+        ring_backend = m.attention_backend in RING_IMPLEMENTATIONS + ("auto",)
+        backend = {} if ring_backend else {"model.attention_backend": "sdpa"}
+        out.append({"parallel.cp": 2 * cp, **backend})
     tp = p.tp * 2
-    if (_divides(m.num_heads, tp) and _divides(num_kv_heads(m), tp) and _divides(world_size, tp * p.pp)
-            and _divides(t.global_batch_size, t.micro_batch_size * (world_size // (tp * p.pp)))):
+    if (_divides(m.num_heads, tp) and _divides(num_kv_heads(m), tp) and _fits_layout(cfg, world_size, tp, p.pp, cp)):
         # with sequence parallelism, which more TP makes worth its while
         out.append({"parallel.tp": tp, **({"parallel.sequence_parallel": True} if _divides(m.seq_length, tp) else {})})
     pp = p.pp * 2
-    if (not deepspeed and _divides(m.num_layers, pp) and _divides(world_size, p.tp * pp)
-            and _divides(t.global_batch_size, t.micro_batch_size * (world_size // (p.tp * pp)))):
+    if not deepspeed and _divides(m.num_layers, pp) and _fits_layout(cfg, world_size, p.tp, pp, cp):
         out.append({"parallel.pp": pp})
     return out
+
+
+def _fits_layout(cfg: Any, world_size: int, tp: int, pp: int, cp: int) -> bool:
+    """Whether the world splits into tp·pp·cp model-parallel ranks and a data-parallel rest that the global batch
+    divides into micro-batches."""
+    t = cfg.trainer
+    return _divides(world_size, tp * pp * cp) and _divides(
+        t.global_batch_size, t.micro_batch_size * (world_size // (tp * pp * cp))
+    )
 
 
 def _describe(changes: Dict[str, Any]) -> str:
@@ -396,16 +455,47 @@ def memory_plan_problem(
     )
 
 
-def check_memory_plan(cfg: Any, dtype: torch.dtype, world_size: int, padded_vocab: int) -> Optional[Dict[str, float]]:
-    """Before any process group starts: raise ValueError (see :func:`memory_plan_problem`) when the estimate exceeds
-    the budget of :func:`device_memory_gib`; returns the estimate, or None when there is no budget (CPU)."""
-    budget = device_memory_gib(cfg)
+def choose_context_parallel(
+    cfg: Any, dtype: torch.dtype, world_size: int, padded_vocab: int, device: Optional[str] = None,
+    budget_gib: Optional[float] = None,
+) -> int:
+    """``parallel.cp=null``: the smallest context parallelism whose memory estimate fits ``budget_gib`` (default:
+    :func:`device_memory_gib`; 1 without a budget), among those the world, the sequence and the batch allow; the
+    largest of them when none fits (the plan then refuses it, naming what else would fit). ``device`` as in
+    :func:`estimate_memory_per_gpu`."""
+    m, p = cfg.model, cfg.parallel
+    rest = world_size // (p.tp * p.pp)
+    allowed = [cp for cp in range(1, rest + 1) if _fits_layout(cfg, world_size, p.tp, p.pp, cp)
+               and (cp == 1 or _divides(m.seq_length, 2 * cp))]
+    budget = budget_gib if budget_gib is not None else device_memory_gib(cfg)
+    if not allowed or budget is None:
+        return 1
+    for cp in allowed:
+        estimate = estimate_memory_per_gpu(_with(cfg, **{"parallel.cp": cp}), dtype, world_size, padded_vocab, device)
+        if estimate["total"] <= USABLE_MEMORY_FRACTION * budget:
+            return cp
+    return allowed[-1]
+
+
+def check_memory_plan(
+    cfg: Any, dtype: torch.dtype, world_size: int, padded_vocab: int, budget_gib: Optional[float] = None,
+    device: Optional[str] = None,
+) -> Optional[Dict[str, float]]:
+    """Before any process group starts (train.py), or before a job is queued (``launch.slurm submit``, which gives the
+    budget of the GPUs it asks for and ``device``): raise ValueError (see :func:`memory_plan_problem`) when the
+    estimate exceeds ``budget_gib`` (default: :func:`device_memory_gib`); returns the estimate, or None when there is
+    no budget (CPU). A ``parallel.cp`` still to be chosen (null) is judged at the value
+    :func:`choose_context_parallel` gives it."""
+    budget = budget_gib if budget_gib is not None else device_memory_gib(cfg)
     if budget is None:
         return None
-    problem = memory_plan_problem(cfg, dtype, world_size, padded_vocab, budget)
+    if getattr(cfg.parallel, "cp", 1) is None:
+        cp = choose_context_parallel(cfg, dtype, world_size, padded_vocab, device, budget)
+        cfg = _with(cfg, **{"parallel.cp": cp})
+    problem = memory_plan_problem(cfg, dtype, world_size, padded_vocab, budget, device)
     if problem:
         raise ValueError(problem)
-    return estimate_memory_per_gpu(cfg, dtype, world_size, padded_vocab)
+    return estimate_memory_per_gpu(cfg, dtype, world_size, padded_vocab, device)
 
 
 def attention_maps(model: Any) -> Tuple[int, int, int, int]:

@@ -79,8 +79,9 @@ FORMAT_VERSION = FORMAT_WITH_MANIFEST  # trainer_state.json's format: 2 is commi
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 # Model settings that may differ between the run that saved and the run that loads: same parameters, same math.
 MODEL_KEYS_FREE_TO_CHANGE = ("attention_backend",)
-# ... and those a run that starts from a checkpoint's weights may change too: same tensors, another context or label.
-WEIGHTS_KEYS_FREE_TO_CHANGE = MODEL_KEYS_FREE_TO_CHANGE + ("name", "seq_length", "init_std")
+# ... and those a run that starts from a checkpoint's weights may change too: same tensors, another context or label
+# (rope_base: the long-context extension raises RoPE's θ with the sequence length).
+WEIGHTS_KEYS_FREE_TO_CHANGE = MODEL_KEYS_FREE_TO_CHANGE + ("name", "seq_length", "init_std", "rope_base")
 # Errors a damaged checkpoint raises from inside megatron-core's or DeepSpeed's readers.
 _READ_ERRORS = (
     OSError, EOFError, RuntimeError, KeyError, ValueError, AttributeError, pickle.UnpicklingError, CheckpointException,
@@ -452,6 +453,7 @@ def _layout(trainer) -> Dict[str, int]:
     layout = {
         "tp": ps.get_tensor_model_parallel_world_size(),
         "pp": ps.get_pipeline_model_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
         "dp": ps.get_data_parallel_world_size(),
         "world_size": torch.distributed.get_world_size(),
         "distributed_optimizer": bool(trainer.cfg.parallel.distributed_optimizer),
@@ -464,7 +466,9 @@ def _layout(trainer) -> Dict[str, int]:
 
 
 def _rng_sharded_object(layout: Dict[str, int], state: Optional[Dict[str, Any]]):
-    """One object per rank, addressed by its (pp, tp, dp) coordinates: only the layout that saved can load it."""
+    """One object per rank, addressed by its (pp, tp, dp) coordinates: only the layout that saved can load it. The
+    ranks of a context-parallel group hold the same states (seeded alike, no dropout): the first saves them, and
+    every one loads them, whatever the context parallelism of the run that loads."""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -473,7 +477,7 @@ def _rng_sharded_object(layout: Dict[str, int], state: Optional[Dict[str, Any]])
         state,
         (layout["pp"], layout["tp"], layout["dp"]),
         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()),
-        replica_id=0,
+        replica_id=ps.get_context_parallel_rank(),
     )
 
 

@@ -52,7 +52,7 @@ def load_single_rank_model(path: str, dtype: Optional[torch.dtype] = None):
     from megatron.core import dist_checkpointing
 
     cfg, state = saved_config(path)
-    cfg.parallel.tp, cfg.parallel.pp = 1, 1
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp = 1, 1, 1  # a CP run's checkpoint holds whole tensors too
     if dtype is None:
         dtype = resolve_precision(cfg.trainer.precision) if torch.cuda.is_available() else torch.float32
     vocab = cfg.model.vocab_size

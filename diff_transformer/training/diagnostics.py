@@ -57,6 +57,8 @@ def diagnostics_enabled(cfg: Any, flops_per_token: float) -> bool:
                          f"{', '.join(ATTENTION_DIAGNOSTICS_MODES)}")
     if mode != "auto":
         return mode == "on"
+    if cfg.parallel.cp != 1:  # the probe reads whole attention maps, which context parallelism splits over ranks
+        return False
     return cfg.trainer.eval_interval > 0 and estimated_cost_fraction(cfg, flops_per_token) <= MAX_COST_FRACTION
 
 

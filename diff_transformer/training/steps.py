@@ -4,27 +4,50 @@ megatron-core's schedules call (also DEX's calibration pass)."""
 from __future__ import annotations
 
 from functools import partial
-from typing import Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
+from diff_transformer.distributed import all_reduce_tensor
+from diff_transformer.models.ring_attention import context_parallel_chunks
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
 
 # ------------------------------------------------------------------------------------------------------------------
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group: Optional[Any] = None):
+    """The mean loss over the micro-batch's unmasked tokens; with ``cp_group`` (context parallelism) over the tokens of
+    the whole sequence, which the group's ranks hold in chunks."""
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1)
-    # clone: the schedule divides the returned loss in place by the number of micro-batches
-    return loss, {"lm loss": loss.detach().clone()}
+    if cp_group is None:
+        loss = torch.sum(losses * mask) / mask.sum().clamp(min=1)
+        # clone: the schedule divides the returned loss in place by the number of micro-batches
+        return loss, {"lm loss": loss.detach().clone()}
+    local_sum = torch.sum(losses * mask)
+    totals = all_reduce_tensor(torch.stack([local_sum.detach(), mask.sum()]), group=cp_group)
+    count = totals[1].clamp(min=1)
+    # megatron-core's schedule multiplies the returned loss by the CP size and DDP averages gradients over DP×CP: each
+    # rank's summed loss over the whole sequence's token count makes the ranks' gradients add up to the sequence's
+    return local_sum / count, {"lm loss": totals[0] / count}
+
+
+def context_parallel_batch(batch: dict) -> tuple:
+    """This context-parallel rank's two load-balanced chunks of each of the batch's [b, s] tensors
+    (models/ring_attention.py), and the CP group (None without context parallelism)."""
+    from megatron.core import parallel_state
+
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp == 1:
+        return batch, None
+    rank = parallel_state.get_context_parallel_rank()
+    chunks = {k: context_parallel_chunks(batch[k], cp, rank, dim=1) if k in BATCH_KEYS else v for k, v in batch.items()}
+    return chunks, parallel_state.get_context_parallel_group()
 
 
 def forward_step(data_iterator: Iterator, model: torch.nn.Module):
-    batch = next(data_iterator)
-    tokens = batch["tokens"]
+    batch, cp_group = context_parallel_batch(next(data_iterator))
     device = next(model.parameters()).device
-    tokens = tokens.to(device, non_blocking=True)
-    labels = batch["labels"].to(device, non_blocking=True)
-    loss_mask = batch["loss_mask"].to(device, non_blocking=True)
-    position_ids = batch["position_ids"].to(device, non_blocking=True)
+    tokens, labels, loss_mask, position_ids = (batch[k].to(device, non_blocking=True) for k in BATCH_KEYS)
     output = model(tokens, position_ids, None, labels=labels)
-    return output, partial(loss_func, loss_mask)
+    return output, partial(loss_func, loss_mask, cp_group=cp_group)

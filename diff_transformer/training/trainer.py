@@ -7,8 +7,10 @@ and bad steps through ``failures``; logging through ``metrics``; FLOPs and memor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -17,6 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from omegaconf import OmegaConf
 
+from diff_transformer import compat
 from diff_transformer.config import padded_vocab_size, validate
 from diff_transformer.fileio import atomic_write_json, atomic_write_text
 from diff_transformer.models.gpt import (
@@ -25,17 +28,21 @@ from diff_transformer.models.gpt import (
     build_model_chunk,
     count_parameters,
     dex_parameters,
+    epilogue_impl,
     freeze_all_but_dex,
+    fusions_enabled,
     gradient_accumulation_fusion_available,
     lambda_values,
     resolve_precision,
     set_dex_anneal,
     v2_baseline,
 )
+from diff_transformer.models.attention.diff_v2 import record_lambda, recorded_lambda_sums
 from diff_transformer.models.layer_specs import variant_label
 from diff_transformer import distributed
 from diff_transformer.training.accounting import (
     check_memory_plan,
+    choose_context_parallel,
     estimate_memory_per_gpu,
     memory_gib,
     model_flops_per_token,
@@ -71,6 +78,7 @@ from diff_transformer.training.failures import (
     requeue_current_job,
 )
 from diff_transformer.training.metrics import MetricsWriter, init_wandb, setup_console_logging, start_run_log
+from diff_transformer.training.profiling import StepProfiler
 from diff_transformer.training.run_directory import check_start, move_old_run_aside
 from diff_transformer.training.steps import forward_step
 
@@ -113,10 +121,13 @@ class Trainer:
         if self.dtype == torch.bfloat16 and not torch.cuda.is_available():
             raise ValueError("trainer.precision=bf16 needs a GPU; use fp32 (or auto) on CPU")
         self.padded_vocab = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp)
+        if cfg.parallel.cp is None:  # parallel.cp=null: the smallest context parallelism whose estimate fits
+            cfg.parallel.cp = choose_context_parallel(cfg, self.dtype, world, self.padded_vocab)
+            validate(cfg, world)
         check_memory_plan(cfg, self.dtype, world, self.padded_vocab)  # refuses a launch that cannot fit
         self._check_engine_support()
 
-        distributed.init_distributed(cfg.parallel.backend, cfg.parallel.tp, cfg.parallel.pp, cfg.seed)
+        distributed.init_distributed(cfg.parallel.backend, cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.cp)
         from megatron.core import parallel_state
 
         self.rank = torch.distributed.get_rank()
@@ -147,6 +158,7 @@ class Trainer:
         self.prepared = prepared
         if cfg.model.attention == "dex":
             self._resolve_dex_heads()
+        self._resolve_attention_backend()
         self.model = [self._build_model()]
         self.optimizer, self.scheduler = self._build_optimizer()
         self._log_setup()
@@ -185,6 +197,24 @@ class Trainer:
         how = resolve_dex_heads(self, resume)
         if self.rank == 0:  # recorded in config.yaml by _commit_start
             logger.info("DEX heads per layer (from %s): %s", how, self.cfg.model.dex.heads)
+
+    def _resolve_attention_backend(self) -> None:
+        """model.attention_backend=auto: rank 0 decides (the resumed checkpoint's, the run directory's record, sdpa
+        without a GPU, or the fastest for this shape: ``training.backend_choice``), every rank builds with it, and the
+        config says the concrete backend from here on (the checkpoints record it)."""
+        from diff_transformer.training.backend_choice import decide_attention_backend, describe
+
+        if self.cfg.model.attention_backend != "auto":
+            return
+        decision = None
+        if self.rank == 0:
+            resume = self._resume_candidate(checkpoints_dir(self.cfg, self.run_dir))
+            saved = read_trainer_state(resume)["config"] if resume else None
+            decision = decide_attention_backend(self.cfg, self.run_dir, self.dtype, epilogue_impl(self.cfg), saved)
+        decision = distributed.broadcast_object(decision, src=0)
+        self.cfg.model.attention_backend = decision["backend"]
+        if self.rank == 0:
+            logger.info("model.attention_backend=auto: %s", describe(decision))
 
     def _build_model(self):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -234,6 +264,8 @@ class Trainer:
             overlap_param_gather=self.cfg.parallel.overlap_param_gather,
         )
         optimizer = get_megatron_optimizer(opt_config, self.model)
+        if torch.cuda.is_available():
+            compat.fuse_torch_adamw(optimizer)  # torch's fused AdamW: one kernel per group, not foreach's several
         return optimizer, self._lr_scheduler(optimizer)
 
     def _lr_scheduler(self, optimizer):
@@ -288,8 +320,10 @@ class Trainer:
             return
         logger.info("resolved config:\n%s", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         logger.info(
-            "model %s (%s attention, backend %s): %s parameters (%s without embeddings), vocab %d (padded %d)",
+            "model %s (%s attention, backend %s, fusions %s): %s parameters (%s without embeddings), vocab %d "
+            "(padded %d)",
             cfg.model.name, cfg.model.attention, cfg.model.attention_backend,
+            f"on ({epilogue_impl(cfg)} DIFF epilogue)" if fusions_enabled(cfg) else "off",
             f"{self.num_parameters:,}", f"{self.num_non_embedding_parameters:,}",
             self.tokenizer.vocab_size, self.padded_vocab,
         )
@@ -304,8 +338,9 @@ class Trainer:
                 "the whole model trains" if cfg.model.dex.train_base else "only W_D and λ train (model.dex.train_base=false)",
             )
         logger.info(
-            "layout: tp=%d pp=%d dp=%d, %d micro-batches of %d per step, %s tokens per step, dtype %s",
-            cfg.parallel.tp, cfg.parallel.pp, self.dp_size, self.num_microbatches, cfg.trainer.micro_batch_size,
+            "layout: tp=%d pp=%d dp=%d%s, %d micro-batches of %d per step, %s tokens per step, dtype %s",
+            cfg.parallel.tp, cfg.parallel.pp, self.dp_size, f" cp={cfg.parallel.cp}" if cfg.parallel.cp > 1 else "",
+            self.num_microbatches, cfg.trainer.micro_batch_size,
             f"{self.tokens_per_step:,}", str(self.dtype).replace("torch.", ""),
         )
         logger.info(
@@ -472,9 +507,17 @@ class Trainer:
                 micro_batch_size=self.cfg.trainer.micro_batch_size,
                 data_parallel_rank=self.dp_rank,
                 data_parallel_size=self.dp_size,
-                num_workers=getattr(self.cfg.data, "num_workers", 0),
+                num_workers=self._data_workers(),
             )
         )
+
+    def _data_workers(self) -> int:
+        """data.num_workers, or by default 2 worker processes on a GPU (batches are built and pinned while the GPU
+        computes) and none on a CPU (where the workers would take cores from the step itself)."""
+        workers = getattr(self.cfg.data, "num_workers", None)
+        if workers is None:
+            return 2 if torch.cuda.is_available() else 0
+        return workers
 
     # -- steps -------------------------------------------------------------------------------------------------------
     def _forward_backward(self, data_iter: Iterator, forward_only: bool) -> Optional[float]:
@@ -573,6 +616,24 @@ class Trainer:
         gathered = distributed.all_gather_objects(local, group=parallel_state.get_pipeline_model_parallel_group())
         return [x for stage in gathered for x in stage]
 
+    def v2_lambda_stats(self) -> Dict[str, List[float]]:
+        """DIFF V2's per-token λ over the step just recorded (see ``_train_and_measure``), per layer: ``lambda_mean``
+        and ``lambda_std`` over every token and head of the global batch (summed over TP and data-parallel ranks,
+        gathered over pipeline stages). One host sync."""
+        from megatron.core import parallel_state
+
+        sums = recorded_lambda_sums(self.model)
+        record_lambda(self.model, False)
+        distributed.all_reduce_tensor(sums, group=parallel_state.get_tensor_and_data_parallel_group())
+        means, stds = [], []
+        for count, total, squares in sums.tolist():
+            means.append(total / count)
+            stds.append(math.sqrt(max(squares / count - (total / count) ** 2, 0.0)))
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            stages = distributed.all_gather_objects((means, stds), group=parallel_state.get_pipeline_model_parallel_group())
+            means, stds = [x for stage in stages for x in stage[0]], [x for stage in stages for x in stage[1]]
+        return {"lambda_mean": means, "lambda_std": stds}
+
     # -- loop --------------------------------------------------------------------------------------------------------
     def write_run_info(self) -> None:
         if self.rank != 0:
@@ -590,9 +651,17 @@ class Trainer:
             "global_batch_size": self.cfg.trainer.global_batch_size,
             "max_steps": self.cfg.trainer.max_steps,
             "data": self._data_description(),
-            "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "dp": self.dp_size},
+            "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "cp": self.cfg.parallel.cp,
+                       "dp": self.dp_size},
             "engine": self.cfg.engine.name,
+            "attention_backend": self.cfg.model.attention_backend,
+            # the memory plan's estimate of this rank's peak (GiB), next to which benchmarks put the measured one
+            "memory_estimate_gib": estimate_memory_per_gpu(
+                self.cfg, self.dtype, torch.distributed.get_world_size(), self.padded_vocab
+            )["total"],
         }
+        if self.cfg.model.attention == "diff_v2" and v2_baseline(self.cfg.model)[0] is not None:
+            info["baseline_variant"] = variant_label(v2_baseline(self.cfg.model)[0])  # compare pairs V2 with it
         atomic_write_json(os.path.join(self.run_dir, "run.json"), info)
 
     def _data_description(self) -> Dict[str, Any]:
@@ -660,9 +729,22 @@ class Trainer:
         """One optimizer step and its metrics record (validation loss on evaluation steps)."""
         t = self.cfg.trainer
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
-        start = time.perf_counter()
-        out = self.train_step(train_iter)
-        step_time = time.perf_counter() - start
+        # DIFF V2's per-token λ is summed in the forward passes of logging steps only
+        # (the step about to run is self.step + 1: _logs_this_step judges it once train_step has counted it)
+        v2_lambda = self.cfg.model.attention == "diff_v2" and (
+            (self.step + 1) % t.log_interval == 0 or self.step + 1 == t.max_steps)
+        if v2_lambda:
+            record_lambda(self.model, True)
+        profiled = t.profile_step is not None and self.step + 1 == t.profile_step
+        with StepProfiler() if profiled else contextlib.nullcontext() as profiler:
+            start = time.perf_counter()
+            out = self.train_step(train_iter)
+            if profiled:
+                profiler.synchronize()
+            step_time = time.perf_counter() - start
+        if profiled and self.rank == 0:
+            path = profiler.write(self.run_dir, self.step, step_time)
+            logger.info("step %d profiled: %s", self.step, path)
         tokens_per_s = self.tokens_per_step / step_time
         record = {
             "step": self.step,
@@ -679,9 +761,11 @@ class Trainer:
         if self._peak_flops:
             world = torch.distributed.get_world_size()
             record["mfu"] = self._flops_per_token * tokens_per_s / (world * self._peak_flops)
-        if self.cfg.model.attention in ("diff", "dex") and self._reads_weights_this_step():
+        if self.cfg.model.attention in ("diff", "dex") and self._logs_this_step():
             self.finish_param_sync()
             record["lambda"] = self.lambdas()
+        if v2_lambda:
+            record.update(self.v2_lambda_stats())
         if t.eval_interval > 0 and (self.step % t.eval_interval == 0 or self.step == t.max_steps):
             record["val_loss"] = self.evaluate()
             if self.diagnostics is not None:
@@ -699,16 +783,17 @@ class Trainer:
         enabled = diagnostics_enabled(self.cfg, self._flops_per_token)
         if self.rank == 0:
             logger.info("attention diagnostics %s (trainer.attention_diagnostics=%s; estimated cost %.3f%% of the "
-                        "training between evaluations)", "on" if enabled else "off",
-                        self.cfg.trainer.attention_diagnostics, 100 * fraction)
+                        "training between evaluations%s)", "on" if enabled else "off",
+                        self.cfg.trainer.attention_diagnostics, 100 * fraction,
+                        "; off under context parallelism, where no rank holds a whole map" if self.cfg.parallel.cp > 1
+                        else "")
         return AttentionDiagnostics(self) if enabled else None
 
-    def _reads_weights_this_step(self) -> bool:
-        """Every step, unless parallel.overlap_param_gather defers the parameter all-gather to the next forward: then
-        only on logging steps (and the last), which gather the parameters early, so that the overlap is kept."""
+    def _logs_this_step(self) -> bool:
+        """Logging steps (every ``trainer.log_interval``-th and the last): per-layer λ is read from the weights only on
+        them, so other steps make no host sync for it, and with parallel.overlap_param_gather the parameter all-gather
+        (which reading them forces early) stays overlapped with the next forward."""
         t = self.cfg.trainer
-        if not self.cfg.parallel.overlap_param_gather:
-            return True
         return self.step % t.log_interval == 0 or self.step == t.max_steps
 
     def _log_step(self, writer: MetricsWriter, record: Dict[str, Any]) -> None:

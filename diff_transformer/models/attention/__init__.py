@@ -9,7 +9,9 @@
 - ``DiffV2SelfAttention`` + ``DiffV2CoreAttention`` (``diff_v2``): DIFF V2 (the only kind that changes
   ``SelfAttention`` itself: its λ comes from the layer input and its output projection reads H·d);
 - ``DexCoreAttention`` (``dex``): DEX, the baseline's softmax attention with O − λ·O·W_D on selected heads
-  (adapting a pretrained model).
+  (adapting a pretrained model);
+- ``diff_epilogue`` (``epilogue``): DIFF V1's and V2's O1 − λ·O2, norm and layout after library attention kernels
+  (unfused, a fused Triton kernel from ``kernels.diff_epilogue``, or torch.compile).
 
 What they share (the core-attention protocol, head layout, backends, λ_init's schedule) is in ``base``. A new kind is a
 new module here plus its entry in ``models.layer_specs.ATTENTION_KINDS``.
@@ -26,6 +28,7 @@ from diff_transformer.models.attention.blockwise import BLOCK_QUERIES, MapContro
 from diff_transformer.models.attention.dex import DEX_ANNEAL_SCHEDULES, DexCoreAttention, dex_anneal_fraction
 from diff_transformer.models.attention.diff_v1 import DifferentialCoreAttention
 from diff_transformer.models.attention.diff_v2 import DiffV2CoreAttention, DiffV2SelfAttention
+from diff_transformer.models.attention.epilogue import EPILOGUE_IMPLS, diff_epilogue
 from diff_transformer.models.attention.signed_mask import (
     SIGNED_MASK_BUCKETS,
     SIGNED_MASK_INIT,
@@ -36,10 +39,11 @@ from diff_transformer.models.attention.topk import TopKCoreAttention, keep_top_k
 from diff_transformer.models.attention.vanilla import VanillaCoreAttention, VanillaSublnCoreAttention
 
 __all__ = [
-    "BACKENDS", "BLOCK_QUERIES", "DEX_ANNEAL_SCHEDULES", "SIGNED_MASK_BUCKETS", "SIGNED_MASK_INIT",
+    "BACKENDS", "BLOCK_QUERIES", "DEX_ANNEAL_SCHEDULES", "EPILOGUE_IMPLS", "SIGNED_MASK_BUCKETS", "SIGNED_MASK_INIT",
     "TP_REPLICATED_ATTR",
     "CoreAttentionBase", "DexCoreAttention", "DiffV2CoreAttention", "DiffV2SelfAttention", "DifferentialCoreAttention",
     "MapControlCoreAttention", "SignedMaskCoreAttention", "TopKCoreAttention", "VanillaCoreAttention",
-    "VanillaSublnCoreAttention", "blockwise_attention", "dex_anneal_fraction", "eager_attention_probs", "keep_top_k",
+    "VanillaSublnCoreAttention", "blockwise_attention", "dex_anneal_fraction", "diff_epilogue", "eager_attention_probs",
+    "keep_top_k",
     "lambda_init_for_layer", "relative_position_bucket",
 ]

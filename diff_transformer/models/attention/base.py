@@ -17,15 +17,20 @@ both divisible by the TP size (checked in the config).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional
+from typing import Iterator, List, Optional
 
 import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from diff_transformer.models.attention_maps import AttentionMaps, causal_logits, query_rows
+from diff_transformer.models.ring_attention import IMPLEMENTATIONS as RING_IMPLEMENTATIONS
+from diff_transformer.models.ring_attention import ProcessGroupRing
 
 BACKENDS = ("eager", "sdpa", "flash_attn", "triton")
 
@@ -62,10 +67,42 @@ def causal_mask(sq: int, sk: int, device) -> torch.Tensor:
     return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(diagonal=sk - sq)
 
 
-def subtract_in_fp32(o1: torch.Tensor, lam: torch.Tensor, o2: torch.Tensor) -> torch.Tensor:
-    """o1 − λ·o2 computed in fp32 (in bf16 the difference of two close outputs loses most of its bits), returned in
-    the outputs' dtype."""
-    return (o1.float() - lam.float() * o2.float()).to(o1.dtype)
+# SDPBackend's values as torch._fused_sdp_choice returns them (torch/nn/attention/__init__.py), by name
+SDPA_KERNELS = {-1: "error", 0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+_sdpa_choices: Optional[List[str]] = None
+
+
+def sdpa_kernel_choice(q, k, v, is_causal: bool = True, scale: Optional[float] = None, enable_gqa: bool = False) -> str:
+    """The kernel torch's scaled_dot_product_attention runs for these inputs on this machine (``flash``, ``cudnn``,
+    ``efficient``, ``math``): torch's own dispatch decision (``torch._fused_sdp_choice``), under the backends
+    enabled where it is called. On a CPU, ``flash`` is torch's CPU flash kernel (equal q/k/v head dims) and ``math``
+    the materialised map."""
+    choice = torch._fused_sdp_choice(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    return SDPA_KERNELS.get(int(choice), str(choice))
+
+
+@contextlib.contextmanager
+def record_sdpa_kernels() -> Iterator[List[str]]:
+    """Inside the block, every call through :func:`scaled_dot_product_attention` appends the kernel torch chose
+    (``sdpa_kernel_choice``) and the call's shapes to the yielded list. For benchmarks and logs; off otherwise."""
+    global _sdpa_choices
+    outer, _sdpa_choices = _sdpa_choices, []
+    try:
+        yield _sdpa_choices
+    finally:
+        _sdpa_choices = outer
+
+
+def scaled_dot_product_attention(q, k, v, scale: float, enable_gqa: bool = False) -> torch.Tensor:
+    """Causal ``F.scaled_dot_product_attention`` on (b, heads, s, d) inputs, the one call every kind's ``sdpa``
+    backend makes (so that :func:`record_sdpa_kernels` sees them all)."""
+    if _sdpa_choices is not None:
+        kernel = sdpa_kernel_choice(q, k, v, True, scale, enable_gqa)
+        _sdpa_choices.append(
+            f"{kernel}: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} {str(q.dtype).replace('torch.', '')}"
+            f"{' gqa' if enable_gqa else ''}"
+        )
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
 
 
 def heads_first(query: torch.Tensor, key: torch.Tensor):
@@ -75,9 +112,16 @@ def heads_first(query: torch.Tensor, key: torch.Tensor):
     return q, k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
 
 
+def reference_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32, or fp64 for fp64 inputs: the precision of the reference (eager) paths."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def eager_attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(q·kᵀ·scale + causal mask) in fp32; q (b, h, sq, d), k (b, h, sk, d). Materialises the map."""
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    """softmax(q·kᵀ·scale + causal mask) in fp32 (fp64 for fp64 inputs); q (b, h, sq, d), k (b, h, sk, d).
+    Materialises the map."""
+    dtype = reference_dtype(q)
+    scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale
     scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
     return torch.softmax(scores, dim=-1)
 
@@ -85,6 +129,10 @@ def eager_attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float) -> tor
 class CoreAttentionBase(MegatronModule):
     """Shared constructor of megatron-core's core-attention protocol (megatron passes its arguments by keyword;
     subclasses add their own keywords and hand the protocol's on as ``**protocol``)."""
+
+    # A kind whose forward has a ring-attention path (``self.ring``: models/ring_attention.py) for a sequence split
+    # over a context-parallel group; the others refuse parallel.cp > 1.
+    supports_context_parallel = False
 
     def __init__(
         self,
@@ -101,13 +149,26 @@ class CoreAttentionBase(MegatronModule):
         super().__init__(config=config)
         if backend not in BACKENDS:
             raise ValueError(f"model.attention_backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
-        if config.context_parallel_size != 1:
-            raise ValueError("context parallelism is not supported by this attention module yet")
         require_causal(attn_mask_type)
         self.backend = backend
+        self.ring = self._context_parallel_ring(config, pg_collection)
         self.layer_number = layer_number
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def _context_parallel_ring(self, config: TransformerConfig, pg_collection) -> Optional[ProcessGroupRing]:
+        """The context-parallel group as a ring, or None without context parallelism."""
+        if config.context_parallel_size == 1:
+            return None
+        if not self.supports_context_parallel:
+            raise ValueError(f"{type(self).__name__} has no ring-attention path for context parallelism (parallel.cp > 1)")
+        if self.backend not in RING_IMPLEMENTATIONS:
+            raise ValueError(
+                f"model.attention_backend={self.backend} has no ring-attention path for context parallelism; use "
+                f"{' or '.join(RING_IMPLEMENTATIONS)}"
+            )
+        group = getattr(pg_collection, "cp", None)
+        return ProcessGroupRing(group if group is not None else parallel_state.get_context_parallel_group())
 
     def _check_call(self, attn_mask_type, attention_bias, packed_seq_params) -> None:
         require_causal(attn_mask_type)

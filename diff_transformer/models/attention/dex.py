@@ -42,6 +42,9 @@ class DexCoreAttention(VanillaCoreAttention):
       selection of ``training.dex`` reads (``head_statistics``).
     """
 
+    supports_context_parallel = False  # the head calibration reads whole attention maps
+
+
     def __init__(
         self,
         config: TransformerConfig,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
+from megatron.core.jit import jit_fuser
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -13,11 +13,46 @@ from diff_transformer.models.attention.base import (
     TP_REPLICATED_ATTR,
     CoreAttentionBase,
     eager_attention_probs,
-    load_flash_attn_func,
     lambda_init_for_layer,
-    subtract_in_fp32,
+    load_flash_attn_func,
+    reference_dtype,
+    scaled_dot_product_attention,
 )
+from diff_transformer.models.attention.epilogue import EPILOGUE_IMPLS, diff_epilogue, paired_halves
 from diff_transformer.models.attention_maps import AttentionMaps
+from diff_transformer.models.ring_attention import ring_attention
+
+
+def lambda_difference(q1, k1, q2, k2) -> torch.Tensor:
+    """exp(λq1·λk1) − exp(λq2·λk2) in fp32 (fp64 for fp64 vectors)."""
+    dtype = reference_dtype(q1)
+    return torch.exp(torch.dot(q1.to(dtype), k1.to(dtype))) - torch.exp(torch.dot(q2.to(dtype), k2.to(dtype)))
+
+
+# the same, one fused kernel each way (torch.compile, as megatron-core's own fused functions) instead of about ten
+fused_lambda_difference = jit_fuser(lambda_difference)
+
+
+def library_layout(q, k, v):
+    """DIFF V1's work laid out for library attention kernels, every call with equal query, key and value head dims.
+
+    q (b, s, 2H, d), k and v (b, s, 2G, d) as megatron's projections give them (value heads 2g, 2g+1 are the two
+    d-wide halves of the 2d-wide V of group g). Returns (q, k, [v_a, v_b], pairs, gqa): two calls of 2H query heads,
+    one per half of V, each the size of the baseline's attention call; call c gives map m of head h at query head
+    2h + m (``pairs="interleaved"``) or m·H + h (``"grouped"``).
+
+    - G = H (no GQA): q and k are the projections themselves (views, no copies); v_c repeats half c of every group
+      once per head of the pair (head 2g + m), so query head 2h + m meets key head 2h + m and V_c of group h.
+    - G < H (GQA): q and k are copied into map-major order (heads m·H + h and m·G + g) and v_c repeated per map
+      (head m·G + g), so the library's GQA (query head i reads KV head i // (H/G)) pairs them as DIFF does.
+    """
+    two_h, two_g = q.shape[2], k.shape[2]
+    if two_h == two_g:
+        return q, k, [v[:, :, c::2].repeat_interleave(2, dim=2) for c in (0, 1)], "interleaved", False
+    q = q.unflatten(2, (two_h // 2, 2)).transpose(2, 3).flatten(2, 3)
+    k = k.unflatten(2, (two_g // 2, 2)).transpose(2, 3).flatten(2, 3)
+    return q, k, [v[:, :, c::2].repeat(1, 1, 2, 1) for c in (0, 1)], "grouped", True
+
 
 class DifferentialCoreAttention(CoreAttentionBase):
     """Differential attention V1: (softmax(Q1K1ᵀ·s) − λ·softmax(Q2K2ᵀ·s))·V per head, then per-head RMSNorm·(1−λ_init).
@@ -26,7 +61,14 @@ class DifferentialCoreAttention(CoreAttentionBase):
     ``lambda_init`` fixes λ_init (default: the depth schedule). ``lambda_learnable=False`` (ablation) drops the four
     vectors: λ is the constant λ_init, and the output multiplier stays (1 − λ_init(l)) of the depth schedule, because
     (1 − λ) would zero the attention output when λ is frozen at 1 (pure cancellation).
+
+    Every backend but ``triton`` returns the two maps' outputs apart, and one epilogue (``models.attention.epilogue``;
+    ``epilogue`` picks its implementation, ``eager`` always the unfused reference) forms O1 − λ·O2 in fp32, the norm
+    and the output factor in megatron-core's layout. ``sdpa`` and ``flash_attn`` make two library calls with equal
+    head dims (``library_layout``), so that flash and cuDNN kernels are eligible, as for the baseline.
     """
+
+    supports_context_parallel = True
 
     def __init__(
         self,
@@ -39,9 +81,13 @@ class DifferentialCoreAttention(CoreAttentionBase):
         lambda_std: float = 0.1,
         norm_eps: float = 1e-5,
         lambda_learnable: bool = True,
+        epilogue: str = "unfused",
         **protocol,
     ):
         super().__init__(config, layer_number, attn_mask_type, **protocol)
+        if epilogue not in EPILOGUE_IMPLS:
+            raise ValueError(f"trainer.diff_epilogue={epilogue!r} is unknown; use one of {', '.join(EPILOGUE_IMPLS)}")
+        self.epilogue = epilogue
         d = self.head_dim
         self.lambda_init = lambda_init if lambda_init is not None else lambda_init_for_layer(layer_number)
         self.lambda_learnable = lambda_learnable
@@ -71,12 +117,13 @@ class DifferentialCoreAttention(CoreAttentionBase):
         return (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2)
 
     def lambda_full(self) -> torch.Tensor:
-        """The layer's λ as a 0-dim fp32 tensor (differentiable when learnable)."""
+        """The layer's λ as a 0-dim fp32 tensor (fp64 in an fp64 model; differentiable when learnable), computed once
+        per forward; on a GPU with a fused epilogue its few ops run as one fused kernel too."""
         if not self.lambda_learnable:
             return torch.tensor(self.lambda_init, dtype=torch.float32)
-        lambda_1 = torch.exp(torch.dot(self.lambda_q1.float(), self.lambda_k1.float()))
-        lambda_2 = torch.exp(torch.dot(self.lambda_q2.float(), self.lambda_k2.float()))
-        return lambda_1 - lambda_2 + self.lambda_init
+        fused = self.epilogue != "unfused" and self.lambda_q1.is_cuda
+        difference = fused_lambda_difference if fused else lambda_difference
+        return difference(*self.lambda_parameters()) + self.lambda_init
 
     def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
         # the pairs are split before the key heads are repeated: query head 2h pairs with key head 2g, g its group
@@ -108,12 +155,21 @@ class DifferentialCoreAttention(CoreAttentionBase):
         lam = self.lambda_full().to(query.device)
         # (s, b, heads, d) -> (b, s, heads, d): the layout every backend below starts from.
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))
-        v = v.reshape(b, s, two_g // 2, 2 * d)
-        out = getattr(self, f"_forward_{self.backend}")(q, k, v, lam)  # (b, s, H, 2d)
-        if self.sublayer_norm is not None:
-            out = self.sublayer_norm(out)
-        out = out * self.output_scale
-        return out.transpose(0, 1).reshape(s, b, two_h * d)
+        if self.backend == "triton":
+            out = self._forward_triton(q, k, v.reshape(b, s, two_g // 2, 2 * d), lam)  # (b, s, H, 2d)
+            if self.sublayer_norm is not None:
+                out = self.sublayer_norm(out)
+            out = out * self.output_scale
+            return out.transpose(0, 1).reshape(s, b, two_h * d)
+        # two (b, s, 2, H, d): maps 1 and 2 of each d-wide half of V
+        forward = self._forward_ring if self.ring is not None else getattr(self, f"_forward_{self.backend}")
+        halves = forward(q, k, v, lam)
+        norm = self.sublayer_norm
+        out = diff_epilogue(
+            halves, lam, norm.weight if norm is not None else None, norm.eps if norm is not None else 0.0,
+            self.output_scale, impl="unfused" if self.backend == "eager" else self.epilogue,
+        )
+        return out.to(query.dtype)  # eager's halves are fp32 (fp64): round once, at the end
 
     def _split_pairs(self, q, k):
         """(b, s, 2H, d) and (b, s, 2G, d) -> q1, q2 (b, H, s, d) and k1, k2 (b, G, s, d)."""
@@ -121,33 +177,47 @@ class DifferentialCoreAttention(CoreAttentionBase):
         k = k.transpose(1, 2)
         return q[:, 0::2], q[:, 1::2], k[:, 0::2], k[:, 1::2]
 
+    def _forward_ring(self, q, k, v, lam):
+        """The sequence split over the context-parallel group: both maps merged by their own LSEs around the ring
+        (models/ring_attention.py); returns the halves of V for the epilogue, (b, s, 2, H, d) each."""
+        b, s, two_g, d = v.shape
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.reshape(b, s, two_g // 2, 2 * d).transpose(1, 2)
+        o1, o2 = ring_attention([q[:, 0::2], q[:, 1::2]], k, v, (slice(0, None, 2), slice(1, None, 2)),
+                                self.softmax_scale, self.ring, self.backend)
+        maps = torch.stack([o1, o2], dim=2).transpose(1, 3)  # (b, H, 2, s, 2d) -> (b, s, 2, H, 2d)
+        return [maps[..., :d], maps[..., d:]]
+
     def _forward_eager(self, q, k, v, lam):
+        """The combined map A1 − λ·A2 materialised in fp32 (fp64 for fp64 inputs), weighting the 2d-wide V: the
+        reference. Returns the halves already combined, (b, s, 1, H, d) each."""
+        b, s, two_g, d = v.shape
         q1, q2, k1, k2 = self._split_pairs(q, k)
         groups = q1.shape[1] // k1.shape[1]
         k1, k2 = (t.repeat_interleave(groups, dim=1) for t in (k1, k2))
-        vh = v.transpose(1, 2).float().repeat_interleave(groups, dim=1)  # (b, H, s, 2d)
+        vh = v.reshape(b, s, two_g // 2, 2 * d).transpose(1, 2).to(reference_dtype(q))
+        vh = vh.repeat_interleave(groups, dim=1)  # (b, H, s, 2d)
         a1 = eager_attention_probs(q1, k1, self.softmax_scale)
         a2 = eager_attention_probs(q2, k2, self.softmax_scale)
-        out = torch.matmul(a1 - lam * a2, vh)
-        return out.to(q.dtype).transpose(1, 2)
+        out = torch.matmul(a1 - lam.to(a1.dtype) * a2, vh).transpose(1, 2).unsqueeze(2)  # (b, s, 1, H, 2d)
+        return [out[..., :d], out[..., d:]]
 
     def _forward_sdpa(self, q, k, v, lam):
-        q1, q2, k1, k2 = self._split_pairs(q, k)
-        vh = v.transpose(1, 2)
-        gqa = q1.shape[1] != k1.shape[1]
-        o1 = F.scaled_dot_product_attention(q1, k1, vh, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
-        o2 = F.scaled_dot_product_attention(q2, k2, vh, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
-        return subtract_in_fp32(o1, lam, o2).transpose(1, 2)
+        q, k, values, pairs, gqa = library_layout(q, k, v)
+        qh, kh = q.transpose(1, 2), k.transpose(1, 2)
+        return [
+            paired_halves(
+                scaled_dot_product_attention(qh, kh, vc.transpose(1, 2), self.softmax_scale, gqa).transpose(1, 2),
+                pairs,
+            )
+            for vc in values
+        ]
 
     def _forward_flash_attn(self, q, k, v, lam):
         flash_attn = load_flash_attn_func()
-        q1, q2, k1, k2 = q[:, :, 0::2], q[:, :, 1::2], k[:, :, 0::2], k[:, :, 1::2]
-        # flash-attn needs equal q/v head sizes: attend to the two halves of the 2d-wide V separately.
-        va, vb = v.chunk(2, dim=-1)
-        kw = dict(causal=True, softmax_scale=self.softmax_scale)
-        o1 = torch.cat([flash_attn(q1, k1, va, **kw), flash_attn(q1, k1, vb, **kw)], dim=-1)
-        o2 = torch.cat([flash_attn(q2, k2, va, **kw), flash_attn(q2, k2, vb, **kw)], dim=-1)
-        return subtract_in_fp32(o1, lam, o2)
+        q, k, values, pairs, _ = library_layout(q, k, v)  # flash-attn's GQA pairs heads as SDPA's does
+        return [paired_halves(flash_attn(q, k, vc, causal=True, softmax_scale=self.softmax_scale), pairs)
+                for vc in values]
 
     def _forward_triton(self, q, k, v, lam):
         try:

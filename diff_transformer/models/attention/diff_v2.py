@@ -4,20 +4,38 @@ kind that changes ``SelfAttention`` itself (its λ projection, and an output pro
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import build_module
 
-from diff_transformer.models.attention.base import CoreAttentionBase, eager_attention_probs, load_flash_attn_func
+from diff_transformer.models.attention.base import (
+    CoreAttentionBase,
+    eager_attention_probs,
+    load_flash_attn_func,
+    reference_dtype,
+    scaled_dot_product_attention,
+)
+from diff_transformer.models.attention.epilogue import EPILOGUE_IMPLS, diff_epilogue, paired_halves
 from diff_transformer.models.attention_maps import AttentionMaps
+from diff_transformer.models.ring_attention import ring_attention
 
 class DiffV2CoreAttention(CoreAttentionBase):
     """Differential attention V2: one causal attention of 2H query heads of d over Hkv KV heads of d (GQA; head
     pair (2h, 2h+1) lies in one KV group because Hkv divides H), then head_h = O[2h] − λ_h,t·O[2h+1] in fp32, with
     λ_h,t = sigmoid(x_t·W_λ)_h computed by ``DiffV2SelfAttention`` and passed in as ``attention_bias`` (its logits,
-    [s, b, H per rank]). No sub-layer norm. Output [s, b, H per rank · d]."""
+    [s, b, H per rank]). No sub-layer norm. Output [s, b, H per rank · d].
+
+    ``sdpa`` and ``flash_attn`` are one library call with equal head dims over the 2H heads; the subtraction and the
+    layout are the epilogue of ``models.attention.epilogue`` (``epilogue`` picks its implementation)."""
+
+    def __init__(self, config, layer_number, attn_mask_type, *, epilogue: str = "unfused", **protocol):
+        super().__init__(config, layer_number, attn_mask_type, **protocol)
+        if epilogue not in EPILOGUE_IMPLS:
+            raise ValueError(f"trainer.diff_epilogue={epilogue!r} is unknown; use one of {', '.join(EPILOGUE_IMPLS)}")
+        self.epilogue = epilogue
+
+    supports_context_parallel = True
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None) -> torch.Tensor:
@@ -31,10 +49,11 @@ class DiffV2CoreAttention(CoreAttentionBase):
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # (b, s, heads, d)
         if self.backend == "triton":
             out = self._forward_triton(q, k, v, lam)
-        else:
-            o = getattr(self, f"_forward_{self.backend}")(q, k, v).float()  # (b, s, 2H, d)
-            out = o[:, :, 0::2] - lam.unsqueeze(-1) * o[:, :, 1::2]
-        return out.to(query.dtype).transpose(0, 1).reshape(s, b, two_h // 2 * d)
+            return out.to(query.dtype).transpose(0, 1).reshape(s, b, two_h // 2 * d)
+        forward = self._forward_ring if self.ring is not None else getattr(self, f"_forward_{self.backend}")
+        o = forward(q, k, v)  # (b, s, 2H, d); eager's in fp32
+        impl = "unfused" if self.backend == "eager" else self.epilogue
+        return diff_epilogue([paired_halves(o, "interleaved")], lam, None, 0.0, 1.0, impl=impl).to(query.dtype)
 
     def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
         if attention_bias is None:
@@ -48,17 +67,22 @@ class DiffV2CoreAttention(CoreAttentionBase):
             combined=a1 - lam * a2, rows=rows, lam=lam,
         )
 
+    def _forward_ring(self, q, k, v):
+        """The sequence split over the context-parallel group: one map around the ring (models/ring_attention.py)."""
+        (o,) = ring_attention([q.transpose(1, 2)], k.transpose(1, 2), v.transpose(1, 2), (slice(None),),
+                              self.softmax_scale, self.ring, self.backend)
+        return o.transpose(1, 2)
+
     def _forward_eager(self, q, k, v):
         groups = q.shape[2] // k.shape[2]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-        return torch.matmul(eager_attention_probs(q, k, self.softmax_scale), v.float()).transpose(1, 2)
+        return torch.matmul(eager_attention_probs(q, k, self.softmax_scale), v.to(reference_dtype(q))).transpose(1, 2)
 
     def _forward_sdpa(self, q, k, v):
         gqa = q.shape[2] != k.shape[2]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
-        return o.transpose(1, 2)
+        return scaled_dot_product_attention(q, k, v, self.softmax_scale, gqa).transpose(1, 2)
 
     def _forward_flash_attn(self, q, k, v):
         return load_flash_attn_func()(q, k, v, causal=True, softmax_scale=self.softmax_scale)
@@ -109,12 +133,38 @@ class DiffV2SelfAttention(SelfAttention):
             is_expert=False,
             tp_group=self.pg_collection.tp,
         )
+        # While recording (logging steps): how many λ, Σλ and Σλ² over this rank's tokens and heads, in fp64 on the
+        # device (no host sync in the step)
+        self.lambda_sums: torch.Tensor | None = None
 
     def forward(self, hidden_states, attention_mask=None, **kwargs):
         if kwargs.get("attention_bias") is not None:
             raise ValueError("DIFF V2 uses the attention_bias slot for its λ; an attention bias is not supported")
         lambda_logits, _ = self.linear_lambda(hidden_states)  # [s, b, H per rank]
+        if self.lambda_sums is not None:
+            lam = torch.sigmoid(lambda_logits.detach().float())
+            count = torch.full((), lam.numel(), dtype=torch.float64, device=lam.device)  # a fill, not a copy
+            self.lambda_sums += torch.stack([count, lam.sum(dtype=torch.float64), lam.square().sum(dtype=torch.float64)])
         kwargs["attention_bias"] = lambda_logits
         return super().forward(hidden_states, attention_mask, **kwargs)
+
+
+def v2_self_attentions(model_chunks) -> list:
+    """This rank's DIFF V2 attentions, in layer order."""
+    found = [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, DiffV2SelfAttention)]
+    return sorted(found, key=lambda m: m.layer_number)
+
+
+def record_lambda(model_chunks, on: bool) -> None:
+    """Start (zeroed) or stop summing each V2 layer's per-token λ in its forward passes."""
+    for module in v2_self_attentions(model_chunks):
+        device = module.linear_lambda.weight.device
+        module.lambda_sums = torch.zeros(3, dtype=torch.float64, device=device) if on else None
+
+
+def recorded_lambda_sums(model_chunks) -> torch.Tensor:
+    """(V2 layers of this rank, 3): how many λ, Σλ and Σλ² per layer since :func:`record_lambda` started, on the
+    device; partial over TP ranks (which hold different heads) and data-parallel ranks: their sum is the whole."""
+    return torch.stack([m.lambda_sums for m in v2_self_attentions(model_chunks)])
 
 

@@ -14,13 +14,18 @@ from diff_transformer.models.attention.base import (
     TP_REPLICATED_ATTR,
     CoreAttentionBase,
     eager_attention_probs,
-    load_flash_attn_func,
     lambda_init_for_layer,
+    load_flash_attn_func,
+    reference_dtype,
+    scaled_dot_product_attention,
 )
 from diff_transformer.models.attention_maps import AttentionMaps
+from diff_transformer.models.ring_attention import ring_attention
 
 class VanillaCoreAttention(CoreAttentionBase):
     """Standard causal softmax attention over 2H heads of size d (GQA when there are fewer KV heads)."""
+
+    supports_context_parallel = True
 
     def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
         rows, logits, probs = self._softmax_maps(query, key, rows)
@@ -38,6 +43,10 @@ class VanillaCoreAttention(CoreAttentionBase):
     ) -> torch.Tensor:
         self._check_call(attn_mask_type, attention_bias, packed_seq_params)
         s, b, heads, d = query.shape
+        if self.ring is not None:  # the sequence split over the context-parallel group (models/ring_attention.py)
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            (out,) = ring_attention([q], k, v, (slice(None),), self.softmax_scale, self.ring, self.backend)
+            return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
         if self.backend == "flash_attn":
             out = load_flash_attn_func()(
                 query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
@@ -53,11 +62,9 @@ class VanillaCoreAttention(CoreAttentionBase):
         groups = q.shape[1] // k.shape[1]
         if self.backend == "eager":
             k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-            out = torch.matmul(eager_attention_probs(q, k, self.softmax_scale), v.float()).to(q.dtype)
+            out = torch.matmul(eager_attention_probs(q, k, self.softmax_scale), v.to(reference_dtype(q))).to(q.dtype)
         else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=groups > 1
-            )
+            out = scaled_dot_product_attention(q, k, v, self.softmax_scale, groups > 1)
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
 
 
@@ -89,5 +96,7 @@ class VanillaSublnCoreAttention(VanillaCoreAttention):
                 packed_seq_params=None) -> torch.Tensor:
         out = super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
         s, b, heads, d = query.shape
-        out = self.sublayer_norm(out.view(s, b, heads, d)) * (1.0 - self.lambda_init)
+        # (1 − λ_init) folded into the norm weight at run time: one fused norm kernel, the parameter unchanged
+        weight = (self.sublayer_norm.weight.float() * (1.0 - self.lambda_init)).to(out.dtype)
+        out = F.rms_norm(out.view(s, b, heads, d), (d,), weight, self.sublayer_norm.eps)
         return out.reshape(s, b, heads * d)

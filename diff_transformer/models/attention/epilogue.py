@@ -1,0 +1,63 @@
+"""The differential epilogue of DIFF V1 and V2: from the two maps' outputs to the core attention's output.
+
+    x_h = O1_h − λ·O2_h (fp32), then V1's per-head RMSNorm over 2d with its weight times (1 − λ_init), in
+    megatron-core's [s, b, H·n·d] layout
+
+Three implementations of the same function (``trainer.diff_epilogue`` picks one when ``trainer.fusions`` is on):
+
+- ``unfused``: the plain PyTorch definition (``kernels.diff_epilogue.naive``), about ten kernels and fp32 tensors of
+  the whole output each way; the numerics reference and the path on a CPU;
+- ``triton``: one Triton kernel each way with its own backward (``kernels.diff_epilogue``): x in fp32 registers, the
+  output factor folded into the norm weight at run time (parameters and checkpoints unchanged), one rounding, no
+  layout copies, only rstd saved;
+- ``compile``: ``torch.compile`` of the definition (inductor fuses it; AOTAutograd derives the backward).
+
+All take the maps' outputs as ``halves``: one or two tensors (B, N, 2, H, d), ``[:, :, 0]`` map 1 and ``[:, :, 1]``
+map 2 of each d-wide part of V, as views of whatever the attention kernels returned.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import torch
+
+from kernels.diff_epilogue.naive import diff_epilogue_naive
+
+EPILOGUE_IMPLS = ("unfused", "triton", "compile")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_epilogue():
+    return torch.compile(diff_epilogue_naive, dynamic=False)
+
+
+def diff_epilogue(
+    halves: Sequence[torch.Tensor],
+    lam: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    eps: float,
+    scale: float,
+    impl: str = "unfused",
+) -> torch.Tensor:
+    """(N, B, H·n·d) in the halves' dtype (see the module docstring); differentiable in halves, lam and weight."""
+    with torch.profiler.record_function("diff_epilogue"):
+        if impl == "unfused":
+            return diff_epilogue_naive(halves, lam, weight, eps, scale)
+        if impl == "triton":
+            from kernels.diff_epilogue import diff_epilogue as fused_epilogue
+
+            return fused_epilogue(halves, lam, weight, eps, scale)
+        if impl == "compile":
+            return _compiled_epilogue()(list(halves), lam, weight, eps, scale)
+    raise ValueError(f"trainer.diff_epilogue={impl!r} is unknown; use one of {', '.join(EPILOGUE_IMPLS)}")
+
+
+def paired_halves(out: torch.Tensor, pairs: str) -> torch.Tensor:
+    """A library kernel's output (B, N, 2H, d) as (B, N, 2, H, d), a view: ``interleaved`` heads 2h + m (the head
+    layout of megatron's projections) or ``grouped`` heads m·H + h."""
+    batch, seq, two_h, d = out.shape
+    if pairs == "interleaved":
+        return out.unflatten(2, (two_h // 2, 2)).transpose(2, 3)
+    return out.unflatten(2, (2, two_h // 2))

@@ -1,0 +1,341 @@
+"""Ring attention: causal softmax attention over a sequence split across a context-parallel (CP) group.
+
+**Layout (load-balanced causal sharding).** A sequence of S tokens is cut into 2N chunks of c = S / 2N; CP rank r of
+N holds chunks r and 2N−1−r, concatenated (:func:`load_balanced_indices`), so every rank does the same causal work.
+megatron-core's rotary embedding picks the same two chunks of the positions for the rank
+(``rope_utils.get_pos_emb_on_this_cp_rank``), and ``training.steps`` hands each rank these chunks of the batch.
+
+**The ring.** K and V travel around the group: at step i rank r holds the K/V of rank r − i and starts sending them
+to rank r + 1 (and receiving the next block) before it computes the block, so the transfer overlaps the compute
+(:func:`diff_transformer.distributed.ring_exchange`). With the load-balanced layout the block of step i is
+- i = 0: the local queries against the local keys, causal (both chunks ascend in position);
+- source < r: every local query against the source's first chunk, no mask (both local chunks come after it);
+- source > r: only the second local chunk against both of the source's chunks, no mask (the first comes before them).
+Each softmax map keeps its own log-sum-exp; a block's partial output is merged into the map's running output by LSE
+(:func:`_merge`), so after N steps every map's output is exactly its softmax over the whole causal prefix. The
+callers subtract after the merge: DIFF V1 runs two maps (query heads 2h and 2h+1 against key heads 2g and 2g+1, over
+the shared 2d-wide V), DIFF V2 one map of 2H query heads over shared K/V heads followed by its per-token subtraction,
+the baseline one map. The backward (a custom ``autograd.Function``) walks the same blocks, each recomputing its
+probabilities from the merged output and LSE, and passes dK and dV around the ring with K and V, so each rank ends with
+the gradients of its own K and V.
+
+**The block primitive** (:func:`block_forward`, :func:`block_backward`): one map, a query block against a key block,
+causal (square, aligned) or not; the forward returns the output and the LSE, the backward takes the merged output and
+LSE. ``eager`` is plain PyTorch (the reference; fp32, or fp64 for fp64 inputs); ``sdpa`` calls PyTorch's
+LSE-returning attention ops: ``_scaled_dot_product_flash_attention_for_cpu`` on a CPU (equal head sizes only: a V
+twice as wide as Q and K, DIFF V1's, is attended in halves with the same LSE), and on CUDA
+``_scaled_dot_product_flash_attention`` (fp16/bf16, equal head sizes up to 256) or else
+``_scaled_dot_product_efficient_attention``, with their backward ops.
+
+Tensors here are ``(batch, heads, local sequence, head size)``; a map's key heads are a slice of K's heads (GQA: a
+query head i reads key and value head i // (query heads / key heads)).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from diff_transformer.distributed import ring_exchange
+
+IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The load-balanced layout
+# ------------------------------------------------------------------------------------------------------------------
+def check_context_parallel_length(seq_length: int, cp: int) -> None:
+    if seq_length % (2 * cp):
+        raise ValueError(
+            f"model.seq_length={seq_length} is not divisible by 2*parallel.cp={2 * cp} (each context-parallel rank "
+            "holds two equal chunks of the sequence)"
+        )
+
+
+def load_balanced_indices(seq_length: int, cp: int, rank: int) -> torch.Tensor:
+    """Positions of the full sequence that CP rank ``rank`` of ``cp`` holds: chunks rank and 2·cp−1−rank of 2·cp."""
+    check_context_parallel_length(seq_length, cp)
+    c = seq_length // (2 * cp)
+    first, second = rank * c, (2 * cp - 1 - rank) * c
+    return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
+
+
+def context_parallel_chunks(tensor: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's two chunks of ``tensor`` along ``dim`` (the sequence), concatenated."""
+    if cp == 1:
+        return tensor
+    index = load_balanced_indices(tensor.shape[dim], cp, rank).to(tensor.device)
+    return tensor.index_select(dim, index)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The block primitive: one map, a query block against a key block
+# ------------------------------------------------------------------------------------------------------------------
+def _accumulation_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _causal_scores(q, k, scale, causal):
+    dtype = _accumulation_dtype(q)
+    scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale
+    if causal:
+        sq, sk = scores.shape[-2:]
+        visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return scores
+
+
+def _eager_forward(q, k, v, scale, causal):
+    scores = _causal_scores(q, k, scale, causal)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), v.to(scores.dtype)), lse
+
+
+def _eager_backward(grad_out, q, k, v, out, lse, scale, causal):
+    dtype = _accumulation_dtype(q)
+    p = torch.exp(_causal_scores(q, k, scale, causal) - lse.to(dtype)[..., None])
+    grad_out = grad_out.to(dtype)
+    grad_v = torch.matmul(p.transpose(-1, -2), grad_out)
+    delta = (grad_out * out.to(dtype)).sum(-1, keepdim=True)  # rowsum(dO ∘ O) of the merged output
+    grad_scores = p * (torch.matmul(grad_out, v.to(dtype).transpose(-1, -2)) - delta)
+    grad_q = torch.matmul(grad_scores, k.to(dtype)) * scale
+    grad_k = torch.matmul(grad_scores.transpose(-1, -2), q.to(dtype)) * scale
+    return grad_q, grad_k, grad_v
+
+
+def _value_pieces(q, v) -> Optional[int]:
+    """How many head-size pieces V splits into for a kernel that needs equal head sizes (None: it cannot)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    return dv // d if dv % d == 0 else None
+
+
+def _cpu_sdpa_forward(q, k, v, scale, causal):
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    pieces = _value_pieces(q, v)
+    if pieces is None:
+        return _eager_forward(q, k, v, scale, causal)
+    outs = []
+    for v_piece in v.chunk(pieces, dim=-1):  # the same scores, so the same LSE, for every piece
+        out, lse = op(q, k, v_piece, 0.0, causal, scale=scale)
+        outs.append(out)
+    return torch.cat(outs, dim=-1), lse
+
+
+def _cpu_sdpa_backward(grad_out, q, k, v, out, lse, scale, causal):
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    pieces = _value_pieces(q, v)
+    if pieces is None:
+        return _eager_backward(grad_out, q, k, v, out, lse, scale, causal)
+    dtype = q.dtype
+    lse = lse.to(dtype)
+    grad_q = grad_k = None
+    grad_v = []
+    # dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O)) is a sum over V's columns, so the pieces' dQ and dK add up
+    for g, o, v_piece in zip(grad_out.to(dtype).chunk(pieces, -1), out.to(dtype).chunk(pieces, -1),
+                             v.chunk(pieces, -1)):
+        dq, dk, dv = op(g.contiguous(), q, k, v_piece, o.contiguous(), lse, 0.0, causal, scale=scale)
+        grad_q = dq if grad_q is None else grad_q + dq
+        grad_k = dk if grad_k is None else grad_k + dk
+        grad_v.append(dv)
+    return grad_q, grad_k, torch.cat(grad_v, dim=-1)
+
+
+def _cuda_uses_flash(q, v) -> bool:
+    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == v.shape[-1] and q.shape[-1] <= 256
+
+
+def _lse_rows(q) -> int:
+    """Rows of the efficient kernel's LSE: the query length rounded up to 32 (ROCm: the query length)."""
+    sq = q.shape[-2]
+    return sq if torch.version.hip else math.ceil(sq / 32) * 32
+
+
+def _cuda_sdpa_forward(q, k, v, scale, causal):
+    if _cuda_uses_flash(q, v):
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+    return out, lse[..., : q.shape[-2]]
+
+
+def _cuda_sdpa_backward(grad_out, q, k, v, out, lse, scale, causal):
+    out, grad_out = out.to(q.dtype).contiguous(), grad_out.to(q.dtype).contiguous()
+    no_dropout = torch.empty((), dtype=torch.long, device=q.device)  # the RNG state is read only with dropout
+    lse = lse.float().contiguous()
+    if _cuda_uses_flash(q, v):
+        sq, sk = q.shape[-2], k.shape[-2]
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse, None, None, sq, sk, 0.0, causal, no_dropout, no_dropout, scale=scale
+        )
+    padded = lse.new_zeros(*lse.shape[:-1], _lse_rows(q))
+    padded[..., : lse.shape[-1]] = lse
+    grad_q, grad_k, grad_v, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad_out, q, k, v, None, out, padded, no_dropout, no_dropout, 0.0, [True, True, True, False], causal,
+        scale=scale,
+    )
+    return grad_q, grad_k, grad_v
+
+
+def block_forward(q, k, v, scale: float, causal: bool, impl: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q·kᵀ·scale [+ causal mask])·v and its LSE (natural log, fp32 or fp64) for one map; q (b, h, sq, d),
+    k (b, h, sk, d), v (b, h, sk, dv), the same heads (GQA already expanded); causal blocks are square."""
+    if impl == "eager":
+        return _eager_forward(q, k, v, scale, causal)
+    if impl != "sdpa":
+        raise ValueError(f"ring attention implementation {impl!r} is unknown; use one of {', '.join(IMPLEMENTATIONS)}")
+    return (_cuda_sdpa_forward if q.is_cuda else _cpu_sdpa_forward)(q, k, v, scale, causal)
+
+
+def block_backward(grad_out, q, k, v, out, lse, scale: float, causal: bool, impl: str):
+    """(dq, dk, dv) of one block, given the map's merged output ``out`` and LSE over every key block: the block's
+    share of the gradients of the whole attention."""
+    if impl == "eager":
+        return _eager_backward(grad_out, q, k, v, out, lse, scale, causal)
+    return (_cuda_sdpa_backward if q.is_cuda else _cpu_sdpa_backward)(grad_out, q, k, v, out, lse, scale, causal)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The ring
+# ------------------------------------------------------------------------------------------------------------------
+class ProcessGroupRing:
+    """A context-parallel process group seen as a ring: this rank's place, and one step's exchange with its
+    neighbours (group rank + 1 receives, group rank − 1 sends)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank = torch.distributed.get_rank(group)
+        self.size = torch.distributed.get_world_size(group)
+
+    def exchange(self, tensors: Sequence[torch.Tensor]):
+        return ring_exchange(tensors, self.group)
+
+
+def _block_layout(step: int, rank: int, size: int, chunk: int) -> Tuple[slice, slice, bool]:
+    """(local query rows, key rows of the visiting block, causal) of ring step ``step`` on ``rank``."""
+    if step == 0:
+        return slice(None), slice(None), True
+    source = (rank - step) % size
+    if source < rank:
+        return slice(None), slice(0, chunk), False
+    return slice(chunk, None), slice(None), False
+
+
+def _expand_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
+    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+
+
+def _sum_groups(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of ``_expand_heads``: each key head's share summed over the query heads that read it."""
+    if groups == 1:
+        return t
+    b, h, s, d = t.shape
+    return t.view(b, h // groups, groups, s, d).sum(2)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor, rows: slice):
+    """Merge a block's partial output into a map's running output on ``rows``, in place, by their LSEs."""
+    old_out, old_lse = out[..., rows, :], lse[..., rows]
+    new_lse = torch.logaddexp(old_lse, block_lse)
+    old_out.mul_(torch.exp(old_lse - new_lse)[..., None]).add_(
+        block_out.to(out.dtype) * torch.exp(block_lse - new_lse)[..., None]
+    )
+    old_lse.copy_(new_lse)
+
+
+def _ring_forward(ring, impl, scale, key_heads, key, value, queries):
+    acc = _accumulation_dtype(key)
+    chunk = key.shape[-2] // 2
+    outs: List[Optional[torch.Tensor]] = [None] * len(queries)
+    lses: List[Optional[torch.Tensor]] = [None] * len(queries)
+    kv = (key, value)
+    for step in range(ring.size):
+        pending = ring.exchange(kv) if step + 1 < ring.size else None  # the next block travels during this one
+        rows, cols, causal = _block_layout(step, ring.rank, ring.size, chunk)
+        k_block, v_block = kv[0][..., cols, :], kv[1][..., cols, :]
+        for m, q in enumerate(queries):
+            k_map = k_block[:, key_heads[m]]
+            groups = q.shape[1] // k_map.shape[1]
+            out, lse = block_forward(q[..., rows, :], _expand_heads(k_map, groups), _expand_heads(v_block, groups),
+                                     scale, causal, impl)
+            if step == 0:  # the diagonal block covers every local query
+                outs[m], lses[m] = out.to(acc), lse.to(acc)
+            else:
+                _merge(outs[m], lses[m], out, lse.to(acc), rows)
+        if pending is not None:
+            kv = tuple(pending.wait())
+    return [o.to(q.dtype) for o, q in zip(outs, queries)], lses
+
+
+def _ring_backward(ring, impl, scale, key_heads, key, value, queries, outs, lses, grad_outs):
+    acc = _accumulation_dtype(key)
+    chunk = key.shape[-2] // 2
+    grad_queries = [torch.zeros(q.shape, dtype=acc, device=q.device) for q in queries]
+    kv = (key, value)
+    incoming = None  # dK, dV of the visiting block, accumulated by the ranks it visited before
+    for step in range(ring.size):
+        pending = ring.exchange(kv) if step + 1 < ring.size else None
+        rows, cols, causal = _block_layout(step, ring.rank, ring.size, chunk)
+        k_block, v_block = kv[0][..., cols, :], kv[1][..., cols, :]
+        grad_k = torch.zeros(key.shape, dtype=acc, device=key.device)
+        grad_v = torch.zeros(value.shape, dtype=acc, device=value.device)
+        for m, q in enumerate(queries):
+            if grad_outs[m] is None:
+                continue
+            k_map = k_block[:, key_heads[m]]
+            groups = q.shape[1] // k_map.shape[1]
+            dq, dk, dv = block_backward(
+                grad_outs[m][..., rows, :], q[..., rows, :], _expand_heads(k_map, groups),
+                _expand_heads(v_block, groups), outs[m][..., rows, :], lses[m][..., rows], scale, causal, impl,
+            )
+            grad_queries[m][..., rows, :] += dq
+            grad_k[:, key_heads[m]][..., cols, :] += _sum_groups(dk, groups)
+            grad_v[..., cols, :] += _sum_groups(dv, groups)
+        if incoming is not None:
+            received_k, received_v = incoming.wait()
+            grad_k += received_k
+            grad_v += received_v
+        if pending is not None:
+            kv = tuple(pending.wait())
+        if ring.size == 1:
+            return grad_queries, grad_k, grad_v
+        incoming = ring.exchange((grad_k, grad_v))  # to the next rank, which holds this block's K/V next
+    grad_k, grad_v = incoming.wait()  # the gradients of this rank's own K/V, back from their round
+    return grad_queries, grad_k, grad_v
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ring, impl, scale, key_heads, key, value, *queries):
+        outs, lses = _ring_forward(ring, impl, scale, key_heads, key, value, queries)
+        ctx.ring, ctx.impl, ctx.scale, ctx.key_heads, ctx.maps = ring, impl, scale, key_heads, len(queries)
+        ctx.save_for_backward(key, value, *queries, *outs, *lses)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        key, value, *rest = ctx.saved_tensors
+        m = ctx.maps
+        queries, outs, lses = rest[:m], rest[m:2 * m], rest[2 * m:]
+        grad_queries, grad_k, grad_v = _ring_backward(
+            ctx.ring, ctx.impl, ctx.scale, ctx.key_heads, key, value, queries, outs, lses, grad_outs
+        )
+        return (None, None, None, None, grad_k.to(key.dtype), grad_v.to(value.dtype),
+                *(g.to(q.dtype) for g, q in zip(grad_queries, queries)))
+
+
+def ring_attention(
+    queries: Sequence[torch.Tensor], key: torch.Tensor, value: torch.Tensor, key_heads: Sequence[slice], scale: float,
+    ring, impl: str,
+) -> List[torch.Tensor]:
+    """Causal attention of each map over the whole sequence split across ``ring``; returns each map's output.
+
+    ``queries[m]`` (b, heads_m, local s, d) attends with the key heads ``key[:, key_heads[m]]`` of K (b, key heads,
+    local s, d) over V (b, value heads, local s, dv), the value heads shared by every map and equal in number to each
+    map's key heads. The local sequence is this rank's two load-balanced chunks (:func:`context_parallel_chunks`)."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"ring attention implementation {impl!r} is unknown; use one of {', '.join(IMPLEMENTATIONS)}")
+    if key.shape[-2] % 2:
+        raise ValueError(f"a context-parallel rank holds two equal chunks; its {key.shape[-2]} positions are odd")
+    return list(_RingAttention.apply(ring, impl, scale, tuple(key_heads), key, value, *queries))

@@ -1,0 +1,217 @@
+"""``model.attention_backend=auto``: the attention backend a run uses, decided once and kept.
+
+Rank 0 decides, in this order, and every rank follows (``distributed.broadcast_object``):
+
+1. a resumed run keeps the backend its checkpoint trained with (its saved config), else the one recorded in the run
+   directory (``attention_backend.json``): a resume computes with the same kernels, so a bit-exact GPU resume stays
+   possible;
+2. without a GPU: ``sdpa``;
+3. a kind with one candidate (the map controls: ``sdpa``; the softmax kinds without flash-attn installed) takes it;
+4. otherwise the fastest candidate for the run's per-rank shape, forward and backward of one layer's core attention
+   (a few milliseconds each), timed once per (GPU, torch, Triton, kind, shape, dtype, epilogue) and cached in
+   ``$DIFF_TRANSFORMER_CACHE_DIR/attention_backends.json`` (default ``~/.cache/diff_transformer``).
+
+The decision, how it was reached and the timings go to the log and to ``<run dir>/attention_backend.json``. An
+explicit ``model.attention_backend`` is never replaced.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+import os
+import statistics
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from diff_transformer.fileio import atomic_write_json
+from diff_transformer.models.layer_specs import attention_kind, head_dim, num_kv_heads
+
+RECORD_FILE = "attention_backend.json"
+CACHE_FILE = "attention_backends.json"
+# backends never timed: eager materialises every map (the numerics reference, never the fast one)
+NOT_CANDIDATES = ("eager",)
+
+
+def cache_path() -> str:
+    root = os.environ.get("DIFF_TRANSFORMER_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "diff_transformer"))
+    return os.path.join(root, CACHE_FILE)
+
+
+def installed(backend: str) -> bool:
+    """Whether a backend's library is importable here (sdpa and eager are torch's)."""
+    module = {"flash_attn": "flash_attn", "triton": "triton"}.get(backend)
+    return module is None or importlib.util.find_spec(module) is not None
+
+
+def candidates(model: Any) -> List[str]:
+    """The backends ``auto`` chooses among for this attention kind: the kind's, minus eager, minus those whose
+    library is missing; ``sdpa`` first (the choice when timing cannot separate them)."""
+    found = [b for b in attention_kind(model).backends if b not in NOT_CANDIDATES and installed(b)]
+    return sorted(found, key=lambda b: b != "sdpa")
+
+
+def problem_key(cfg: Any, device_name: str, dtype: torch.dtype, epilogue: str) -> str:
+    """What a timing depends on: the GPU, torch and Triton, the kind and its per-rank shape, dtype and epilogue."""
+    m, p = cfg.model, cfg.parallel
+    triton_version = None
+    if installed("triton"):
+        import triton
+
+        triton_version = triton.__version__
+    return json.dumps({
+        "gpu": device_name, "torch": torch.__version__, "triton": triton_version, "kind": m.attention,
+        "micro_batch": cfg.trainer.micro_batch_size, "seq": m.seq_length, "heads": m.num_heads // p.tp,
+        "kv_heads": num_kv_heads(m) // p.tp, "head_dim": head_dim(m), "dtype": str(dtype).replace("torch.", ""),
+        "epilogue": epilogue,
+    }, sort_keys=True)
+
+
+def choose(options: List[str], measure: Callable[[str], float]) -> Dict[str, Any]:
+    """Time each option (``measure`` returns milliseconds and may raise); the fastest wins, ties to the first.
+    Returns {"backend", "timings_ms" (None where it failed), "errors"}."""
+    timings: Dict[str, Optional[float]] = {}
+    errors: Dict[str, str] = {}
+    for option in options:
+        try:
+            timings[option] = float(measure(option))
+        except Exception as err:  # a backend that fails here (no kernel for this GPU, say) is not chosen
+            timings[option], errors[option] = None, f"{type(err).__name__}: {err}"
+    timed = [o for o in options if timings[o] is not None and math.isfinite(timings[o])]
+    if not timed:
+        raise RuntimeError(f"model.attention_backend=auto: no candidate ran ({errors}); set model.attention_backend")
+    return {"backend": min(timed, key=lambda o: timings[o]), "timings_ms": timings, "errors": errors}
+
+
+def _read_json(path: str) -> Dict[str, Any]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def saved_backend(checkpoint_config: Optional[Dict[str, Any]]) -> Optional[str]:
+    backend = ((checkpoint_config or {}).get("model") or {}).get("attention_backend")
+    return backend if backend not in (None, "auto") else None
+
+
+def decide_attention_backend(
+    cfg: Any,
+    run_dir: str,
+    dtype: torch.dtype,
+    epilogue: str,
+    checkpoint_config: Optional[Dict[str, Any]] = None,
+    cuda: Optional[bool] = None,
+    device_name: Optional[str] = None,
+    measure: Optional[Callable[[str], float]] = None,
+) -> Dict[str, Any]:
+    """Rank 0's decision for ``auto`` (see the module docstring); writes the run directory's record and returns it:
+    {"backend", "how", "timings_ms", "key"}. ``checkpoint_config`` is the saved config of the checkpoint being
+    resumed; ``cuda``, ``device_name`` and ``measure`` default to this machine's (tests inject them)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    record_path = os.path.join(run_dir, RECORD_FILE)
+    recorded = _read_json(record_path)
+    decision: Dict[str, Any] = {"timings_ms": None, "key": None}
+    if saved_backend(checkpoint_config):
+        decision.update(backend=saved_backend(checkpoint_config), how="the resumed checkpoint's")
+    elif recorded.get("backend"):
+        decision.update(backend=recorded["backend"], how=f"recorded in {RECORD_FILE}",
+                        timings_ms=recorded.get("timings_ms"), key=recorded.get("key"))
+    elif not cuda:
+        decision.update(backend="sdpa", how="no GPU")
+    elif (cfg.parallel.cp or 1) > 1:  # only the ring's block implementations split a sequence over ranks
+        decision.update(backend="sdpa", how="context parallelism (the ring's)")
+    else:
+        options = candidates(cfg.model)
+        if len(options) == 1:
+            decision.update(backend=options[0], how="the only candidate")
+        else:
+            device_name = device_name or torch.cuda.get_device_name()
+            key = problem_key(cfg, device_name, dtype, epilogue)
+            cache = _read_json(cache_path())
+            if key in cache:
+                decision.update(backend=cache[key]["backend"], how="cached timing", timings_ms=cache[key]["timings_ms"],
+                                key=key)
+            else:
+                measure = measure or (lambda backend: time_core_attention(cfg, backend, dtype, epilogue))
+                chosen = choose(options, measure)
+                decision.update(backend=chosen["backend"], how="timed", timings_ms=chosen["timings_ms"], key=key)
+                if chosen["errors"]:
+                    decision["errors"] = chosen["errors"]
+                cache[key] = {"backend": chosen["backend"], "timings_ms": chosen["timings_ms"]}
+                os.makedirs(os.path.dirname(cache_path()), exist_ok=True)
+                atomic_write_json(cache_path(), cache)
+    os.makedirs(run_dir, exist_ok=True)
+    atomic_write_json(record_path, decision)
+    return decision
+
+
+def describe(decision: Dict[str, Any]) -> str:
+    timings = decision.get("timings_ms") or {}
+    shown = ", ".join(f"{b} {t:.3f} ms" if t is not None else f"{b} failed" for b, t in timings.items())
+    return f"{decision['backend']} ({decision['how']}{'; forward+backward of one layer: ' + shown if shown else ''})"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Timing on the GPU
+# ------------------------------------------------------------------------------------------------------------------
+def _rank_local_model(cfg: Any, backend: str) -> Any:
+    """The run's model config with this rank's heads and one process: the core attention this rank computes."""
+    local = copy.deepcopy(cfg)
+    m, tp = local.model, cfg.parallel.tp
+    m.head_dim = head_dim(cfg.model)
+    m.num_heads //= tp
+    m.num_kv_heads = num_kv_heads(cfg.model) // tp
+    m.hidden_size = 2 * m.num_heads * m.head_dim
+    m.attention_backend = backend
+    local.parallel.tp, local.parallel.pp, local.parallel.sequence_parallel = 1, 1, False
+    return local
+
+
+def core_attention_problem(cfg: Any, backend: str, dtype: torch.dtype, epilogue: str, device: str = "cuda"):
+    """One layer's core attention of the run's kind with ``backend`` and this rank's heads, and inputs at the run's
+    micro-batch and sequence: (module, (q, k, v) requiring gradients, attention_bias or None)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from diff_transformer.models.attention import DiffV2CoreAttention, DifferentialCoreAttention, VanillaCoreAttention
+    from diff_transformer.models.gpt import transformer_config
+    from diff_transformer.models.layer_specs import attention_heads
+
+    local = _rank_local_model(cfg, backend)
+    config = transformer_config(local, dtype)
+    kind = cfg.model.attention
+    if kind == "diff":
+        module = DifferentialCoreAttention(config, 1, AttnMaskType.causal, backend=backend, epilogue=epilogue)
+    elif kind == "diff_v2":
+        module = DiffV2CoreAttention(config, 1, AttnMaskType.causal, backend=backend, epilogue=epilogue)
+    else:  # every other kind's attention call is the baseline's (the controls have one candidate and are not timed)
+        module = VanillaCoreAttention(config, 1, AttnMaskType.causal, backend=backend)
+    module = module.to(device)
+    query_heads, kv_heads, size = attention_heads(local.model)
+    s, b = local.model.seq_length, local.trainer.micro_batch_size
+    make = lambda heads: torch.randn(s, b, heads, size, device=device, dtype=dtype, requires_grad=True)  # noqa: E731
+    bias = torch.randn(s, b, query_heads // 2, device=device, dtype=dtype) if kind == "diff_v2" else None
+    return module, (make(query_heads), make(kv_heads), make(kv_heads)), bias
+
+
+def time_core_attention(cfg: Any, backend: str, dtype: torch.dtype, epilogue: str, iters: int = 5) -> float:
+    """Median milliseconds of one forward and backward of one layer's core attention (the run's kind, per-rank heads,
+    micro-batch and sequence, ``dtype``) with ``backend`` on the current GPU; the first two calls (compilation,
+    autotuning) are not timed."""
+    module, (q, k, v), bias = core_attention_problem(cfg, backend, dtype, epilogue)
+    times = []
+    for i in range(iters + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = module(q, k, v, None, attention_bias=bias)
+        out.backward(torch.ones_like(out))
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end))
+        q.grad = k.grad = v.grad = None
+    return statistics.median(times)

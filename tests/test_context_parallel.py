@@ -1,0 +1,387 @@
+"""Context parallelism (``parallel.cp``, ring attention: ``diff_transformer/models/ring_attention.py``).
+
+- In process: the ring's math on a ring of threads (fp64, against full causal attention: outputs and every gradient,
+  DIFF V1's two maps, V2's one over shared K/V, the baseline's), the load-balanced layout, refusals, the memory plan.
+- One torchrun launch of four processes (``tests/context_parallel_worker.py``): the ring around a real gloo group of
+  four, the debug model at CP=4 against CP=1 (every token's loss and every gradient, fp32, every kind with a ring
+  path), ten trainer steps at CP=2
+  against CP=1 for diff, diff_v2 and vanilla, DIFF at CP=2 x TP=2 and CP=2 x PP=2, and a CP=1 run resumed at CP=2.
+- train.py: the long-context preset at CP=2 from the CP=1 run's weights, resumed at CP=1; refused in one line.
+- evaluate past the training length: in process, and under torchrun with the sequence split over two ranks.
+"""
+
+import json
+import queue
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from diff_transformer.config import validate
+from diff_transformer.models.ring_attention import (
+    IMPLEMENTATIONS,
+    context_parallel_chunks,
+    load_balanced_indices,
+    ring_attention,
+)
+from diff_transformer.training.checkpoint import checkpoint_name
+from tests.ring_reference import KINDS, SCALE, full_attention, ring_inputs
+from tests.test_config import compose_cfg
+from tests.train_runs import REPO, read_metrics, run_train, train_env
+
+STEPS = 10
+COMMON = ["experiment=smoke", f"trainer.max_steps={STEPS}", "trainer.eval_interval=5", "optim.warmup_steps=2"]
+FP64_TOLERANCE = 1e-12  # measured: ~2e-15
+LOSS_TOLERANCE = 1e-5  # measured: <= 1e-6 over ten fp32 steps
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The ring's math, in process: a ring of threads
+# ------------------------------------------------------------------------------------------------------------------
+class ThreadRing:
+    """Rank ``rank`` of a ring of threads in one process (on one device): each exchange hands copies to the next
+    rank's mailbox."""
+
+    def __init__(self, mailboxes, rank):
+        self.mailboxes, self.rank, self.size = mailboxes, rank, len(mailboxes)
+
+    def exchange(self, tensors):
+        self.mailboxes[(self.rank + 1) % self.size].put([t.clone() for t in tensors])
+        mailbox = self.mailboxes[self.rank]
+
+        class Pending:
+            def wait(self):
+                return mailbox.get(timeout=60)
+
+        return Pending()
+
+
+def run_thread_ring(kind, impl, ranks, dtype=torch.float64, device="cpu", chunk=4):
+    """Each rank's (outputs, dq, dk, dv) on its chunks, and the full-attention reference (computed in fp64 on the
+    CPU from the same inputs)."""
+    q, k, v, grads_out, maps = ring_inputs(kind, ranks, dtype, chunk=chunk)
+    reference = full_attention(*(t.double() for t in (q, k, v)), [g.double() for g in grads_out], maps)
+    q, k, v = (t.to(device) for t in (q, k, v))
+    grads_out = [g.to(device) for g in grads_out]
+    mailboxes = [queue.Queue() for _ in range(ranks)]
+    results, failures = [None] * ranks, []
+
+    def rank_main(rank):
+        try:
+            local = [context_parallel_chunks(t, ranks, rank, dim=2).clone().requires_grad_() for t in (q, k, v)]
+            outs = ring_attention([local[0][:, qs] for qs, _ in maps], local[1], local[2], [kh for _, kh in maps],
+                                  SCALE, ThreadRing(mailboxes, rank), impl)
+            torch.autograd.backward(outs, [context_parallel_chunks(g, ranks, rank, dim=2) for g in grads_out])
+            results[rank] = ([o.detach() for o in outs], local[0].grad, local[1].grad, local[2].grad)
+        except Exception as err:  # noqa: BLE001  (reported by the test thread)
+            failures.append(err)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    return [[x.cpu() if torch.is_tensor(x) else [o.cpu() for o in x] for x in r] for r in results], reference
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_ring_attention_equals_full_causal_attention_fp64(kind, impl, ranks):
+    results, reference = run_thread_ring(kind, impl, ranks)
+    seq = reference["dq"].shape[2]
+    for rank, (outs, dq, dk, dv) in enumerate(results):
+        index = load_balanced_indices(seq, ranks, rank)
+        for m, out in enumerate(outs):
+            torch.testing.assert_close(out, reference[f"out{m}"][:, :, index], rtol=0, atol=FP64_TOLERANCE)
+        for name, grad in (("dq", dq), ("dk", dk), ("dv", dv)):
+            torch.testing.assert_close(grad, reference[name][:, :, index], rtol=0, atol=FP64_TOLERANCE,
+                                       msg=f"{name} of rank {rank}")
+
+
+def assert_close_to_reference(results, reference, ranks, tolerance):
+    """Relative RMS error of every rank's outputs and gradients against the fp64 reference."""
+    seq = reference["dq"].shape[2]
+    for rank, (outs, dq, dk, dv) in enumerate(results):
+        index = load_balanced_indices(seq, ranks, rank)
+        got = {f"out{m}": o for m, o in enumerate(outs)}
+        got.update(dq=dq, dk=dk, dv=dv)
+        for name, tensor in got.items():
+            want = reference[name][:, :, index]
+            error = float((tensor.double() - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
+            assert error < tolerance, (name, rank, error)
+
+
+def test_ring_in_fp32_within_its_rounding():
+    results, reference = run_thread_ring("diff", "sdpa", 2, torch.float32)
+    assert_close_to_reference(results, reference, 2, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_ring_on_cuda_sdpa_kernels(kind, dtype):
+    """The CUDA block primitive inside the ring (two threads sharing the GPU): flash for bf16 with equal head sizes,
+    the memory-efficient kernel otherwise (fp32, DIFF V1's 2d-wide V), against the fp64 reference; chunks of 100
+    positions, so that the efficient kernel's LSE is padded (to multiples of 32 rows)."""
+    results, reference = run_thread_ring(kind, "sdpa", 2, dtype, device="cuda", chunk=100)  # not a multiple of 32
+    assert_close_to_reference(results, reference, 2, 2e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_load_balanced_chunks_cover_the_sequence_evenly(cp):
+    seq, c = 32, 32 // (2 * cp)
+    layouts = [load_balanced_indices(seq, cp, r).tolist() for r in range(cp)]
+    assert sorted(i for layout in layouts for i in layout) == list(range(seq))
+    for r, layout in enumerate(layouts):  # chunk r and chunk 2·cp−1−r: every rank's causal work is the same
+        assert layout == list(range(r * c, (r + 1) * c)) + list(range((2 * cp - 1 - r) * c, (2 * cp - r) * c))
+    tokens = torch.arange(2 * seq).view(2, seq)
+    assert context_parallel_chunks(tokens, cp, cp - 1, dim=1).tolist() == [layouts[-1], [seq + i for i in layouts[-1]]]
+
+
+def test_ring_exchange_refuses_a_tensor_the_group_cannot_carry(monkeypatch):
+    from diff_transformer import distributed
+
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(RuntimeError, match="ring_exchange: a cpu tensor cannot be sent around a nccl group"):
+        distributed.ring_exchange([torch.zeros(2)], group="a group")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Refusals (one line each, before any process group) and the memory plan
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "overrides,world,message",
+    [
+        (["parallel.cp=2", "model.seq_length=66"], 2, r"model.seq_length=66 is not divisible by 2\*parallel.cp=4"),
+        (["parallel.cp=2", "model.attention=topk"], 2,
+         r"model.attention=topk has no ring-attention path for context parallelism \(parallel.cp=2\); use one of diff, "
+         r"vanilla, diff_v2, vanilla_subln, vanilla_wide"),
+        (["parallel.cp=2", "model.attention=signed_mask"], 2, r"model.attention=signed_mask has no ring-attention path"),
+        (["parallel.cp=2", "model.attention=dex"], 2, r"model.attention=dex has no ring-attention path .*calibration"),
+        (["parallel.cp=2", "model.attention_backend=triton"], 2,
+         r"model.attention_backend=triton has no ring-attention path .* use model.attention_backend=sdpa"),
+        (["parallel.cp=2", "model.attention=vanilla", "model.attention_backend=flash_attn"], 2,
+         r"model.attention_backend=flash_attn has no ring-attention path"),
+        (["parallel.cp=2", "engine=deepspeed", "engine.zero_stage=1"], 2,
+         r"engine=deepspeed does not run context parallelism \(parallel.cp=2\); use engine=megatron"),
+        (["parallel.cp=2"], 3, r"world size 3 is not divisible by parallel.tp\*parallel.pp\*parallel.cp=2"),
+        (["parallel.cp=2", "trainer.attention_diagnostics=on"], 2, r"trainer.attention_diagnostics=on reads whole"),
+        (["parallel.cp=2", "parallel.tp=4", "model.num_heads=4", "parallel.sequence_parallel=true",
+          "model.seq_length=12"], 8, r"splits each context-parallel rank's 6 tokens .* over parallel.tp=4"),
+        (["parallel.cp=0"], 1, r"parallel.cp=0 must be positive"),
+    ],
+    ids=["seq", "topk", "signed-mask", "dex", "triton", "flash-attn", "deepspeed", "world", "diagnostics", "sp", "zero"],
+)
+def test_bad_context_parallel_configs_are_refused(overrides, world, message):
+    with pytest.raises(ValueError, match=message):
+        validate(compose_cfg("experiment=smoke", *overrides), world_size=world)
+
+
+def test_train_py_refuses_triton_at_cp2_in_one_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "experiment=smoke", "parallel.cp=2", "model.attention_backend=triton",
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=REPO, env=dict(train_env(), WORLD_SIZE="2"), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "model.attention_backend=triton has no ring-attention path" in errors[0], proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+LONG_3B = ["experiment=long_context", "model=3b", "checkpoint.load_weights_only=/", "trainer.gpu_memory_gib=80"]
+
+
+def test_memory_plan_divides_activations_and_proposes_context_parallelism():
+    from diff_transformer.training.accounting import (
+        activation_bytes_per_layer,
+        choose_context_parallel,
+        estimate_memory_per_gpu,
+        memory_plan_problem,
+    )
+
+    cfg = compose_cfg(*LONG_3B, "parallel.cp=1")
+    cfg2 = compose_cfg(*LONG_3B, "parallel.cp=2")
+    one, two = (activation_bytes_per_layer(c, 2, "cuda") for c in (cfg, cfg2))
+    for kind in ("selective", "input", "working"):  # every tensor of a layer but the core attention's: per token
+        assert two[kind] == pytest.approx(one[kind] / 2), kind
+    assert two["full"] < 0.6 * one["full"]  # the ring keeps per-map outputs and LSEs instead of the kernel's
+    assert one["ring"] == 0 and two["ring"] > 0  # K/V in flight and dK/dV accumulating: one layer at a time
+    estimates = {cp: estimate_memory_per_gpu(compose_cfg(*LONG_3B, f"parallel.cp={cp}"), torch.bfloat16, 8, 100352,
+                                             "cuda") for cp in (1, 2, 4, 8)}
+    assert [estimates[cp]["logits"] for cp in (2, 4, 8)] == pytest.approx([estimates[1]["logits"] / cp for cp in (2, 4, 8)])
+    assert estimates[2]["optimizer"] == estimates[1]["optimizer"]  # sharded over DP×CP, whose product stays 8
+    problem = memory_plan_problem(cfg, torch.bfloat16, 8, 100352, 64, "cuda")
+    assert f"parallel.cp=2 ({estimates[2]['total']:.1f} GiB)" in problem
+    for budget in (80, 64, 48, 40):  # parallel.cp=null: the smallest CP whose estimate fits 90% of the budget
+        chosen = choose_context_parallel(compose_cfg(*LONG_3B, f"trainer.gpu_memory_gib={budget}"), torch.bfloat16,
+                                         8, 100352, "cuda")
+        assert estimates[chosen]["total"] <= 0.9 * budget
+        assert chosen == 1 or estimates[chosen // 2]["total"] > 0.9 * budget
+
+
+def test_long_context_preset_is_the_papers_recipe():
+    cfg = compose_cfg(*LONG_3B)
+    assert (cfg.model.seq_length, cfg.model.rope_base, cfg.parallel.cp) == (65536, 640000, None)
+    assert cfg.trainer.max_steps * cfg.trainer.global_batch_size * cfg.model.seq_length == pytest.approx(1.5e9, rel=0.01)
+    validate(cfg, world_size=8)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Over a real gloo ring: one torchrun launch of two processes
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    from diff_transformer.distributed import free_port
+
+    root = tmp_path_factory.mktemp("cp_worker")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", str(REPO / "tests" / "context_parallel_worker.py"),
+               str(root / "results.json"), str(root)]
+    proc = subprocess.run(command, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return json.loads((root / "results.json").read_text()), root
+
+
+@pytest.mark.multiproc
+def test_ring_over_gloo_equals_full_attention_fp64(worker):
+    results, _ = worker
+    for rank, result in enumerate(results):
+        for case, errors in result["ring"].items():
+            assert max(errors.values()) < FP64_TOLERANCE, (rank, case, errors)
+        assert len(result["ring"]) == len(KINDS) * len(IMPLEMENTATIONS)
+
+
+@pytest.mark.multiproc
+def test_model_at_cp4_equals_cp1_losses_and_every_gradient(worker):
+    results, _ = worker
+    for rank, result in enumerate(results):
+        for kind, errors in result["model"].items():
+            assert errors["loss"] < 1e-5, (rank, kind, errors)  # measured: <= 1e-6 on losses of ~8.3
+            assert errors["grad"] < 2e-5, (rank, kind, errors)  # relative, of the worst of every parameter's gradient
+        assert set(result["model"]) == {"diff", "diff_v2", "vanilla", "vanilla_wide", "vanilla_subln"}
+
+
+def assert_same_steps(got, want):
+    want = {r["step"]: r for r in want}
+    for r in got:
+        w = want[r["step"]]
+        assert r["loss"] == pytest.approx(w["loss"], abs=LOSS_TOLERANCE, rel=0), r["step"]
+        assert r["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), r["step"]
+        if w.get("val_loss") is not None:
+            assert r["val_loss"] == pytest.approx(w["val_loss"], abs=LOSS_TOLERANCE, rel=0), r["step"]
+        if w.get("lambda") is not None:
+            assert r["lambda"] == pytest.approx(w["lambda"], abs=LOSS_TOLERANCE), r["step"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("run", ["diff-cp2", "diff_v2-cp2", "vanilla-cp2", "diff-cp2-tp2", "diff-cp2-pp2",
+                                 "diff-cp2-resumed"])
+def test_trainer_steps_at_cp2_equal_cp1(worker, run):
+    """Ten steps at CP=2 (alone, with TP=2 and sequence parallelism and the distributed optimizer, with PP=2 and
+    selective recomputation) equal ten at CP=1; a CP=1 checkpoint of step 5 resumed at CP=2 continues the same."""
+    training = worker[0][0]["training"]
+    kind = run.split("-")[0]
+    got, want = training[run], training[f"{kind}-cp1"]
+    steps = list(range(6 if run.endswith("resumed") else 1, STEPS + 1))
+    assert [r["step"] for r in got] == steps and len(want) == STEPS
+    assert_same_steps(got, want)
+    assert len({round(r["loss"], 4) for r in want}) > 1
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# train.py: CP with TP and PP, resume across CP sizes, the long-context preset, evaluate past the training length
+# ------------------------------------------------------------------------------------------------------------------
+def ckpt(run_dir, step):
+    return str(Path(run_dir) / "checkpoints" / checkpoint_name(step))
+
+
+@pytest.fixture(scope="module")
+def preset_runs(worker):
+    """The long-context preset at CP=2 from the CP=1 DIFF run's weights (saving at step 2), then resumed at CP=1."""
+    _, root = worker
+    preset = ["experiment=long_context", "model=debug", "model.seq_length=128", "trainer.max_steps=4",
+              "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "trainer.eval_interval=4",
+              "trainer.eval_iters=1", "optim.warmup_steps=1", "checkpoint.interval=2", "logging.wandb.mode=disabled",
+              f"checkpoint.load_weights_only={root / 'diff-cp1'}"]
+    run_train(root / "long", preset + ["parallel.cp=2"], nproc=2)
+    run_train(root / "long_cp1", preset + ["parallel.cp=1", f"checkpoint.resume={ckpt(root / 'long', 2)}"])
+    return root
+
+
+@pytest.mark.multiproc
+def test_long_context_preset_at_cp2_resumes_at_cp1(preset_runs):
+    config = (preset_runs / "long" / "config.yaml").read_text()
+    assert "rope_base: 640000" in config and "seq_length: 128" in config and "cp: 2" in config
+    full = read_metrics(preset_runs / "long")
+    resumed = read_metrics(preset_runs / "long_cp1")
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert_same_steps(resumed, full)
+    assert [r["tokens"] for r in resumed] == [r["tokens"] for r in full[2:]]  # the data position lines up
+    assert "RNG states restart" not in (preset_runs / "long_cp1" / "train.log").read_text()  # loaded, not reseeded
+
+
+EVALUATE_ARGS = ["--tasks", "niah,ppl", "--seq-length", "256", "--max-tokens", "3000", "--samples", "2", "--needles",
+                 "2", "--asked", "1", "--depths", "0,0.5,1", "--batch-size", "4"]
+
+
+@pytest.mark.multiproc
+def test_evaluate_past_the_training_length_with_and_without_cp(preset_runs, tmp_path, megatron_single_process):
+    """The preset's model trained at 128 tokens, evaluated at 256: in this process, then by evaluate under torchrun
+    with each sequence split over two ranks; the same seed draws the same needles and gives the same answers."""
+    from diff_transformer import evaluate
+    from diff_transformer.distributed import free_port
+    from diff_transformer.evaluation.inference import load_for_inference, resolve_run
+
+    args = evaluate.parse_args([str(preset_runs / "long"), *EVALUATE_ARGS])
+    run = resolve_run(args.runs[0])
+    model = load_for_inference(run, seq_length=args.seq_length)
+    whole = evaluate.evaluate_one(model, run, args, ["ppl", "niah"], evaluate.niah_config(args, run))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", "-m", "diff_transformer.evaluate", str(preset_runs / "long"),
+               *EVALUATE_ARGS, "--cp", "2", "--out", str(tmp_path)]
+    proc = subprocess.run(command, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    split = json.loads((tmp_path / "eval.json").read_text())
+    assert whole["run"]["seq_length"] == 128 and whole["run"]["evaluated_length"] == 256
+    assert split["run"]["context_parallel"] == 2 and split["run"]["rope_base"] == 640000
+    assert max(split["niah"]["config"]["lengths"]) == 256
+    position = whole["ppl"]["validation"]["position_nll"]
+    assert len(position) == 256 and position[200] is not None  # losses at positions the model never trained on
+    assert split["ppl"]["validation"]["nll"] == pytest.approx(whole["ppl"]["validation"]["nll"], abs=1e-6)
+    assert split["ppl"]["validation"]["position_nll"] == pytest.approx(position, abs=1e-5)
+    assert split["niah"]["example"] == whole["niah"]["example"]
+    assert split["niah"]["accuracy_by_length_depth"] == whole["niah"]["accuracy_by_length_depth"]
+    assert whole["niah"]["attention_allocation"] and split["niah"]["attention_allocation"] == {}
+
+
+@pytest.mark.multiproc
+def test_a_cp2_checkpoint_rebuilds_on_one_process_without_cp(preset_runs, megatron_single_process):
+    """checkpoint convert, inspect and the export rebuild a checkpoint at TP=PP=CP=1: a CP=2 run's too."""
+    from diff_transformer.training.checkpoint_tools import load_single_rank_model
+
+    chunk, cfg, state = load_single_rank_model(ckpt(preset_runs / "long", 4))
+    assert state["layout"]["cp"] == 2 and cfg.parallel.cp == 1 and chunk.config.context_parallel_size == 1
+
+
+def test_inspect_reports_the_share_of_tokens_in_documents_a_sequence_long():
+    """What long-context training learns long-range dependencies from: documents at least a sequence long."""
+    import numpy as np
+
+    from data import indexed
+    from data.config import DataConfig
+    from data.datasets import prepare
+    from data.inspect import summarise_blend
+
+    prefix = prepare(DataConfig()).prefixes[0]
+    index = indexed.verify_shard(prefix)
+    lengths = np.add.reduceat(index.sequence_lengths.astype(np.int64), index.document_indices[:-1])
+    shares = [summarise_blend([prefix], None, "969,30,1", seq_length=n)[0].long_share
+              for n in (1, int(np.median(lengths)), int(lengths.max()) + 1)]
+    assert shares[0] == 1.0 and 0.5 <= shares[1] < 1.0 and shares[2] == 0.0  # the longer half holds >= half the tokens
+    assert summarise_blend([prefix], None, "969,30,1")[0].long_share is None

@@ -1,0 +1,261 @@
+"""The baseline at its best, piece by piece, against the unfused path (in process; the loss curves with every fusion
+on against off, at TP=1, TP=2 and PP=2, are in tests/test_parallel.py): fused RoPE, the fused cross-entropy's
+gradient dtype, the gradient norm that stays on the device, fused AdamW, the step profile's kinds of work, and
+model.attention_backend=auto's decision (timings injected: no GPU needed)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from diff_transformer import compat
+from diff_transformer.training import backend_choice
+from diff_transformer.training.profiling import categorize
+
+
+@pytest.fixture
+def no_dynamo():
+    """megatron-core's fused functions are torch.compile'd; run their Python (the formulas under test) eagerly, as the
+    CPU test runs of train.py do with TORCHDYNAMO_DISABLE=1 (inductor's code generation is tested on the GPU)."""
+    with torch._dynamo.config.patch(disable=True):
+        yield
+
+
+def compose_cfg(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    from diff_transformer.config import register_configs, to_object
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent.parent / "configs"), version_base="1.3"):
+        return to_object(compose("config", overrides=list(overrides)))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Fused pieces against megatron-core's unfused ones
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rotary_dims", [8, 4], ids=["all-dims", "half-dims-passed-through"])
+def test_fused_rope_equals_megatrons_unfused_rope(no_dynamo, rotary_dims):
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from diff_transformer.models.rope import fused_apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(12, 2, 3, 8, generator=g, dtype=torch.float64)
+    freqs = torch.randn(12, 1, 1, rotary_dims, generator=g, dtype=torch.float64)
+    grad = torch.randn(12, 2, 3, 8, generator=g, dtype=torch.float64)
+    outs = []
+    for fn in (fused_apply_rotary_pos_emb, _apply_rotary_pos_emb_bshd):
+        x = t.clone().requires_grad_(True)
+        y = fn(x, freqs)
+        y.backward(grad)
+        outs.append((y.detach(), x.grad))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.allclose(outs[0][1], outs[1][1], rtol=0, atol=1e-15)
+
+
+def test_fused_cross_entropy_gradient_keeps_fp32(no_dynamo, megatron_single_process):
+    """megatron-core's native fused cross-entropy rounds the logits' gradient to bf16 (fusions/fused_cross_entropy.py:82);
+    with compat's fix an fp32 model gets the fp32 gradient of the unfused cross-entropy."""
+    from megatron.core import parallel_state
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    compat.keep_fused_cross_entropy_grad_dtype()
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(16, 2, 96, generator=g) * 3
+    target = torch.randint(0, 96, (16, 2), generator=g)
+    grads = []
+    for fn in (lambda x: fused_vocab_parallel_cross_entropy(x, target, parallel_state.get_tensor_model_parallel_group()),
+               lambda x: vocab_parallel_cross_entropy(x, target)):
+        x = logits.clone().requires_grad_(True)
+        loss = fn(x)
+        loss.backward(torch.linspace(0.5, 1.5, 32).view(16, 2))
+        grads.append((loss.detach(), x.grad))
+    (fused_loss, fused_grad), (loss, grad) = grads
+    assert fused_grad.dtype == torch.float32
+    assert torch.allclose(fused_loss, loss, rtol=1e-6, atol=0)
+    assert ((fused_grad - grad).norm() / grad.norm()).item() < 1e-6  # bf16 rounding would be ~1e-3
+
+
+def test_gradient_norm_never_reads_the_device():
+    """The patched norm works on meta tensors, which have no values to read: it makes no host sync (megatron-core's
+    local_multi_tensor_l2_norm, which reads every tensor's norm, cannot); on real tensors it equals it."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    compat.apply_grad_norm_patches()
+    assert clip_grads.l2_norm_impl is compat._multi_tensor_l2_norm
+    flag = torch.zeros(1, dtype=torch.int)
+    meta = [torch.empty(5, 3, device="meta"), torch.empty(7, device="meta")]
+    norm, _ = clip_grads.l2_norm_impl(2048, flag.to("meta"), [meta], False)
+    assert norm.device.type == "meta" and norm.shape == (1,)
+    with pytest.raises(Exception):
+        local_multi_tensor_l2_norm(2048, flag, [meta], False)
+    grads = [torch.randn(5, 3), torch.randn(7), torch.randn(2, 2, 2)]
+    ours, theirs = clip_grads.l2_norm_impl(2048, flag, [grads], False)[0], local_multi_tensor_l2_norm(2048, flag, [grads], False)[0]
+    assert torch.allclose(ours, theirs, rtol=1e-6, atol=0)
+    scaled = [g.clone() for g in grads]
+    clip_grads.multi_tensor_scale_impl(2048, flag, [scaled, scaled], 0.5)
+    assert all(torch.equal(s, g * 0.5) for s, g in zip(scaled, grads))
+
+
+def test_fused_adamw_switch_takes_effect_and_matches_foreach():
+    """compat.fuse_torch_adamw turns megatron-core's torch AdamW groups fused (on a GPU; here on the CPU, where torch
+    has a fused AdamW too): the flag is read at each step, and the updates match the foreach implementation."""
+    def train(fuse):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(4))]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        if fuse:
+            assert compat.fuse_torch_adamw(optimizer, device_type="cpu") == 1
+            assert optimizer.param_groups[0]["fused"] and not optimizer.param_groups[0]["foreach"]
+        for step in range(4):
+            for p in params:
+                p.grad = torch.sin(p.detach() * (step + 1))
+            with torch.profiler.profile() as profile:
+                optimizer.step()
+            ran_fused = any("_fused_adamw" in e.name for e in profile.events())
+            assert ran_fused == fuse, [e.name for e in profile.events()]
+        return [p.detach() for p in params]
+
+    for fused, foreach in zip(train(True), train(False)):
+        assert torch.allclose(fused, foreach, rtol=1e-6, atol=1e-7)
+
+
+def test_fusions_switch_megatrons_fused_paths_on():
+    from diff_transformer.models.gpt import epilogue_impl, fusions_enabled, transformer_config
+
+    on, off = compose_cfg("model=debug", "trainer.fusions=on"), compose_cfg("model=debug", "trainer.fusions=off")
+    config = transformer_config(on)
+    assert config.bias_activation_fusion and config.apply_rope_fusion and config.cross_entropy_loss_fusion
+    assert config.cross_entropy_fusion_impl == "native"
+    assert epilogue_impl(on) == "triton" and epilogue_impl(off) == "unfused"
+    assert not transformer_config(off).apply_rope_fusion
+    auto = compose_cfg("model=debug")
+    assert fusions_enabled(auto, "cuda") and not fusions_enabled(auto, "cpu")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The step profile's kinds of work
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, context, kind", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", ["aten::mm"], "GEMM"),
+    ("aten::addmm", [], "GEMM"),
+    ("flash_fwd_kernel", ["aten::_flash_attention_forward"], "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", [], "attention"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", [], "attention"),
+    ("_diff_epilogue_fwd_kernel", [], "DIFF epilogue"),
+    ("aten::mul", ["aten::cat", "diff_epilogue"], "DIFF epilogue"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", [], "communication"),
+    ("void at::native::(anonymous)::multi_tensor_apply_kernel", [], "optimizer"),
+    ("aten::_foreach_norm", ["Optimizer.step#AdamW.step"], "optimizer"),
+    ("aten::mul", ["Optimizer.step#AdamW.step"], "optimizer"),
+    ("aten::_fused_rms_norm", [], "norms"),
+    ("triton_poi_fused_mul_silu_0", ["SwiGLUFunction"], "other elementwise"),
+])
+def test_profile_kinds(name, context, kind):
+    assert categorize(name, context) == kind
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# model.attention_backend=auto
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFF_TRANSFORMER_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def fake_timer(times, calls):
+    def measure(backend):
+        calls.append(backend)
+        if isinstance(times[backend], Exception):
+            raise times[backend]
+        return times[backend]
+    return measure
+
+
+def test_candidates_per_kind():
+    assert backend_choice.candidates(compose_cfg("model.attention=diff").model)[0] == "sdpa"
+    assert "triton" in backend_choice.candidates(compose_cfg("model.attention=diff_v2").model)
+    assert "eager" not in backend_choice.candidates(compose_cfg("model.attention=diff").model)
+    assert backend_choice.candidates(compose_cfg("model.attention=topk").model) == ["sdpa"]
+
+
+def test_choose_takes_the_fastest_and_skips_failures():
+    calls = []
+    chosen = backend_choice.choose(["sdpa", "triton", "flash_attn"], fake_timer(
+        {"sdpa": 2.0, "triton": 1.5, "flash_attn": RuntimeError("no kernel for sm_90")}, calls))
+    assert chosen["backend"] == "triton" and chosen["timings_ms"]["flash_attn"] is None
+    assert "no kernel for sm_90" in chosen["errors"]["flash_attn"]
+    assert backend_choice.choose(["sdpa", "triton"], lambda b: 1.0)["backend"] == "sdpa"  # a tie keeps sdpa
+    with pytest.raises(RuntimeError, match="no candidate ran"):
+        backend_choice.choose(["sdpa"], fake_timer({"sdpa": ValueError("boom")}, []))
+
+
+def test_auto_is_sdpa_without_a_gpu_and_recorded(tmp_path, cache_dir):
+    cfg = compose_cfg("model=debug")
+    decision = backend_choice.decide_attention_backend(cfg, str(tmp_path), torch.float32, "unfused", cuda=False)
+    assert decision["backend"] == "sdpa" and decision["how"] == "no GPU"
+    assert json.loads((tmp_path / backend_choice.RECORD_FILE).read_text())["backend"] == "sdpa"
+    assert not cache_dir.exists()
+
+
+def test_auto_times_once_per_gpu_and_shape_and_a_resume_keeps_its_choice(tmp_path, cache_dir):
+    cfg = compose_cfg("model=debug")
+    calls = []
+    timer = fake_timer({"sdpa": 3.0, "triton": 2.0}, calls)
+    first = backend_choice.decide_attention_backend(cfg, str(tmp_path / "a"), torch.bfloat16, "triton", cuda=True,
+                                                    device_name="NVIDIA H100 80GB HBM3", measure=timer)
+    assert first["backend"] == "triton" and first["how"] == "timed" and calls == ["sdpa", "triton"]
+    assert first["timings_ms"] == {"sdpa": 3.0, "triton": 2.0}
+    assert "sdpa 3.000 ms, triton 2.000 ms" in backend_choice.describe(first)
+    # another run of the same shape on the same GPU reads the cache: no timing
+    again = backend_choice.decide_attention_backend(cfg, str(tmp_path / "b"), torch.bfloat16, "triton", cuda=True,
+                                                    device_name="NVIDIA H100 80GB HBM3", measure=timer)
+    assert again["backend"] == "triton" and again["how"] == "cached timing" and calls == ["sdpa", "triton"]
+    # another GPU, another shape or another epilogue is timed afresh
+    for device, extra, epilogue in (("NVIDIA H200", [], "triton"), ("NVIDIA H100 80GB HBM3", ["trainer.micro_batch_size=2"], "triton"),
+                                    ("NVIDIA H100 80GB HBM3", [], "compile")):
+        calls.clear()
+        other = compose_cfg("model=debug", *extra)
+        backend_choice.decide_attention_backend(other, str(tmp_path / "c"), torch.bfloat16, epilogue, cuda=True,
+                                                device_name=device, measure=timer)
+        assert calls == ["sdpa", "triton"], (device, extra, epilogue)
+        (tmp_path / "c" / backend_choice.RECORD_FILE).unlink()
+    # a resume in run directory a keeps its recorded choice even where timing would now pick another
+    calls.clear()
+    slower = fake_timer({"sdpa": 1.0, "triton": 2.0}, calls)
+    (cache_dir / backend_choice.CACHE_FILE).unlink()
+    resumed = backend_choice.decide_attention_backend(cfg, str(tmp_path / "a"), torch.bfloat16, "triton", cuda=True,
+                                                      device_name="NVIDIA H100 80GB HBM3", measure=slower)
+    assert resumed["backend"] == "triton" and resumed["how"].startswith("recorded in") and calls == []
+    # the checkpoint a run resumes from decides before anything else; one saved with auto does not
+    from_checkpoint = backend_choice.decide_attention_backend(
+        cfg, str(tmp_path / "a"), torch.bfloat16, "triton", {"model": {"attention_backend": "sdpa"}}, cuda=True,
+        device_name="NVIDIA H100 80GB HBM3", measure=slower)
+    assert from_checkpoint["backend"] == "sdpa" and from_checkpoint["how"] == "the resumed checkpoint's"
+    assert backend_choice.saved_backend({"model": {"attention_backend": "auto"}}) is None
+
+
+def test_auto_with_one_candidate_does_not_time(tmp_path, cache_dir):
+    calls = []
+    decision = backend_choice.decide_attention_backend(
+        compose_cfg("model=debug", "model.attention=topk"), str(tmp_path), torch.bfloat16, "triton", cuda=True,
+        device_name="NVIDIA H100", measure=fake_timer({}, calls))
+    assert decision["backend"] == "sdpa" and decision["how"] == "the only candidate" and calls == []
+
+
+def test_fusion_keys_are_validated():
+    from diff_transformer.config import validate
+
+    for overrides, message in (
+        (["trainer.fusions=maybe"], r"trainer.fusions='maybe' is unknown; use one of auto, on, off"),
+        (["trainer.diff_epilogue=unfused"], r"trainer.diff_epilogue='unfused' is unknown; use one of triton, compile"),
+        (["trainer.profile_step=99"], r"trainer.profile_step=99 must be a step of the run, 1..30"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            validate(compose_cfg("experiment=smoke", *overrides), 1)
+    validate(compose_cfg("experiment=smoke", "model.attention=topk"), 1)  # auto suits every kind
