@@ -31,6 +31,7 @@ no-op. Then `data.blend=[PREFIX-*-of-N]` trains on the N shards as one.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import importlib
