@@ -53,7 +53,9 @@ ALLOWED = {
     # export refuses a path that is no checkpoint before it imports torch: the torch-free checkpoint layout
     "diff_transformer.export": ("diff_transformer.hf", "diff_transformer.training.checkpoint_files", "diff_transformer.cli"),
     "diff_transformer.import_hf": ("diff_transformer.hf", "diff_transformer.cli"),
-    "diff_transformer.evaluate": ("diff_transformer.evaluation", "diff_transformer.distributed", "diff_transformer.cli"),
+    # evaluate reports each checkpoint's peak memory with the trainer's measurement (training.accounting)
+    "diff_transformer.evaluate": ("diff_transformer.evaluation", "diff_transformer.distributed",
+                                  "diff_transformer.training.accounting", "diff_transformer.cli"),
     "diff_transformer.analyze": ("diff_transformer.evaluation", "diff_transformer.distributed",
                                  "diff_transformer.evaluate", "diff_transformer.cli"),
     # the job's config, the memory plan train.py runs (refused at submission), data.preprocess's command line and
