@@ -104,6 +104,7 @@ class Trainer:
         self.requeued = False  # ... and under SLURM the job requeued itself
         self._old_run = None  # a run this fresh start moves aside (overwrite_run=true)
         self._damaged_checkpoints: List[Any] = []  # (path, why) skipped by checkpoint.resume=auto
+        self._backend_decision: Optional[Dict[str, Any]] = None  # model.attention_backend=auto's, to record
 
     # -- setup -------------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -184,17 +185,7 @@ class Trainer:
         before the model is built, and record the choice in config.yaml."""
         from diff_transformer.training.dex import resolve_dex_heads
 
-        root = checkpoints_dir(self.cfg, self.run_dir)
-        resume, error = None, None
-        if self.rank == 0:
-            try:
-                resume = self._resume_candidate(root)
-            except ValueError as err:
-                error = str(err)
-        resume, error = distributed.broadcast_object((resume, error), src=0)
-        if error:
-            raise ValueError(error)
-        how = resolve_dex_heads(self, resume)
+        how = resolve_dex_heads(self, self._agreed_resume_candidate())
         if self.rank == 0:  # recorded in config.yaml by _commit_start
             logger.info("DEX heads per layer (from %s): %s", how, self.cfg.model.dex.heads)
 
@@ -206,15 +197,32 @@ class Trainer:
 
         if self.cfg.model.attention_backend != "auto":
             return
+        resume = self._agreed_resume_candidate()
         decision = None
-        if self.rank == 0:
-            resume = self._resume_candidate(checkpoints_dir(self.cfg, self.run_dir))
+        if self.rank == 0:  # recorded in the run directory by _commit_start
             saved = read_trainer_state(resume)["config"] if resume else None
-            decision = decide_attention_backend(self.cfg, self.run_dir, self.dtype, epilogue_impl(self.cfg), saved)
+            decision = decide_attention_backend(
+                self.cfg, self.run_dir, self.dtype, epilogue_impl(self.cfg), saved, record=False
+            )
+            self._backend_decision = decision
         decision = distributed.broadcast_object(decision, src=0)
         self.cfg.model.attention_backend = decision["backend"]
         if self.rank == 0:
             logger.info("model.attention_backend=auto: %s", describe(decision))
+
+    def _agreed_resume_candidate(self) -> Optional[str]:
+        """:meth:`_resume_candidate` of the run's checkpoint directory, decided by rank 0 for every rank
+        (collective); a refusal (a damaged checkpoint named by checkpoint.resume) raises on every rank."""
+        resume, error = None, None
+        if self.rank == 0:
+            try:
+                resume = self._resume_candidate(checkpoints_dir(self.cfg, self.run_dir))
+            except ValueError as err:
+                error = str(err)
+        resume, error = distributed.broadcast_object((resume, error), src=0)
+        if error:
+            raise ValueError(error)
+        return resume
 
     def _build_model(self):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -447,6 +455,10 @@ class Trainer:
                 for old, new in moved:
                     logger.warning("overwrite_run=true: moved the old run %s aside to %s", old, new)
                 self._save_resolved_config()
+                if self._backend_decision is not None:
+                    from diff_transformer.training.backend_choice import write_record
+
+                    write_record(self.run_dir, self._backend_decision)
                 for path, _ in self._damaged_checkpoints:
                     logger.warning("moved the damaged checkpoint %s aside to %s (kept for inspection)", path,
                                    move_aside(path, DAMAGED_SUFFIX))
