@@ -4,6 +4,9 @@
     python train.py model=1.4b model.attention=vanilla hydra.run.dir=runs/1.4b-vanilla
     torchrun --nproc_per_node=8 train.py model=3b parallel.tp=2 parallel.pp=2
     torchrun --nproc_per_node=8 train.py model=3b engine=deepspeed engine.zero_stage=3 engine.offload_optimizer=cpu
+
+Exit status (diff_transformer.cli): 0 trained to the end; 75 stopped by a signal after saving (rerun to resume; 0
+when the job requeued itself under SLURM); 2 input refused before any expensive work; 1 failure.
 """
 
 import os
@@ -11,34 +14,71 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
-from diff_transformer.config import register_configs, resolve_launch_paths, to_object, validate
-from diff_transformer.distributed import destroy_distributed, set_torch_env_from_slurm, world_size_from_env
-from diff_transformer.training.engines import create_trainer
+from diff_transformer.cli import EXIT_FAILURE, EXIT_REFUSED, EXIT_STOPPED_RESUMABLE, USER_ERRORS, print_error
+from diff_transformer.config import (
+    config_error_message, register_configs, resolve_launch_paths, to_object, validate, validate_settings,
+)
+from diff_transformer.training.run_directory import check_start
 
 register_configs()
 
 
+def first_process() -> bool:
+    """Every process refuses alike; one of them says so."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
+def refuse(err: BaseException) -> None:
+    if first_process():
+        print_error(err)
+    sys.exit(EXIT_REFUSED)
+
+
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(dict_cfg: DictConfig) -> None:
+    try:
+        cfg = to_object(dict_cfg)  # unknown keys, also those added with +, fail here
+        resolve_launch_paths(cfg, os.getcwd())  # relative data/checkpoint paths: from where the user launched
+        run_dir = HydraConfig.get().runtime.output_dir
+        validate_settings(cfg)  # what needs neither torch nor the world size
+        check_start(cfg, run_dir)  # a fresh start where a run is: refused before torch is even imported
+    except ValueError as err:
+        refuse(err)
+    from diff_transformer.distributed import destroy_distributed, set_torch_env_from_slurm, world_size_from_env
+
     trainer = None
     try:
         set_torch_env_from_slurm()  # processes srun starts directly (one per GPU, e.g. Hydra's submitit launcher)
-        cfg = to_object(dict_cfg)
-        resolve_launch_paths(cfg, os.getcwd())  # relative data/checkpoint paths: from where the user launched
         validate(cfg, world_size_from_env())  # before any process group starts or data is touched
-        trainer = create_trainer(cfg, HydraConfig.get().runtime.output_dir)
+        from diff_transformer.training.engines import create_trainer
+
+        trainer = create_trainer(cfg, run_dir)
         trainer.setup()
-    except ValueError as err:  # bad configuration or data: one clear line
-        print(f"error: {err}", file=sys.stderr)
+    except USER_ERRORS as err:  # bad configuration, data or checkpoint: one clear line
         destroy_distributed()
-        sys.exit(2)
+        refuse(err)
+    from diff_transformer.training.checkpoint import CheckpointSaveFailed
+    from diff_transformer.training.failures import TrainingDiverged
+
     try:
         trainer.fit()
+    except (TrainingDiverged, CheckpointSaveFailed) as err:  # said in full by rank 0 (a checkpoint is on disk)
+        if trainer.rank == 0:
+            print_error(err)
+        sys.exit(EXIT_FAILURE)
     finally:
         destroy_distributed()
+    if trainer.stopped_by_signal:
+        sys.exit(0 if trainer.requeued else EXIT_STOPPED_RESUMABLE)
 
 
 if __name__ == "__main__":
-    main()
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra's composition errors reach us, to be told in one line
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as error:
+        refuse(ValueError(config_error_message(error)))

@@ -1,11 +1,17 @@
-"""Benchmark: checkpoint save and load of a ~110M-parameter DIFF model with its Adam state (torch_dist format).
+"""Benchmark: checkpoint save and load of a ~110M-parameter DIFF model with its Adam state (torch_dist format), with
+and without verification.
 
 It builds the model, optimizer and scheduler with the trainer's own code (one process, TP=PP=DP=1), takes one
-training step so the Adam moments exist, then times, each ``--repeats`` times (median reported):
-    save (sync)    CheckpointManager.save: staging, writing, fsync, rename, `latest` pointer
-    save (async)   the time the loop is blocked by an asynchronous save, and the time until it is on disk
-    load           CheckpointManager.load into the same model and optimizer (resume path)
-GB/s = checkpoint bytes on disk / seconds. Every loaded tensor is checked against the saved one before timing.
+training step so the Adam moments exist, then times, each ``--repeats`` times (median reported), once with crc32
+recorded for every file (``checkpoint.verify=true``, the default) and once with sizes only (``verify=false``):
+    save (sync)           CheckpointManager.save: staging, writing, the file records, fsync, manifest, rename, `latest`
+    save (async)          the time the loop is blocked by an asynchronous save, and the time until it is on disk (the
+                          crc32 of the tensor files is computed in the background writer)
+    verify                what a resume checks before loading: every file's size (and crc32) against the manifest
+    load                  CheckpointManager.load into the same model and optimizer (resume path)
+GB/s = checkpoint bytes on disk / seconds. Every loaded tensor is checked against the saved one before timing. The
+checkpoint was just written, so verification reads it from the page cache; from a cold disk it reads every byte once
+more at the disk's speed (the load then finds the files cached).
 
     .venv/bin/python benchmarks/checkpoint.py                  # prints a markdown table
     .venv/bin/python benchmarks/checkpoint.py --out benchmarks/results   # also writes checkpoint_<hw>_<date>.md
@@ -27,7 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from diff_transformer.training.checkpoint import CheckpointManager, directory_bytes  # noqa: E402
+from diff_transformer.training.checkpoint import CheckpointManager, directory_bytes, require_verified  # noqa: E402
 from diff_transformer.config import register_configs, to_object  # noqa: E402
 from diff_transformer.distributed import destroy_distributed, init_distributed  # noqa: E402
 from diff_transformer.training.trainer import Trainer  # noqa: E402
@@ -105,50 +111,76 @@ def main():
     try:
         one_step(trainer)
         manager = CheckpointManager(trainer, str(work / "checkpoints"))
-        results = {"save (sync)": [], "save (async), loop blocked": [], "save (async), on disk": [], "load": []}
+        rows = ("save (sync)", "save (async), loop blocked", "save (async), on disk", "verify", "load",
+                "verify + load")
+        wall = {(row, mode): [] for row in rows for mode in (True, False)}
+        cpu = {(row, mode): [] for row in rows for mode in (True, False)}  # this process, all its threads
+
+        def record(row, mode, start):
+            wall[row, mode].append(time.perf_counter() - start[0])
+            cpu[row, mode].append(time.process_time() - start[1])
+
+        def clock():
+            return time.perf_counter(), time.process_time()
+
         size = 0
         for repeat in range(args.repeats):
-            trainer.step = 100 + repeat
-            start = time.perf_counter()
-            path = manager.save(reason="benchmark")
-            results["save (sync)"].append(time.perf_counter() - start)
-            size = directory_bytes(path)
+            for checksums in (True, False):  # interleaved, so that a busy moment of the machine hits both
+                manager.config.verify = checksums
+                trainer.step = 100 + 2 * repeat + (not checksums)
+                start = clock()
+                path = manager.save(reason="benchmark")
+                record("save (sync)", checksums, start)
+                size = directory_bytes(path)
 
-            reference = snapshot(trainer)
-            with torch.no_grad():  # scramble, so that a load that wrote nothing would show
-                for p in trainer.model[0].parameters():
-                    p.add_(1.0)
-            start = time.perf_counter()
-            manager.load(path)
-            results["load"].append(time.perf_counter() - start)
-            loaded = snapshot(trainer)
-            for key, tensor in reference.items():
-                torch.testing.assert_close(loaded[key], tensor, rtol=0, atol=0, msg=key)
-            shutil.rmtree(path)
+                reference = snapshot(trainer)
+                with torch.no_grad():  # scramble, so that a load that wrote nothing would show
+                    for p in trainer.model[0].parameters():
+                        p.add_(1.0)
+                start = clock()
+                require_verified(path, checksums)
+                record("verify", checksums, start)
+                loading = clock()
+                manager.load(path)
+                record("load", checksums, loading)
+                record("verify + load", checksums, start)
+                loaded = snapshot(trainer)
+                for key, tensor in reference.items():
+                    torch.testing.assert_close(loaded[key], tensor, rtol=0, atol=0, msg=key)
+                shutil.rmtree(path)
 
-            manager.config.async_save = True
-            trainer.step = 200 + repeat
-            start = time.perf_counter()
-            path = manager.save(reason="benchmark")
-            results["save (async), loop blocked"].append(time.perf_counter() - start)
-            manager.wait()
-            results["save (async), on disk"].append(time.perf_counter() - start)
-            manager.config.async_save = False
-            shutil.rmtree(path)
+                manager.config.async_save = True
+                trainer.step = 200 + 2 * repeat + (not checksums)
+                start = clock()
+                path = manager.save(reason="benchmark")
+                record("save (async), loop blocked", checksums, start)
+                manager.wait()
+                record("save (async), on disk", checksums, start)
+                manager.config.async_save = False
+                require_verified(path, checksums)  # the background writer's records are right
+                shutil.rmtree(path)
 
         hw = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or 'cpu'}, {os.cpu_count()} cores)"
         lines = [
-            f"# Checkpoint save/load, {trainer.num_parameters / 1e6:.1f}M-parameter DIFF model + Adam state, {hw}",
+            f"# Checkpoint save/load with and without verification, {trainer.num_parameters / 1e6:.1f}M-parameter DIFF "
+            f"model + Adam state, {hw}",
             "",
             f"Checkpoint size {size / 1e9:.3f} GB (weights {str(trainer.dtype).replace('torch.', '')}, Adam moments "
-            f"fp32), torch_dist format, one process; median of {args.repeats}; GB/s = size / time.",
+            f"fp32), torch_dist format, one process; median of {args.repeats}. crc32: every file's size and crc32 "
+            "recorded at save and checked before loading (`checkpoint.verify=true`, the default); sizes: sizes only "
+            "(`checkpoint.verify=false`). Wall seconds, and CPU seconds of the training process (all its threads; "
+            "not the forked writers, where an async save hashes); GB/s = size / wall time.",
             "",
-            "| operation | seconds (median) | GB/s |",
-            "|---|---|---|",
+            "| operation | crc32: wall s | GB/s | CPU s | sizes only: wall s | GB/s | CPU s | crc32 costs (wall, CPU) |",
+            "|---|---|---|---|---|---|---|---|",
         ]
-        for name, times in results.items():
-            t = statistics.median(times)
-            lines.append(f"| {name} | {t:.3f} | {size / 1e9 / t:.2f} |")
+        for row in rows:
+            w1, w0 = statistics.median(wall[row, True]), statistics.median(wall[row, False])
+            c1, c0 = statistics.median(cpu[row, True]), statistics.median(cpu[row, False])
+            lines.append(
+                f"| {row} | {w1:.3f} | {size / 1e9 / w1:.2f} | {c1:.3f} | {w0:.3f} | {size / 1e9 / max(w0, 1e-9):.2f} | "
+                f"{c0:.3f} | {w1 - w0:+.3f} s, {c1 - c0:+.3f} s |"
+            )
         text = "\n".join(lines)
         print(text)
         if args.out:

@@ -1,6 +1,7 @@
 """The `data` config group: what to train on, as a typed schema for Hydra's ConfigStore.
 
-Relative paths are taken from the repository root, so a run finds the same files whatever its working directory.
+train.py makes relative paths absolute against the directory it is launched from before this schema sees them; a
+relative path that reaches ``resolve_path`` (a DataConfig built in code) is taken from the repository root.
 """
 
 from __future__ import annotations

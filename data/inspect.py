@@ -21,6 +21,7 @@ import numpy as np
 
 from data import indexed, preprocess
 from data.config import parse_split
+from diff_transformer.cli import ArgumentParser, run
 
 
 @dataclass
@@ -112,7 +113,7 @@ def _from_run_config(path: str, args: argparse.Namespace) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m data.inspect", description=__doc__,
+    parser = ArgumentParser(prog="python -m data.inspect", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--blend", nargs="+", help="shard prefixes")
@@ -172,4 +173,4 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

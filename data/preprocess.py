@@ -50,6 +50,7 @@ from data import indexed, readers
 from data.config import blend_shards, partition_prefix
 from data.locking import file_lock
 from data.tokenizer import Tokenizer, file_sha256, load_tokenizer
+from diff_transformer.cli import ArgumentParser, run
 from diff_transformer.fileio import atomic_write_json
 
 MANIFEST_VERSION = 1
@@ -888,12 +889,15 @@ def _build_manifest(files, units, ordered_stats, hashes, tokenizer, options, out
 
 
 def summary(manifest: dict) -> str:
+    """One line: what was written, how fast, what was skipped, and every file whose rest could not be read."""
     totals = manifest["totals"]
     skipped = ", ".join(f"{reason} {count}" for reason, count in totals["skipped"].items()) or "none"
     seconds = manifest["run"]["seconds"]
     return (f"{manifest['prefix']}: {totals['documents']} documents, {totals['tokens']} tokens from "
             f"{len(manifest['inputs'])} files in {seconds:.1f} s ({totals['tokens'] / max(seconds, 1e-9):.3g} tok/s; "
-            f"{manifest['run']['reused_parts']} of {manifest['run']['parts']} parts reused); skipped records: {skipped}")
+            f"{manifest['run']['reused_parts']} of {manifest['run']['parts']} parts reused); skipped records: {skipped}"
+            + "".join(f"; {error if i['path'] in error else i['path'] + ': ' + error}"
+                      for i in manifest["inputs"] for error in i.get("errors", [])))
 
 
 def partition_plan(inputs: Sequence[str], count: int, unit_mb: int = 256,
@@ -928,7 +932,7 @@ def build_parser(parser_class: type = argparse.ArgumentParser) -> argparse.Argum
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = build_parser()
+    parser = build_parser(ArgumentParser)
     args = parser.parse_args(argv)
     try:
         settings = RunSettings(workers=args.workers, unit_bytes=args.unit_mb * MIB, chunk_docs=args.chunk_docs,
@@ -949,4 +953,4 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

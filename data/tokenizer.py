@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
 from data import readers
+from diff_transformer.cli import ArgumentParser, run
 from diff_transformer.fileio import replace_directory
 
 MODEL_FILE = "tokenizer.model"
@@ -398,7 +399,7 @@ def _write_tokenizer_dir(out_dir: str | os.PathLike, model: bytes, config: dict)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m data.tokenizer", description=__doc__,
+    parser = ArgumentParser(prog="python -m data.tokenizer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a sentencepiece tokenizer on corpus files")
@@ -440,4 +441,4 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

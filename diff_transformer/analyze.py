@@ -22,11 +22,12 @@ import logging
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from diff_transformer.evaluate import quiet_library_warnings
+from diff_transformer.cli import EXIT_REFUSED, USER_ERRORS, ArgumentParser, print_error
+from diff_transformer.evaluate import check_runs_exist, quiet_library_warnings
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m diff_transformer.analyze", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m diff_transformer.analyze", description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", metavar="RUN_OR_CHECKPOINT")
     probe = parser.add_mutually_exclusive_group()
     probe.add_argument("--batch", metavar="FILE", help="probe text (.txt or .jsonl) instead of the validation split")
@@ -48,10 +49,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     quiet_library_warnings()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
+        check_runs_exist(args.runs)
         return analyze(args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except USER_ERRORS as error:
+        print_error(error)
+        return EXIT_REFUSED
 
 
 def analyze(args: argparse.Namespace) -> int:

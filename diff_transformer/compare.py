@@ -23,12 +23,12 @@ and each variant minus the --reference variants (default vanilla and diff) paire
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Sequence
 
+from diff_transformer.cli import EXIT_REFUSED, USER_ERRORS, ArgumentParser, print_error
 from diff_transformer.analysis.plots import plot_comparison, plot_variant_spread
 from diff_transformer.analysis.runs import PARAMETER_COUNTS, RunMismatchError, check_comparable, load_runs
 from diff_transformer.analysis.scaling import compare_runs, format_report
@@ -37,7 +37,7 @@ from diff_transformer.analysis.wandb_runs import load_wandb_runs, log_to_wandb
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diff_transformer.compare", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m diff_transformer.compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="*", help="run directories or sweep directories holding them")
     parser.add_argument("--wandb", metavar="ENTITY/PROJECT/GROUP", help="read the runs of this W&B group instead, and log the comparison there")
     parser.add_argument("--out", help="figure path (default: compare.png in the first path, or ./compare-<group>.png)")
@@ -73,9 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  f"{', '.join(variants)}")
             comparison = compare_runs(runs, args.parameters, args.token_ratio_model, args.token_fit_from,
                                       not args.allow_unfinished, args.at, reference)
-    except (RunMismatchError, ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except (RunMismatchError,) + USER_ERRORS as error:
+        print_error(error)
+        return EXIT_REFUSED
     if args.out:
         out = Path(args.out)
     elif args.paths:

@@ -134,6 +134,12 @@ PATCH_SITES = (
               "_get_write_results_queue", 'get_context("spawn")'),
     PatchSite("checkpoint writer queue", "megatron.core.dist_checkpointing.strategies.filesystem_async",
               "_results_queue"),
+    # not a workaround: training.checkpoint.record_written_files wraps the writer's save function to record each
+    # rank's files (size, crc32) for the checkpoint's manifest, where they are written
+    PatchSite("checkpoint file records", "megatron.core.dist_checkpointing.strategies.filesystem_async",
+              "FileSystemWriterAsync.get_save_function_and_args", "self.write_preloaded_data_multiproc"),
+    PatchSite("checkpoint file records", "megatron.core.dist_checkpointing.strategies.filesystem_async",
+              "FileSystemWriterAsync.write_preloaded_data_multiproc", "global_results_queue.put(write_results_or_exc)"),
     PatchSite("adam step on load", "megatron.core.optimizer.distrib_optimizer",
               "DistributedOptimizer._set_main_param_and_optimizer_states", "dst_tensors[key].copy_(tensors[key])"),
     *(PatchSite("literal cuda devices", name, "torch") for name in _MODULES_WITH_LITERAL_CUDA),

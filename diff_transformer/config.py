@@ -7,6 +7,8 @@ Every group's schema lives here, so the training code, the launchers and the too
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 import os
 import re
@@ -15,16 +17,9 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 from data.config import DataConfig
-from diff_transformer.models.attention import BACKENDS, DEX_ANNEAL_SCHEDULES, EPILOGUE_IMPLS
-from diff_transformer.models.layer_specs import (
-    ABLATION_KEY_DEFAULTS,
-    ATTENTION_KINDS,
-    context_parallel_kinds,
-    num_kv_heads,
-)
-from diff_transformer.models.ring_attention import IMPLEMENTATIONS as RING_IMPLEMENTATIONS
 
 
 DEX_SELECTIONS = ("calibrate", "all", "none", "list")
@@ -133,10 +128,13 @@ class CheckpointConfig:
     resume: str = "auto"  # auto: latest under dir, if any | none | a checkpoint path (step_* or a checkpoints dir)
     load_weights_only: Optional[str] = None  # a checkpoint whose weights start a new run (step 0, fresh optimizer)
     async_save: bool = False  # write from a forked process; the loop blocks only while the state is staged
-    check_free_space: bool = True  # refuse to start when the disk cannot hold one more checkpoint
+    check_free_space: bool = True  # at start-up and before each save: is there room for one more checkpoint?
+    on_disk_full: str = "skip"  # no room before an interval save: skip it with a warning | stop the run
+    verify: bool = True  # record each file's crc32 when saving and check it before loading (false: sizes only)
 
 
 RESUME_MODES = ("auto", "none")
+DISK_FULL_ACTIONS = ("skip", "stop")
 
 
 def validate_checkpoint_config(c: CheckpointConfig) -> None:
@@ -151,6 +149,11 @@ def validate_checkpoint_config(c: CheckpointConfig) -> None:
         raise ValueError(f"checkpoint.resume={c.resume!r} is neither auto, none, nor an existing checkpoint path")
     if c.load_weights_only is not None and not os.path.exists(c.load_weights_only):
         raise ValueError(f"checkpoint.load_weights_only={c.load_weights_only!r} does not exist")
+    if c.on_disk_full not in DISK_FULL_ACTIONS:
+        raise ValueError(
+            f"checkpoint.on_disk_full={c.on_disk_full!r} is unknown; use skip (an interval save with no room is "
+            "skipped with a warning) or stop (the run stops with an error)"
+        )
 
 
 SIGNAL_NAMES = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
@@ -311,6 +314,8 @@ class Config:
     failures: FailureConfig = field(default_factory=FailureConfig)
     name: str = "default"  # experiment name (the W&B group)
     seed: int = 1234
+    # a fresh start in a run directory that holds a run moves the old run aside (<dir>.old-<time>) instead of refusing
+    overwrite_run: bool = False
 
 
 def register_configs() -> None:
@@ -324,22 +329,63 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 ATTENTION_DIAGNOSTICS_MODES = ("auto", "on", "off")
 FUSION_MODES = ("auto", "on", "off")
-FUSED_EPILOGUES = tuple(e for e in EPILOGUE_IMPLS if e != "unfused")
-BACKEND_CHOICES = ("auto",) + BACKENDS
 
 
 def _divisors(n: int) -> str:
     return ", ".join(str(i) for i in range(1, n + 1) if n % i == 0)
 
 
+def validate_settings(cfg: Any) -> None:
+    """The values whose check needs neither the attention kinds (megatron-core) nor the world size: checked first,
+    also by train.py before it imports torch."""
+    p, t, o = cfg.parallel, cfg.trainer, cfg.optim
+    validate_checkpoint_config(cfg.checkpoint)
+    validate_failure_config(cfg.failures)
+    if t.max_steps < 1:
+        raise ValueError(f"trainer.max_steps={t.max_steps} must be at least 1")
+    if t.precision not in PRECISIONS:
+        raise ValueError(f"trainer.precision={t.precision!r} is unknown; use one of {', '.join(PRECISIONS)}")
+    if t.attention_diagnostics not in ATTENTION_DIAGNOSTICS_MODES:
+        raise ValueError(f"trainer.attention_diagnostics={t.attention_diagnostics!r} is unknown; use one of "
+                         f"{', '.join(ATTENTION_DIAGNOSTICS_MODES)}")
+    if t.gpu_memory_gib is not None and t.gpu_memory_gib <= 0:
+        raise ValueError(f"trainer.gpu_memory_gib={t.gpu_memory_gib} must be positive (or null: the GPU's memory)")
+    if t.fusions not in FUSION_MODES:
+        raise ValueError(f"trainer.fusions={t.fusions!r} is unknown; use one of {', '.join(FUSION_MODES)}")
+    if t.profile_step is not None and not 1 <= t.profile_step <= t.max_steps:
+        raise ValueError(f"trainer.profile_step={t.profile_step} must be a step of the run, 1..{t.max_steps} (or null)")
+    if o.decay not in DECAYS:
+        raise ValueError(f"optim.decay={o.decay!r} is unknown; use one of {', '.join(DECAYS)}")
+    if not (o.lr > 0 and 0 <= o.min_lr <= o.lr):
+        raise ValueError(f"optim.lr={o.lr} must be positive and optim.min_lr={o.min_lr} within [0, lr]")
+    if o.warmup_steps < 0 or o.warmup_steps >= t.max_steps:
+        raise ValueError(
+            f"optim.warmup_steps={o.warmup_steps} must lie in [0, trainer.max_steps={t.max_steps}) so that the "
+            "learning rate has steps left to decay"
+        )
+    if p.backend not in ("auto", "nccl", "gloo"):
+        raise ValueError(f"parallel.backend={p.backend!r} is unknown; use auto, nccl or gloo")
+    if cfg.logging.wandb.mode not in WANDB_MODES:
+        raise ValueError(
+            f"logging.wandb.mode={cfg.logging.wandb.mode!r} is unknown; use one of {', '.join(WANDB_MODES)}"
+        )
+
+
 def validate(cfg: Any, world_size: int) -> None:
     """Raise ValueError naming the first invalid value. Cheap: runs before any process group starts."""
-    m, p, t, o = cfg.model, cfg.parallel, cfg.trainer, cfg.optim
+    m, p, t = cfg.model, cfg.parallel, cfg.trainer
+    validate_settings(cfg)
+    # the attention kinds are megatron-core ModuleSpecs: imported here, after the checks that need none of them
+    from diff_transformer.models.attention import BACKENDS, EPILOGUE_IMPLS
+    from diff_transformer.models.layer_specs import ATTENTION_KINDS, num_kv_heads
+
+    backend_choices = ("auto",) + BACKENDS
+
     if m.attention not in ATTENTION_KINDS:
         raise ValueError(f"model.attention={m.attention!r} is unknown; use one of {', '.join(ATTENTION_KINDS)}")
-    if m.attention_backend not in BACKEND_CHOICES:
+    if m.attention_backend not in backend_choices:
         raise ValueError(
-            f"model.attention_backend={m.attention_backend!r} is unknown; use one of {', '.join(BACKEND_CHOICES)}"
+            f"model.attention_backend={m.attention_backend!r} is unknown; use one of {', '.join(backend_choices)}"
         )
     for key in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "seq_length"):
         if getattr(m, key) < 1:
@@ -394,45 +440,18 @@ def validate(cfg: Any, world_size: int) -> None:
             f"trainer.global_batch_size={t.global_batch_size} is not divisible by trainer.micro_batch_size="
             f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}"
         )
-    if t.max_steps < 1:
-        raise ValueError(f"trainer.max_steps={t.max_steps} must be at least 1")
-    if t.precision not in PRECISIONS:
-        raise ValueError(f"trainer.precision={t.precision!r} is unknown; use one of {', '.join(PRECISIONS)}")
     validate_recompute(t, m.num_layers // p.pp)
-    if t.attention_diagnostics not in ATTENTION_DIAGNOSTICS_MODES:
-        raise ValueError(f"trainer.attention_diagnostics={t.attention_diagnostics!r} is unknown; use one of "
-                         f"{', '.join(ATTENTION_DIAGNOSTICS_MODES)}")
-    if t.fusions not in FUSION_MODES:
-        raise ValueError(f"trainer.fusions={t.fusions!r} is unknown; use one of {', '.join(FUSION_MODES)}")
-    if t.diff_epilogue not in FUSED_EPILOGUES:
-        raise ValueError(f"trainer.diff_epilogue={t.diff_epilogue!r} is unknown; use one of {', '.join(FUSED_EPILOGUES)}")
-    if t.profile_step is not None and not 1 <= t.profile_step <= t.max_steps:
-        raise ValueError(f"trainer.profile_step={t.profile_step} must be a step of the run, 1..{t.max_steps} (or null)")
-    if t.gpu_memory_gib is not None and t.gpu_memory_gib <= 0:
-        raise ValueError(f"trainer.gpu_memory_gib={t.gpu_memory_gib} must be positive (or null: the GPU's memory)")
+    fused_epilogues = tuple(e for e in EPILOGUE_IMPLS if e != "unfused")
+    if t.diff_epilogue not in fused_epilogues:
+        raise ValueError(f"trainer.diff_epilogue={t.diff_epilogue!r} is unknown; use one of {', '.join(fused_epilogues)}")
     validate_parallel_switches(p, m.seq_length, dp)
     validate_context_parallel(cfg)
-    if o.decay not in DECAYS:
-        raise ValueError(f"optim.decay={o.decay!r} is unknown; use one of {', '.join(DECAYS)}")
-    if not (o.lr > 0 and 0 <= o.min_lr <= o.lr):
-        raise ValueError(f"optim.lr={o.lr} must be positive and optim.min_lr={o.min_lr} within [0, lr]")
-    if o.warmup_steps < 0 or o.warmup_steps >= t.max_steps:
-        raise ValueError(
-            f"optim.warmup_steps={o.warmup_steps} must lie in [0, trainer.max_steps={t.max_steps}) so that the "
-            "learning rate has steps left to decay"
-        )
-    if p.backend not in ("auto", "nccl", "gloo"):
-        raise ValueError(f"parallel.backend={p.backend!r} is unknown; use auto, nccl or gloo")
-    if cfg.logging.wandb.mode not in WANDB_MODES:
-        raise ValueError(
-            f"logging.wandb.mode={cfg.logging.wandb.mode!r} is unknown; use one of {', '.join(WANDB_MODES)}"
-        )
-    validate_checkpoint_config(cfg.checkpoint)
-    validate_failure_config(cfg.failures)
 
 
 def validate_attention_kind(m: ModelConfig) -> None:
     """The backend and the ablation keys must fit ``model.attention``: a key a kind does not read is refused."""
+    from diff_transformer.models.layer_specs import ABLATION_KEY_DEFAULTS, ATTENTION_KINDS
+
     kind = ATTENTION_KINDS[m.attention]
     if m.attention_backend != "auto" and m.attention_backend not in kind.backends:
         raise ValueError(
@@ -460,6 +479,8 @@ def validate_attention_kind(m: ModelConfig) -> None:
 
 def validate_dex(m: Any) -> None:
     """``model.dex.*``: read by model.attention=dex only; a selection that names existing heads of every layer."""
+    from diff_transformer.models.attention import DEX_ANNEAL_SCHEDULES
+
     dex, defaults = m.dex, DexConfig()
     if m.attention != "dex":
         for key in DexConfig.__dataclass_fields__:
@@ -557,6 +578,9 @@ def _shown(value: Any) -> str:
 def validate_ring_attention(m: Any, shown: str, backend_key: str = "model.attention_backend") -> None:
     """The attention kind and backend of ``m`` have a ring-attention path (``shown``: the CP setting, for the message;
     ``backend_key``: how the user sets the backend)."""
+    from diff_transformer.models.layer_specs import context_parallel_kinds
+    from diff_transformer.models.ring_attention import IMPLEMENTATIONS as RING_IMPLEMENTATIONS
+
     kinds = context_parallel_kinds(m)
     if m.attention not in kinds:
         why = " (its head calibration reads whole attention maps)" if m.attention == "dex" else ""
@@ -629,6 +653,8 @@ def resolve_launch_paths(cfg: Any, base_dir: str) -> List[str]:
         value = section[key] if isinstance(section, dict) else getattr(section, key)
         if value is None or (dotted == "checkpoint.resume" and value in RESUME_MODES):
             continue
+        if value == "" or (not isinstance(value, str) and any(str(v) == "" for v in value)):
+            raise ValueError(f"{dotted} is empty: give a path (absolute, or relative to where you launch), or null")
         if isinstance(value, str):
             new = _absolute(value, base_dir)
         else:  # data.blend: a list of prefixes
@@ -644,8 +670,100 @@ def resolve_launch_paths(cfg: Any, base_dir: str) -> List[str]:
 
 
 def to_object(cfg: DictConfig) -> Config:
-    """The typed Config object of a composed DictConfig (also reports missing ``???`` values by name)."""
-    return OmegaConf.to_object(cfg)
+    """The typed Config object of a composed DictConfig. A key the schema does not know (added with ``+``, which
+    Hydra accepts and the conversion would drop) and a missing ``???`` value raise ValueError naming the key."""
+    check_known_keys(cfg)
+    try:
+        return OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        raise ValueError(config_error_message(err)) from None
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Keys the schema knows, and Hydra's composition errors as one line
+# ------------------------------------------------------------------------------------------------------------------
+def _schema_fields(schema: type) -> Dict[str, Any]:
+    """{field: its type} of a dataclass schema, the string annotations resolved."""
+    import typing
+
+    return typing.get_type_hints(schema)
+
+
+def _schema_at(dotted: str) -> Optional[type]:
+    """The dataclass schema of the config node at ``dotted`` ("" is the root), or None when it is no schema node."""
+    schema: Any = Config
+    for part in [p for p in dotted.split(".") if p]:
+        if not dataclasses.is_dataclass(schema):
+            return None
+        schema = _schema_fields(schema).get(part)
+    return schema if dataclasses.is_dataclass(schema) else None
+
+
+def unknown_key_message(full_key: str) -> str:
+    """``full_key`` is not in the schema: say so, with the nearest key of its node (or the node's keys)."""
+    parent, _, key = full_key.rpartition(".")
+    schema = _schema_at(parent)
+    if schema is None:
+        return f"{full_key} is not a config key"
+    fields = sorted(_schema_fields(schema))
+    prefix = f"{parent}." if parent else ""
+    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
+    if close:
+        return f"{full_key} is not a config key; did you mean {prefix}{close[0]}?"
+    return f"{full_key} is not a config key; {parent or 'the top level'} has: {', '.join(fields)}"
+
+
+def check_known_keys(cfg: DictConfig, node_key: str = "") -> None:
+    """Raise ValueError for the first key of ``cfg`` that its schema does not have (a typo added with ``+``)."""
+    schema = _schema_at(node_key)
+    if schema is None:
+        return  # a free-form dict (engine.extra) takes any key
+    fields = _schema_fields(schema)
+    for key in cfg.keys():
+        full_key = f"{node_key}.{key}" if node_key else str(key)
+        if key not in fields:
+            raise ValueError(unknown_key_message(full_key))
+        child = cfg._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            check_known_keys(child, full_key)
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
+
+
+def config_error_message(err: BaseException) -> str:
+    """Hydra's or OmegaConf's error about the command line or the config, as one line that names the key and what
+    would be right (without Hydra's advice to add a ``+``, which would add the misspelled key)."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+
+    cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else None
+    text = str(err)
+    if isinstance(err, MissingConfigException):
+        found = re.search(r"Could not find '([^']+)'", text)
+        missing = found.group(1) if found else str(err.missing_cfg_file)
+        group, _, option = missing.rpartition("/")
+        if group and err.options:
+            return f"{group}={option} is not a config of the {group} group; use one of {', '.join(err.options)}"
+        return f"no config {missing!r} ({_first_line(text)})"
+    if isinstance(err, OverrideParseException):
+        return f"cannot parse the command line: {_first_line(text)}"
+    existing = re.search(r"An item is already at '([^']+)'", text)
+    if existing:
+        key = existing.group(1)
+        return f"+{key} adds a key that exists already: set it without the +, {key}=VALUE"
+    if isinstance(err, (ConfigAttributeError, ConfigKeyError)) or isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
+        full_key = (cause or err).full_key
+        return unknown_key_message(full_key)
+    if isinstance(err, MissingMandatoryValue) or isinstance(cause, MissingMandatoryValue):
+        full_key = (cause or err).full_key
+        return f"{full_key} has no value (??? in the config): set it, e.g. {full_key}=VALUE"
+    if cause is not None or isinstance(err, OmegaConfBaseException):
+        detail = cause or err
+        override = re.search(r"Error merging override (\S+)", text)
+        where = override.group(1) if override else (getattr(detail, "full_key", None) or "the config")
+        return f"{where}: {_first_line(getattr(detail, 'msg', None) or str(detail))}"
+    return _first_line(text)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

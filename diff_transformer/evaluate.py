@@ -30,16 +30,19 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import sys
 import time
 import warnings
 from typing import Dict, List, Optional, Sequence
 
+from diff_transformer.cli import EXIT_REFUSED, USER_ERRORS, ArgumentParser, print_error
+
 TASKS = ("ppl", "niah")
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m diff_transformer.evaluate", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m diff_transformer.evaluate", description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", metavar="RUN_OR_CHECKPOINT")
     parser.add_argument("--tasks", default="ppl,niah", help="comma-separated: ppl, niah (default both)")
     parser.add_argument("--text", action="append", default=[], metavar="FILE", help="also the perplexity of this file")
@@ -88,15 +91,23 @@ def quiet_library_warnings() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\..*")
 
 
+def check_runs_exist(runs: Sequence[str]) -> None:
+    """Before torch is imported: every run or checkpoint named exists."""
+    for run in runs:
+        if not os.path.exists(run):
+            raise FileNotFoundError(f"{run} does not exist")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     quiet_library_warnings()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
+        check_runs_exist(args.runs)
         return evaluate(args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except USER_ERRORS as error:
+        print_error(error)
+        return EXIT_REFUSED
 
 
 def evaluate(args: argparse.Namespace) -> int:

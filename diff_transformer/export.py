@@ -10,16 +10,18 @@ Needs the ``hf`` extra (``pip install -c constraints.txt -e '.[hf]'``).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 from typing import List, Optional
+
+from diff_transformer.cli import EXIT_REFUSED, USER_ERRORS, ArgumentParser, print_error
+from diff_transformer.training.checkpoint_files import resolve_checkpoint_path
 
 FORMATS = ("hf",)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diff_transformer.export", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m diff_transformer.export", description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", help="a step_* checkpoint; a run or checkpoints directory, or a latest file")
     parser.add_argument("--format", required=True, help="hf: a Hugging Face transformers directory")
     parser.add_argument("--out", required=True, help="the directory to write (replaced if it exists)")
@@ -30,12 +32,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.format not in FORMATS:
             raise ValueError(f"--format {args.format!r} is unknown; use one of {', '.join(FORMATS)}")
+        resolve_checkpoint_path(args.checkpoint)  # a path that is no checkpoint: refused before torch is imported
         from diff_transformer.hf.export import export_hf
 
         info = export_hf(args.checkpoint, args.out, dtype=args.dtype, tokenizer_dir=args.tokenizer)
-    except (ValueError, ImportError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except USER_ERRORS + (ImportError,) as err:
+        print_error(err)
+        return EXIT_REFUSED
     print(f"wrote {info['path']}: {info['architecture']} ({info['attention']}, step {info['step']}, {info['dtype']})")
     return 0
 

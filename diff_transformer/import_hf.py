@@ -10,10 +10,12 @@ the local directory; needs ``safetensors`` (the ``hf`` extra) for .safetensors w
 
 from __future__ import annotations
 
-import argparse
 import logging
+import os
 import sys
 from typing import List, Optional
+
+from diff_transformer.cli import EXIT_REFUSED, USER_ERRORS, ArgumentParser, print_error
 
 
 def overrides_for(model: dict) -> List[str]:
@@ -22,7 +24,7 @@ def overrides_for(model: dict) -> List[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diff_transformer.import_hf", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m diff_transformer.import_hf", description=__doc__.split("\n")[0])
     parser.add_argument("hf_dir", help="a local directory with config.json and model.safetensors / pytorch_model.bin")
     parser.add_argument("--out", required=True, help="the checkpoint directory to write (replaced if it exists)")
     parser.add_argument("--seq-length", type=int, default=None,
@@ -31,12 +33,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
+        if not os.path.isdir(args.hf_dir):  # refused before torch is imported
+            raise FileNotFoundError(f"{args.hf_dir} is not a directory (give a local Hugging Face model directory)")
         from diff_transformer.hf.importer import import_hf
 
         info = import_hf(args.hf_dir, args.out, seq_length=args.seq_length, name=args.name)
-    except (ValueError, ImportError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except USER_ERRORS + (ImportError,) as err:
+        print_error(err)
+        return EXIT_REFUSED
     print(f"wrote {info['path']}: {info['num_parameters']:,} parameters")
     print("train from it with: checkpoint.load_weights_only=" + info["path"] + " " + " ".join(overrides_for(info["model"])))
     if info["tokenizer_dir"]:

@@ -46,6 +46,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from diff_transformer.cli import ArgumentParser
+
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -167,10 +169,15 @@ def compose_config(overrides: Sequence[str], world_size: int | None = None, repo
     config_module = importlib.import_module("diff_transformer.config")
     config_module.register_configs()
     job_overrides = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(repo_root / "configs"), version_base="1.3"):
             cfg = compose(config_name="config", overrides=job_overrides)
+    except (HydraException, OmegaConfBaseException) as err:  # a bad key or value: one line, as train.py says it
+        raise ValueError(config_module.config_error_message(err)) from None
     finally:
         GlobalHydra.instance().clear()
     # Schema types, missing values and the cross-field rules train.py checks before it starts.
@@ -680,7 +687,7 @@ def cancel(target: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.slurm", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m launch.slurm", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     submit_parser = commands.add_parser(
         "submit", help="snapshot, write submit.sbatch, sbatch it",

@@ -4,14 +4,17 @@ compatibility, metrics truncation and the bad-step guard."""
 import json
 import math
 import os
+import zlib
 
 import pytest
 
 from diff_transformer.config import CheckpointConfig, FailureConfig, validate_checkpoint_config, validate_failure_config
 from diff_transformer.training import checkpoint
 from diff_transformer.training.checkpoint import (
+    FORMAT_VERSION,
     LATEST_FILE,
     STATE_FILE,
+    write_checkpoint_state,
     checkpoint_name,
     checkpoints_to_delete,
     latest_checkpoint,
@@ -23,12 +26,13 @@ from diff_transformer.training.failures import BadStepGuard
 from diff_transformer.training.metrics import truncate_metrics
 
 
-def fake_checkpoint(root, step, complete=True):
+def fake_checkpoint(root, step, complete=True, state=None):
     path = root / checkpoint_name(step)
     path.mkdir(parents=True)
-    (path / "__0_0.distcp").write_bytes(b"x" * 100)
-    if complete:
-        (path / STATE_FILE).write_text(json.dumps({"step": step}))
+    (path / "__0_0.distcp").write_bytes(bytes(range(256)) * 40)
+    (path / "common.pt").write_bytes(b"common" * 10)
+    if complete:  # trainer_state.json, then the manifest, as a save commits them
+        write_checkpoint_state(str(path), state or {"format_version": FORMAT_VERSION, "step": step})
     return path
 
 
@@ -65,11 +69,11 @@ def test_a_checkpoint_is_found_from_a_latest_file_a_run_dir_or_a_checkpoints_dir
 
     root = tmp_path / "run" / "checkpoints"
     fake_checkpoint(root, 2)
-    newest = fake_checkpoint(root, 4)
+    state = {"format_version": FORMAT_VERSION, "step": 4, "consumed_samples": 16, "layout": {
+        "tp": 1, "pp": 1, "dp": 1, "world_size": 1, "distributed_optimizer": False},
+        "config": {"model": {"name": "debug", "attention": "diff"}}}
+    newest = fake_checkpoint(root, 4, state=state)
     (root / LATEST_FILE).write_text(checkpoint_name(4) + "\n")
-    state = {"step": 4, "consumed_samples": 16, "layout": {"tp": 1, "pp": 1, "dp": 1, "world_size": 1,
-             "distributed_optimizer": False}, "config": {"model": {"name": "debug", "attention": "diff"}}}
-    (newest / STATE_FILE).write_text(json.dumps(state))
     for given in (root / LATEST_FILE, tmp_path / "run", root, newest):
         assert resolve_checkpoint_path(str(given)) == str(newest), given
     assert main(["inspect", str(root / LATEST_FILE)]) == 0  # the README's command
@@ -89,9 +93,13 @@ def test_partial_saves_are_removed(tmp_path):
 def test_refuses_to_start_without_room_for_one_checkpoint(tmp_path, monkeypatch):
     needed = checkpoint.estimate_checkpoint_bytes(100_000_000, __import__("torch").float32)
     assert needed == 100_000_000 * 12  # fp32 weights + two fp32 Adam moments
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: _Usage(needed - 1))
-    with pytest.raises(ValueError, match=r"has 1\.12 GiB free, less than one checkpoint \(1\.12 GiB\)"):
-        checkpoint.ensure_free_space(str(tmp_path / "not" / "yet" / "made"), needed)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: _Usage(300 * 1024))
+    with pytest.raises(ValueError) as err:
+        checkpoint.ensure_free_space(str(tmp_path / "not" / "yet" / "made"), needed, keep_last=3)
+    # sizes in units that do not round to zero, and choices that keep the run (moving the checkpoints along)
+    assert "has 300 KiB free, less than one checkpoint (1.12 GiB)" in str(err.value)
+    assert "rerun with checkpoint.dir set to its new place" in str(err.value)
+    assert "checkpoint.keep_last, now 3" in str(err.value)
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: _Usage(needed))
     checkpoint.ensure_free_space(str(tmp_path), needed)
 
@@ -155,3 +163,130 @@ def test_preemption_signal_only_sets_a_flag_until_the_ranks_agree():
     finally:
         signals.uninstall()
     assert signal.getsignal(signal.SIGUSR1) == previous
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The manifest, verification and the fallback of checkpoint.resume=auto
+# ------------------------------------------------------------------------------------------------------------------
+def flip_byte(path, offset=None):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 if offset is None else offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_verification_names_every_damaged_file(tmp_path):
+    from diff_transformer.training.checkpoint_files import MANIFEST_FILE, verify
+
+    path = fake_checkpoint(tmp_path, 2)
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    assert sorted(manifest["files"]) == ["__0_0.distcp", "common.pt", STATE_FILE]
+    assert verify(str(path)).ok
+    flip_byte(path / "__0_0.distcp")
+    (path / "common.pt").write_bytes((path / "common.pt").read_bytes()[:-7])
+    result = verify(str(path))
+    assert result.problems == [
+        "common.pt: 53 bytes, the manifest records 60 (truncated)",
+        f"__0_0.distcp: crc32 {zlib.crc32((path / '__0_0.distcp').read_bytes()):08x}, the manifest records "
+        f"{manifest['files']['__0_0.distcp']['crc32']} (contents changed)",
+    ]
+    # sizes only: the truncation, not the flipped bit
+    assert verify(str(path), checksums=False).problems == ["common.pt: 53 bytes, the manifest records 60 (truncated)"]
+    (path / "common.pt").unlink()
+    assert "common.pt: missing" in verify(str(path)).problems
+    (path / MANIFEST_FILE).unlink()
+    assert verify(str(path)).problems == [f"{MANIFEST_FILE} is missing (the checkpoint was saved with one)"]
+    old = fake_checkpoint(tmp_path, 4, complete=False)
+    (old / STATE_FILE).write_text(json.dumps({"format_version": 1, "step": 4}))  # saved before manifests
+    result = verify(str(old))
+    assert result.ok and not result.has_manifest
+
+
+def test_resume_auto_falls_back_to_the_newest_checkpoint_that_verifies(tmp_path, caplog):
+    from diff_transformer.training.checkpoint import CheckpointDamaged, select_resume_checkpoint
+
+    for step in (2, 4, 6, 8):
+        fake_checkpoint(tmp_path, step)
+    (tmp_path / LATEST_FILE).write_text(checkpoint_name(6) + "\n")  # step 8: a save killed before the pointer moved
+    flip_byte(tmp_path / checkpoint_name(6) / "__0_0.distcp")
+    (tmp_path / checkpoint_name(4) / "common.pt").unlink()
+    with caplog.at_level("WARNING", logger="diff_transformer"):
+        chosen, skipped = select_resume_checkpoint(str(tmp_path))
+    assert chosen == str(tmp_path / checkpoint_name(2))
+    assert [(os.path.basename(p), why.split(":")[0]) for p, why in skipped] == [
+        (checkpoint_name(6), "__0_0.distcp"), (checkpoint_name(4), "common.pt")]
+    assert f"checkpoint {tmp_path / checkpoint_name(6)} is damaged (__0_0.distcp: crc32" in caplog.text
+    assert (tmp_path / checkpoint_name(6)).is_dir(), "a damaged checkpoint is evidence: never deleted"
+    flip_byte(tmp_path / checkpoint_name(2) / STATE_FILE, offset=3)
+    with pytest.raises(CheckpointDamaged, match=r"no checkpoint under .* verifies \(step_00000006: __0_0.distcp.*"
+                                                r"step_00000004: common.pt: missing; step_00000002: trainer_state"):
+        select_resume_checkpoint(str(tmp_path))
+    assert select_resume_checkpoint(str(tmp_path / "empty")) == (None, [])
+
+
+def test_sizes_read_in_units_that_do_not_round_to_zero():
+    from diff_transformer.training.checkpoint_files import format_bytes
+
+    assert [format_bytes(n) for n in (17, 1536, 312 * 1024, 1.53 * 2**20, 1023 * 2**20, 5 * 2**40)] == [
+        "17 B", "1.5 KiB", "312 KiB", "1.53 MiB", "1023 MiB", "5 TiB"]
+
+
+def test_last_logged_step_reads_the_end_of_metrics(tmp_path):
+    from diff_transformer.training.metrics import last_logged_step
+
+    path = tmp_path / "metrics.jsonl"
+    assert last_logged_step(str(path)) is None
+    path.write_text("".join(json.dumps({"step": s, "pad": "x" * 300}) + "\n" for s in range(1, 400)) + '{"step": 4')
+    assert last_logged_step(str(path)) == 399, "the last complete record, past a line cut by a crash"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# One run per directory
+# ------------------------------------------------------------------------------------------------------------------
+def run_config(tmp_path, **checkpoint_keys):
+    from diff_transformer.config import Config
+
+    cfg = Config()
+    for key, value in checkpoint_keys.items():
+        setattr(cfg.checkpoint, key, value)
+    return cfg
+
+
+def used_run_dir(tmp_path, steps=30, checkpoints=()):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, steps + 1)))
+    for step in checkpoints:
+        fake_checkpoint(run / "checkpoints", step)
+    (run / ".hydra").mkdir()
+    (run / ".hydra" / "overrides.yaml").write_text("- this launch\n")
+    return run
+
+
+def test_a_fresh_start_where_a_run_is_is_refused_with_the_choices(tmp_path):
+    from diff_transformer.training.run_directory import RunDirectoryInUse, check_start
+
+    run = used_run_dir(tmp_path, checkpoints=(10, 20))
+    assert check_start(run_config(tmp_path), str(run)) is None, "resume=auto resumes"
+    with pytest.raises(RunDirectoryInUse) as err:
+        check_start(run_config(tmp_path, resume="none"), str(run))
+    message = str(err.value)
+    assert "already holds a run (metrics.jsonl up to step 30; 2 checkpoints in" in message and "(newest step_00000020)" in message
+    assert "resume it (checkpoint.resume=auto)" in message and "hydra.run.dir=NEW" in message and "overwrite_run=true" in message
+    # progress in metrics.jsonl, but the checkpoint directory is elsewhere and empty: refused, not restarted
+    with pytest.raises(RunDirectoryInUse, match=r"checkpoint directory .*elsewhere holds no checkpoint to resume from"):
+        check_start(run_config(tmp_path, dir=str(tmp_path / "elsewhere")), str(run))
+    assert check_start(run_config(tmp_path, resume="none"), str(tmp_path / "new")) is None
+
+
+def test_overwrite_run_moves_the_old_run_aside(tmp_path):
+    from diff_transformer.training.run_directory import check_start, move_old_run_aside
+
+    run = used_run_dir(tmp_path, checkpoints=(10,))
+    cfg = run_config(tmp_path, resume="none")
+    cfg.overwrite_run = True
+    state = check_start(cfg, str(run))
+    assert state is not None and not any(tmp_path.glob("run.old-*")), "nothing moves before the start is committed"
+    [(old, new)] = move_old_run_aside(state)
+    assert old == str(run) and os.path.basename(new).startswith("run.old-")
+    assert sorted(os.listdir(new)) == [".hydra", "checkpoints", "metrics.jsonl"]
+    assert os.listdir(run) == [".hydra"], "the new run keeps this launch's Hydra record, nothing else"

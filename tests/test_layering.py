@@ -15,11 +15,12 @@ REPO = Path(__file__).resolve().parent.parent
 ALLOWED = {
     "diff_transformer": (),  # the package itself: empty
     "diff_transformer.fileio": (),
+    "diff_transformer.cli": (),  # the exit statuses and one-line errors every entry point shares
     "diff_transformer.attention_metrics": (),  # plain-tensor metrics: torch only
     "kernels": ("kernels", "diff_transformer.fileio"),
     "diff_transformer.compat": (),
     "diff_transformer.distributed": ("diff_transformer.compat",),
-    "data": ("data", "diff_transformer.fileio"),
+    "data": ("data", "diff_transformer.fileio", "diff_transformer.cli"),
     "diff_transformer.models": (
         "diff_transformer.models", "kernels", "diff_transformer.distributed", "diff_transformer.compat",
     ),
@@ -46,20 +47,23 @@ ALLOWED = {
         "diff_transformer.compat", "diff_transformer.distributed", "diff_transformer.fileio", "data",
     ),
     # command-line entry points over the libraries
-    "diff_transformer.checkpoint": ("diff_transformer.training",),
-    "diff_transformer.compare": ("diff_transformer.analysis",),
+    "diff_transformer.checkpoint": ("diff_transformer.training", "diff_transformer.cli"),
+    "diff_transformer.compare": ("diff_transformer.analysis", "diff_transformer.cli"),
     "diff_transformer.quickstart": ("diff_transformer.analysis", "diff_transformer.fileio"),
-    "diff_transformer.export": ("diff_transformer.hf",),
-    "diff_transformer.import_hf": ("diff_transformer.hf",),
-    # (its results record the peak memory as training measures it)
+    # export refuses a path that is no checkpoint before it imports torch: the torch-free checkpoint layout
+    "diff_transformer.export": ("diff_transformer.hf", "diff_transformer.training.checkpoint_files", "diff_transformer.cli"),
+    "diff_transformer.import_hf": ("diff_transformer.hf", "diff_transformer.cli"),
+    # evaluate reports each checkpoint's peak memory with the trainer's measurement (training.accounting)
     "diff_transformer.evaluate": ("diff_transformer.evaluation", "diff_transformer.distributed",
-                                  "diff_transformer.training.accounting"),
+                                  "diff_transformer.training.accounting", "diff_transformer.cli"),
     "diff_transformer.analyze": ("diff_transformer.evaluation", "diff_transformer.distributed",
-                                 "diff_transformer.evaluate"),
+                                 "diff_transformer.evaluate", "diff_transformer.cli"),
     # the job's config, the memory plan train.py runs (refused at submission), data.preprocess's command line and
     # partitions (the job array), the tokenizer's vocabulary (the plan's logits)
-    "launch": ("launch", "diff_transformer.config", "diff_transformer.training.accounting", "data"),
-    "train": ("diff_transformer.config", "diff_transformer.distributed", "diff_transformer.training"),
+    "launch": ("launch", "diff_transformer.config", "diff_transformer.training.accounting", "data",
+               "diff_transformer.cli"),
+    "train": ("diff_transformer.config", "diff_transformer.distributed", "diff_transformer.training",
+              "diff_transformer.cli"),
 }
 OURS = ("diff_transformer", "kernels", "data", "launch", "train")
 

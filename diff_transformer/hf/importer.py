@@ -28,7 +28,7 @@ from diff_transformer.distributed import destroy_distributed, init_distributed
 from diff_transformer.fileio import atomic_write_json, replace_directory
 from diff_transformer.hf.convert import from_hf_state_dict, model_config_from_hf
 from diff_transformer.models.gpt import build_model_chunk, count_parameters
-from diff_transformer.training.checkpoint import FORMAT_VERSION, STATE_FILE
+from diff_transformer.training.checkpoint import FORMAT_VERSION, write_checkpoint_state
 
 logger = logging.getLogger("diff_transformer")
 
@@ -106,7 +106,7 @@ def import_hf(hf_dir: str, out: str, seq_length: Optional[int] = None, name: Opt
             "imported_from": hf_dir,
             "config": OmegaConf.to_container(OmegaConf.structured(cfg)),
         }
-        atomic_write_json(os.path.join(staging, STATE_FILE), state)  # last: it marks the checkpoint complete
+        write_checkpoint_state(staging, state)  # last: it marks the checkpoint complete, then its manifest
         os.chmod(staging, 0o755)
         replace_directory(staging, out)
     except BaseException:

@@ -108,10 +108,12 @@ def decide_attention_backend(
     cuda: Optional[bool] = None,
     device_name: Optional[str] = None,
     measure: Optional[Callable[[str], float]] = None,
+    record: bool = True,
 ) -> Dict[str, Any]:
     """Rank 0's decision for ``auto`` (see the module docstring); writes the run directory's record and returns it:
     {"backend", "how", "timings_ms", "key"}. ``checkpoint_config`` is the saved config of the checkpoint being
-    resumed; ``cuda``, ``device_name`` and ``measure`` default to this machine's (tests inject them)."""
+    resumed; ``cuda``, ``device_name`` and ``measure`` default to this machine's (tests inject them). ``record``
+    false: the caller writes the record (:func:`write_record`) once the run directory may be written."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     record_path = os.path.join(run_dir, RECORD_FILE)
     recorded = _read_json(record_path)
@@ -145,9 +147,15 @@ def decide_attention_backend(
                 cache[key] = {"backend": chosen["backend"], "timings_ms": chosen["timings_ms"]}
                 os.makedirs(os.path.dirname(cache_path()), exist_ok=True)
                 atomic_write_json(cache_path(), cache)
-    os.makedirs(run_dir, exist_ok=True)
-    atomic_write_json(record_path, decision)
+    if record:
+        write_record(run_dir, decision)
     return decision
+
+
+def write_record(run_dir: str, decision: Dict[str, Any]) -> None:
+    """The run directory's record of the decision, which a later start of the run reads."""
+    os.makedirs(run_dir, exist_ok=True)
+    atomic_write_json(os.path.join(run_dir, RECORD_FILE), decision)
 
 
 def describe(decision: Dict[str, Any]) -> str:

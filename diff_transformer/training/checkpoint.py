@@ -1,45 +1,80 @@
-"""Checkpoints on megatron-core dist_checkpointing (torch_dist): atomic saves, automatic resume, resharding, tooling.
+"""Checkpoints on megatron-core dist_checkpointing (torch_dist): atomic, verified saves, automatic resume with
+fallback, disk-full handling, resharding, tooling.
 
-A run's checkpoints live under ``<run dir>/checkpoints/``::
+A run's checkpoints live under ``<run dir>/checkpoints/`` (the layout and the manifest: ``checkpoint_files``)::
 
-    step_00000100/          a complete checkpoint: dist_checkpointing files + trainer_state.json (written last)
+    step_00000100/          a complete checkpoint: dist_checkpointing files, trainer_state.json, manifest.json
     step_00000200/
     latest                  the name of the newest complete checkpoint (replaced atomically)
     .step_00000300.tmp/     a save in progress (or one killed mid-way); never loaded, removed by the next save
 
 A checkpoint holds the model, the optimizer (the distributed optimizer saved ``fully_reshardable``, so it loads on any
 TP/PP/DP layout), the LR scheduler, step, consumed samples, skipped-step count, every rank's RNG states, the W&B run
-id and the resolved config. Resuming on the layout that saved restores the run bit for bit. The tools that read
-checkpoints (inspect, convert) are in ``checkpoint_tools``; the command line is ``python -m diff_transformer.checkpoint``.
+id and the resolved config. Resuming on the layout that saved restores the run bit for bit.
+
+Every save records each file's size and crc32 where the file is written (each rank, in megatron-core's writer, also
+in its background process for an asynchronous save) and commits them as ``manifest.json`` before the rename that
+makes the checkpoint visible. A checkpoint is verified before it is loaded; under ``checkpoint.resume=auto`` a
+damaged one is skipped (logged, moved aside as ``step_*.damaged``, never deleted) for the newest one that verifies.
+The tools that read checkpoints (inspect, convert) are in ``checkpoint_tools``; the command line is
+``python -m diff_transformer.checkpoint``.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import pickle
 import random
-import re
 import shutil
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from diff_transformer import compat
 from diff_transformer.config import CheckpointConfig
-from diff_transformer.fileio import atomic_write_json, atomic_write_text, fsync_dir
 from diff_transformer.distributed import barrier, broadcast_object
+from diff_transformer.fileio import atomic_write_text, fsync_dir
+from diff_transformer.training.checkpoint_files import (  # noqa: F401  (the layout, importable from here too)
+    CHECKPOINTS_DIRNAME,
+    DAMAGED_SUFFIX,
+    FORMAT_WITH_MANIFEST,
+    LATEST_FILE,
+    MANIFEST_FILE,
+    RANK_RECORD_PREFIX,
+    STATE_FILE,
+    Verification,
+    apply_retention,
+    checkpoint_name,
+    checkpoints_dir,
+    checkpoints_to_delete,
+    directory_bytes,
+    format_bytes,
+    free_bytes,
+    is_complete,
+    latest_checkpoint,
+    list_checkpoints,
+    move_aside,
+    partial_saves,
+    pointer_target,
+    read_manifest,
+    read_trainer_state,
+    resolve_checkpoint_path,
+    saved_engine,
+    verify,
+    write_checkpoint_state,
+    write_rank_record,
+)
 from diff_transformer.models.layer_specs import DIFFERENTIAL_KINDS
 
 logger = logging.getLogger("diff_transformer")
 
-CHECKPOINTS_DIRNAME = "checkpoints"
-LATEST_FILE = "latest"
-STATE_FILE = "trainer_state.json"
-FORMAT_VERSION = 1
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+FORMAT_VERSION = FORMAT_WITH_MANIFEST  # trainer_state.json's format: 2 is committed with a manifest
 # The distributed optimizer's only format that reshards across TP/PP/DP (and the one that works on the torch-Adam path).
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 # Model settings that may differ between the run that saved and the run that loads: same parameters, same math.
@@ -47,59 +82,43 @@ MODEL_KEYS_FREE_TO_CHANGE = ("attention_backend",)
 # ... and those a run that starts from a checkpoint's weights may change too: same tensors, another context or label
 # (rope_base: the long-context extension raises RoPE's θ with the sequence length).
 WEIGHTS_KEYS_FREE_TO_CHANGE = MODEL_KEYS_FREE_TO_CHANGE + ("name", "seq_length", "init_std", "rope_base")
+# Errors a damaged checkpoint raises from inside megatron-core's or DeepSpeed's readers.
+_READ_ERRORS = (
+    OSError, EOFError, RuntimeError, KeyError, ValueError, AttributeError, pickle.UnpicklingError, CheckpointException,
+)
+
+
+# What a failed write raises: any Exception, and torch's CheckpointException, a BaseException, for a write that failed
+# on some rank (megatron-core's finalisation raises it on every rank).
+_WRITE_FAILURES = (Exception, CheckpointException)
+
+
+class CheckpointDamaged(ValueError):
+    """A checkpoint that fails verification or cannot be read; the message names the checkpoint and the file."""
+
+
+class CheckpointSaveFailed(RuntimeError):
+    """A save that could not finish (``disk_full``: no space left, before or during it). Its partial files are
+    removed and ``latest`` still names the last good checkpoint; the message (complete on rank 0) says what to do."""
+
+    def __init__(self, message: str, disk_full: bool = False):
+        super().__init__(message)
+        self.disk_full = disk_full
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Directory layout: names, the `latest` pointer, retention, free space
+# Directory layout: the `latest` pointer, resume candidates, partial saves
 # ------------------------------------------------------------------------------------------------------------------
-def checkpoint_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def checkpoints_dir(cfg: Any, run_dir: str) -> str:
-    return cfg.checkpoint.dir or os.path.join(run_dir, CHECKPOINTS_DIRNAME)
-
-
-def is_complete(path: str) -> bool:
-    """A checkpoint is complete once its trainer_state.json exists: it is written after every tensor file."""
-    return os.path.isfile(os.path.join(path, STATE_FILE))
-
-
-def list_checkpoints(root: str) -> List[Tuple[int, str]]:
-    """Complete checkpoints under ``root`` as (step, path), oldest first."""
-    if not os.path.isdir(root):
+def resume_candidates(root: str) -> List[str]:
+    """What ``checkpoint.resume=auto`` tries, in order: the checkpoint ``latest`` names, then every older complete
+    one, newest first. A complete checkpoint newer than ``latest`` (a save killed before the pointer moved) is not
+    one: the run retraces its step and replaces it."""
+    latest = latest_checkpoint(root)
+    if latest is None:
         return []
-    found = []
-    for name in os.listdir(root):
-        match = _STEP_DIR.match(name)
-        path = os.path.join(root, name)
-        if match and is_complete(path):
-            found.append((int(match.group(1)), path))
-    return sorted(found)
-
-
-def latest_checkpoint(root: str) -> Optional[str]:
-    """The checkpoint that ``latest`` names; the newest complete one when the pointer is absent or stale."""
-    name = _pointer_target(root)
-    if name is not None:
-        path = os.path.join(root, name)
-        if is_complete(path):
-            return path
-        logger.warning(
-            "%s names %s, which is not a complete checkpoint; using the newest complete one",
-            os.path.join(root, LATEST_FILE), path,
-        )
-    found = list_checkpoints(root)
-    return found[-1][1] if found else None
-
-
-def _pointer_target(root: str) -> Optional[str]:
-    """The name ``latest`` holds, or None when there is no pointer."""
-    pointer = os.path.join(root, LATEST_FILE)
-    if not os.path.isfile(pointer):
-        return None
-    with open(pointer) as f:
-        return f.read().strip()
+    newest = os.path.basename(latest)
+    older = [path for _, path in reversed(list_checkpoints(root)) if os.path.basename(path) < newest]
+    return [latest] + older
 
 
 def _discard_checkpoint(path: str) -> None:
@@ -111,61 +130,106 @@ def _discard_checkpoint(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def resolve_checkpoint_path(path: str) -> str:
-    """The checkpoint meant by ``path``: a step_* checkpoint; a checkpoints directory or a run directory (its
-    ``checkpoints/``), then its latest complete checkpoint; or a ``latest`` pointer file, then the checkpoint it names.
-    """
-    if os.path.isfile(path) and os.path.basename(path) == LATEST_FILE:
-        path = os.path.dirname(path) or "."
-    if is_complete(path):
-        return path
-    for root in (path, os.path.join(path, CHECKPOINTS_DIRNAME)):
-        latest = latest_checkpoint(root)
-        if latest is not None:
-            return latest
-    raise ValueError(
-        f"{path} is not a checkpoint: give a step_* checkpoint directory (holding {STATE_FILE}), a checkpoints "
-        f"directory or run directory holding one, or a {LATEST_FILE} file"
-    )
-
-
-def checkpoints_to_delete(steps: List[int], keep_last: int, keep_every: int) -> List[int]:
-    """Steps that fall outside the newest ``keep_last`` and the multiples of ``keep_every``."""
-    newest = set(sorted(steps)[-keep_last:])
-    return [s for s in sorted(steps) if s not in newest and not (keep_every and s % keep_every == 0)]
-
-
-def apply_retention(root: str, keep_last: int, keep_every: int) -> List[str]:
-    removed = []
-    by_step = dict(list_checkpoints(root))
-    for step in checkpoints_to_delete(list(by_step), keep_last, keep_every):
-        shutil.rmtree(by_step[step], ignore_errors=True)
-        removed.append(by_step[step])
-    return removed
-
-
 def remove_partial_saves(root: str) -> None:
     """Temporary directories of saves that never completed (a process killed mid-save)."""
-    if not os.path.isdir(root):
-        return
-    for name in os.listdir(root):
-        if name.startswith(".step_") and name.endswith(".tmp"):
-            logger.warning("removing the partial checkpoint %s left by an interrupted save", name)
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    for path in partial_saves(root):
+        logger.warning("removing the partial checkpoint %s left by an interrupted save", os.path.basename(path))
+        shutil.rmtree(path, ignore_errors=True)
 
 
-def directory_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+# ------------------------------------------------------------------------------------------------------------------
+# Verification
+# ------------------------------------------------------------------------------------------------------------------
+def verify_checkpoint(path: str, checksums: bool = True) -> Verification:
+    """``checkpoint_files.verify`` (sizes and crc32 against the manifest); a checkpoint saved before manifests gets
+    the checks its own files allow (the files torch_dist's ``.metadata`` names exist and are long enough)."""
+    result = verify(path, checksums)
+    if result.ok and not result.has_manifest:
+        result.problems.extend(_unmanifested_problems(path))
+    return result
 
 
-def free_bytes(path: str) -> int:
-    """Free bytes on the file system that holds ``path`` (or its nearest existing parent)."""
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    return shutil.disk_usage(probe).free
+def _unmanifested_problems(path: str) -> List[str]:
+    try:
+        state = read_trainer_state(path)
+        engine = saved_engine(state)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return [f"{STATE_FILE} is unreadable ({err})"]
+    if engine == "deepspeed":
+        present = os.listdir(path)
+        return [] if any(name.endswith("_model_states.pt") for name in present) else ["DeepSpeed's *_model_states.pt files are missing"]
+    problems = [f"{name}: missing" for name in ("common.pt", "metadata.json", ".metadata")
+                if not os.path.isfile(os.path.join(path, name))]
+    if problems:
+        return problems
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(path).read_metadata().storage_data
+    except Exception as err:  # noqa: BLE001 - a damaged .metadata raises anything pickle can
+        return [f".metadata: unreadable ({type(err).__name__}: {err})"]
+    needed: Dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file_path = os.path.join(path, name)
+        if not os.path.isfile(file_path):
+            problems.append(f"{name}: missing")
+        elif os.path.getsize(file_path) < size:
+            problems.append(f"{name}: {os.path.getsize(file_path):,} bytes, .metadata needs {size:,} (truncated)")
+    return problems
 
 
+def require_verified(path: str, checksums: bool = True) -> Verification:
+    """Raise CheckpointDamaged naming every file that fails; log how it went (an unmanifested checkpoint loads with a
+    warning that its contents are unverified)."""
+    result = verify_checkpoint(path, checksums)
+    if not result.ok:
+        raise CheckpointDamaged(f"checkpoint {path} is damaged: {result.summary()}")
+    _log_verification(result)
+    return result
+
+
+def _log_verification(result: Verification) -> None:
+    if not result.has_manifest:
+        logger.warning(
+            "checkpoint %s has no %s (saved before checkpoints recorded checksums): its files are present and long "
+            "enough, their contents are unverified", result.path, MANIFEST_FILE,
+        )
+    else:
+        logger.info(
+            "verified checkpoint %s: %d files, %s, %s in %.2f s", result.path, result.files,
+            format_bytes(result.bytes), "sizes and crc32" if result.checksums else "sizes only", result.seconds,
+        )
+
+
+def select_resume_checkpoint(root: str, checksums: bool = True) -> Tuple[Optional[str], List[Tuple[str, str]]]:
+    """``checkpoint.resume=auto``: (the newest checkpoint under ``root`` that verifies, [(damaged checkpoint, what is
+    wrong)] skipped on the way). None when ``root`` holds no checkpoint; CheckpointDamaged when none verifies."""
+    skipped: List[Tuple[str, str]] = []
+    for path in resume_candidates(root):
+        result = verify_checkpoint(path, checksums)
+        if result.ok:
+            _log_verification(result)
+            return path, skipped
+        logger.warning(
+            "checkpoint %s is damaged (%s): skipping it for the previous one; it is kept, moved aside as %s%s",
+            path, result.summary(), os.path.basename(path), DAMAGED_SUFFIX,
+        )
+        skipped.append((path, result.summary()))
+    if skipped:
+        listing = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
+        raise CheckpointDamaged(
+            f"no checkpoint under {root} verifies ({listing}); restore the damaged files, resume from a copy with "
+            "checkpoint.resume=PATH, or start the run over in a new directory (hydra.run.dir=NEW) or here "
+            "(checkpoint.resume=none overwrite_run=true)"
+        )
+    return None, skipped
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Free space
+# ------------------------------------------------------------------------------------------------------------------
 def estimate_checkpoint_bytes(num_parameters: int, params_dtype: torch.dtype) -> int:
     """Weights in their dtype, an fp32 master copy when they are not fp32, and Adam's two fp32 moments."""
     weight = torch.empty((), dtype=params_dtype).element_size()
@@ -173,14 +237,41 @@ def estimate_checkpoint_bytes(num_parameters: int, params_dtype: torch.dtype) ->
     return num_parameters * (weight + master + 8)
 
 
-def ensure_free_space(root: str, needed_bytes: int) -> None:
+def _room_choices(root: str, keep_last: int) -> str:
+    return (
+        f"free space there and rerun the same command; or move {root} to a disk with room and rerun with "
+        f"checkpoint.dir set to its new place (checkpoint.resume=auto finds the moved checkpoints); or keep fewer "
+        f"checkpoints (checkpoint.keep_last, now {keep_last})"
+    )
+
+
+def ensure_free_space(root: str, needed_bytes: int, keep_last: int = 1) -> None:
+    """Refuse to start a run whose checkpoint disk cannot hold one more checkpoint (start-up check)."""
     free = free_bytes(root)
     if free < needed_bytes:
         raise ValueError(
-            f"the checkpoint disk at {root} has {free / 2**30:.2f} GiB free, less than one checkpoint "
-            f"({needed_bytes / 2**30:.2f} GiB); free space, point checkpoint.dir elsewhere, or set "
-            "checkpoint.check_free_space=false"
+            f"the checkpoint disk at {root} has {format_bytes(free)} free, less than one checkpoint "
+            f"({format_bytes(needed_bytes)}); {_room_choices(root, keep_last)}; or skip this check "
+            "(checkpoint.check_free_space=false)"
         )
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether ``err``, or anything it wraps (causes, torch's per-rank checkpoint failures), is an ENOSPC."""
+    seen, stack = set(), [err]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "[Errno 28]" in str(e):
+            return True
+        stack.extend([e.__cause__, e.__context__])
+        for failure in getattr(e, "failures", {}).values() if isinstance(getattr(e, "failures", None), dict) else ():
+            stack.append(failure[0] if isinstance(failure, tuple) else failure)
+    return False
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -255,11 +346,6 @@ def convert_command(path: str) -> str:
     return f"python -m diff_transformer.checkpoint convert {path} OUT --to torch_dist"
 
 
-def saved_engine(saved: Dict[str, Any]) -> str:
-    """The engine that wrote a checkpoint (checkpoints from before engines were recorded are megatron-core's)."""
-    return saved["layout"].get("engine", "megatron")
-
-
 def check_weights_loadable(path: str, saved: Dict[str, Any], cfg: Any) -> None:
     """``checkpoint.load_weights_only``: engine=megatron reads torch_dist checkpoints (its own, or converted from
     DeepSpeed); engine=deepspeed reads both formats (a DeepSpeed one at the TP that saved it)."""
@@ -328,11 +414,6 @@ def check_deepspeed_resumable(path: str, layout: Dict[str, Any], cfg: Any) -> No
                 f"{resume_words}, or convert it ({convert_command(path)}) and start from "
                 "checkpoint.load_weights_only=OUT (weights only, fresh optimizer state)"
             )
-
-
-def read_trainer_state(path: str) -> Dict[str, Any]:
-    with open(os.path.join(path, STATE_FILE)) as f:
-        return json.load(f)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -447,6 +528,79 @@ def trainer_state(trainer, save_seconds: Optional[float] = None) -> Dict[str, An
     }
 
 
+_FILE_RECORDS: Dict[str, bool] = {"installed": False, "checksums": True}
+
+
+def record_written_files(checksums: bool = True) -> None:
+    """Make megatron-core's torch_dist writer record the size (and crc32) of each file a rank writes, in the
+    writer itself: for an asynchronous save that is the forked background process, so the loop never waits for the
+    hashing. Installed once; ``checksums`` applies to the saves that follow."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    _FILE_RECORDS["checksums"] = checksums
+    if _FILE_RECORDS["installed"]:
+        return
+    original = FileSystemWriterAsync.get_save_function_and_args
+
+    def get_save_function_and_args(self):
+        write, stage, args = original(self)
+        if write is None:  # nothing to write on this rank
+            return write, stage, args
+        directory, with_checksums = str(self.checkpoint_dir), _FILE_RECORDS["checksums"]
+
+        def write_and_record(rank, write_buckets, results_queue):
+            files = [bucket[0] for bucket in write_buckets]
+            write(rank, write_buckets, _RecordingQueue(results_queue, directory, rank, files, with_checksums))
+
+        return write_and_record, stage, args
+
+    FileSystemWriterAsync.get_save_function_and_args = get_save_function_and_args
+    _FILE_RECORDS["installed"] = True
+
+
+class _RecordingQueue:
+    """Stands in for the writer's results queue: when the writer reports its files written, record them first, then
+    pass the report on (or the recording's own failure, an ENOSPC say, as the write's failure)."""
+
+    def __init__(self, queue, directory: str, rank: int, files: List[str], checksums: bool):
+        self.queue, self.directory, self.rank, self.files, self.checksums = queue, directory, rank, files, checksums
+
+    def put(self, result) -> None:
+        if not isinstance(result, BaseException):
+            try:
+                write_rank_record(self.directory, self.rank, self.files, self.checksums)
+            except OSError as err:
+                result = err
+        self.queue.put(result)
+
+
+def checkpoint_bytes(path: str) -> int:
+    try:
+        manifest = read_manifest(path)
+    except ValueError:
+        manifest = None
+    return int(manifest["bytes"]) if manifest and "bytes" in manifest else directory_bytes(path)
+
+
+class _Reading:
+    """Turns what a damaged checkpoint raises inside a reader into CheckpointDamaged naming the checkpoint."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb):
+        if err is not None and isinstance(err, _READ_ERRORS) and not isinstance(err, CheckpointDamaged):
+            raise CheckpointDamaged(f"checkpoint {self.path} cannot be read: {type(err).__name__}: {err}") from err
+        return False
+
+
+def reading_checkpoint(path: str) -> _Reading:
+    return _Reading(path)
+
+
 class CheckpointManager:
     """Saves and loads one run's checkpoints; every rank calls every method (they are collective)."""
 
@@ -456,60 +610,140 @@ class CheckpointManager:
         self.config: CheckpointConfig = trainer.cfg.checkpoint
         self.rank = torch.distributed.get_rank()
         self.last_save_seconds: Optional[float] = None
-        self._pending = None  # (async request, finalize) of a background save
+        self.expected_bytes: Optional[int] = None  # a checkpoint's size on disk: the last one saved or loaded
+        self._pending = None  # the queue of a background save
+        self._pending_save: Optional[Tuple[int, str]] = None  # (step, temporary directory) of that save
 
     # -- save ----------------------------------------------------------------------------------------------------
     def save(self, reason: str = "interval") -> Optional[str]:
-        """Write a checkpoint of the current step; returns its path (None if it already exists)."""
+        """Write a checkpoint of the current step; returns its path (None if it exists already, or if the disk has
+        no room and ``checkpoint.on_disk_full=skip`` lets an interval save be skipped). Raises
+        CheckpointSaveFailed when the disk is full (before or during the save) and the run must stop."""
         self.wait()  # one save at a time: the previous background save must be renamed first
         step = self.trainer.step
         final = os.path.join(self.root, checkpoint_name(step))
-        action = None
-        if self.rank == 0:  # one rank decides, so that every rank takes the same branch
-            action = "save"
-            if is_complete(final):
-                action = "skip" if _pointer_target(self.root) == os.path.basename(final) else "replace"
-        action = broadcast_object(action, src=0)
+        # one rank decides, so that every rank takes the same branch
+        action, message = broadcast_object(self._plan_save(final) if self.rank == 0 else None, src=0)
         if action == "skip":
             return None  # this step is saved already (e.g. on the interval, then again on a signal)
-        if action == "replace" and self.rank == 0:
-            # complete but never named by `latest`: a save killed between its rename and the pointer update; this
-            # run resumed from an earlier checkpoint and retraced the step, so its own state replaces the orphan
-            logger.warning("replacing %s, which the latest pointer never named (an interrupted save)", final)
-            _discard_checkpoint(final)
+        if action == "no_room":
+            if reason == "interval" and self.config.on_disk_full == "skip":
+                if self.rank == 0:
+                    logger.warning(
+                        "skipping the checkpoint of step %d: %s; training goes on and the next save tries again "
+                        "(checkpoint.on_disk_full=skip)", step, message,
+                    )
+                return None
+            raise CheckpointSaveFailed(
+                f"{message}; the run stops at step {step} ({reason}; checkpoint.on_disk_full="
+                f"{self.config.on_disk_full}) and `latest` still names {pointer_target(self.root) or 'no checkpoint'}: "
+                f"{_room_choices(self.root, self.config.keep_last)}", disk_full=True,
+            )
         start = time.perf_counter()
         tmp = os.path.join(self.root, f".{checkpoint_name(step)}.tmp")
         if self.rank == 0:
-            os.makedirs(self.root, exist_ok=True)
-            remove_partial_saves(self.root)
             os.makedirs(tmp)
         barrier()
-        request = self._write(tmp)
+        try:
+            request = self._write(tmp)
+        except _WRITE_FAILURES as err:  # clean up, then report (a full disk) or re-raise
+            self._abandon(err, step, tmp)
         meta = trainer_state(self.trainer)
 
         def finalize() -> None:
             barrier()
             seconds = time.perf_counter() - start
+            failure = None
             if self.rank == 0:
-                meta["save_seconds"] = round(seconds, 3)
-                # the state file marks completeness, so it goes last, then the directory becomes visible by rename
-                atomic_write_json(os.path.join(tmp, STATE_FILE), meta)
-                os.rename(tmp, final)
-                fsync_dir(self.root)
-                atomic_write_text(os.path.join(self.root, LATEST_FILE), os.path.basename(final) + "\n")
-                removed = apply_retention(self.root, self.config.keep_last, self.config.keep_every)
-                logger.info(
-                    "saved checkpoint %s (%s, %.2f GiB, %.1f s)%s", final, reason, directory_bytes(final) / 2**30,
-                    seconds, f"; removed {len(removed)} old" if removed else "",
-                )
+                try:
+                    meta["save_seconds"] = round(seconds, 3)
+                    # trainer_state.json (completeness) and the manifest go last, then the rename makes it visible
+                    manifest = write_checkpoint_state(tmp, meta, checksums=self.config.verify)
+                    os.rename(tmp, final)
+                    fsync_dir(self.root)
+                    atomic_write_text(os.path.join(self.root, LATEST_FILE), os.path.basename(final) + "\n")
+                    self.expected_bytes = int(manifest["bytes"])
+                    removed = apply_retention(self.root, self.config.keep_last, self.config.keep_every)
+                    logger.info(
+                        "saved checkpoint %s (%s, %s, %.1f s)%s", final, reason, format_bytes(manifest["bytes"]),
+                        seconds, f"; removed {len(removed)} old" if removed else "",
+                    )
+                except OSError as err:
+                    failure = self._failure(err, step, tmp)
+            failure = broadcast_object(failure, src=0)  # every rank stops together, or goes on together
+            if failure is not None:
+                raise CheckpointSaveFailed(*failure)
             self.last_save_seconds = seconds
-            barrier()
 
         if request is None:
             finalize()
         else:
             self._pending = self._schedule_async(request, finalize)
+            self._pending_save = (step, tmp)
         return final
+
+    def _plan_save(self, final: str) -> Tuple[str, Optional[str]]:
+        """("skip" | "save" | "no_room", why): rank 0's decision, taken before anything is written."""
+        if is_complete(final):
+            if pointer_target(self.root) == os.path.basename(final):
+                return "skip", None
+            # complete but never named by `latest`: a save killed between its rename and the pointer update; this
+            # run resumed from an earlier checkpoint and retraced the step, so its own state replaces the orphan
+            logger.warning("replacing %s, which the latest pointer never named (an interrupted save)", final)
+            _discard_checkpoint(final)
+        os.makedirs(self.root, exist_ok=True)
+        remove_partial_saves(self.root)
+        if self.config.check_free_space:
+            needed, free = self._needed_bytes(), free_bytes(self.root)
+            if free < needed:
+                kept = len(list_checkpoints(self.root))
+                return "no_room", (
+                    f"the checkpoint disk at {self.root} has {format_bytes(free)} free, less than the "
+                    f"{format_bytes(needed)} a checkpoint needs" + (
+                        f" (the {kept} checkpoint{'s' if kept > 1 else ''} retention keeps stay until it is committed)"
+                        if kept else ""
+                    )
+                )
+        return "save", None
+
+    def _needed_bytes(self) -> int:
+        """The size of the next checkpoint: the last one saved or loaded, else the estimate from the parameter count;
+        5% more for what varies between saves."""
+        size = self.expected_bytes
+        if size is None:
+            size = estimate_checkpoint_bytes(getattr(self.trainer, "num_parameters", 0) or 0, self.trainer.dtype)
+        return int(size * 1.05)
+
+    def _failure(self, err: BaseException, step: int, tmp: str) -> Optional[Tuple[str, bool]]:
+        """(message, disk full) of a failed write after removing its temporary directory (rank 0's message names
+        the sizes and the choices); None when ``err`` is no write failure (a bug: re-raise it)."""
+        disk_full = is_disk_full(err)
+        if not (disk_full or isinstance(err, (OSError, CheckpointException)) or "CheckpointingException" in type(err).__name__):
+            return None
+        if self.rank != 0:
+            return f"saving the checkpoint of step {step} failed (rank 0 reports why)", disk_full
+        shutil.rmtree(tmp, ignore_errors=True)
+        latest = pointer_target(self.root) or "no checkpoint"
+        if not disk_full:
+            return (
+                f"saving the checkpoint of step {step} to {self.root} failed ({' '.join(str(err).split())[:300]}); its "
+                f"partial files are removed and `latest` still names {latest}", False,
+            )
+        return (
+            f"the checkpoint disk at {self.root} filled up while saving the checkpoint of step {step}: its partial "
+            f"files are removed and `latest` still names {latest}; a checkpoint needs about "
+            f"{format_bytes(self._needed_bytes())}, {format_bytes(free_bytes(self.root))} are free there now: "
+            f"{_room_choices(self.root, self.config.keep_last)}", True,
+        )
+
+    def _abandon(self, err: BaseException, step: int, tmp: str) -> None:
+        """A write raised ``err``: remove the partial save and raise CheckpointSaveFailed (or ``err`` itself)."""
+        failure = self._failure(err, step, tmp)
+        if failure is None:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise err
+        raise CheckpointSaveFailed(*failure) from err
 
     def _write(self, tmp: str):
         """Write every rank's state into the (existing) directory ``tmp``; returns the request of a background
@@ -517,10 +751,21 @@ class CheckpointManager:
         from megatron.core import dist_checkpointing
 
         compat.fork_checkpoint_results_queue()
+        record_written_files(checksums=self.config.verify)
         self.trainer.finish_param_sync()  # parameters updated by the last step, on every rank
         state = _sharded_state_dict(self.trainer, is_loading=False, optimizer=True, rng=True)
         # the background writer is forked after the state is staged in host memory, so later steps cannot change it
         return dist_checkpointing.save(state, tmp, async_sharded_save=self.config.async_save)
+
+    def _record_files_by_rank(self, tmp: str) -> None:
+        """For a writer that records nothing itself (DeepSpeed's): once every rank's files are written, each rank
+        records a share of them, so that the hashing is spread over the ranks."""
+        barrier()
+        world = torch.distributed.get_world_size()
+        names = sorted(
+            os.path.join(d, f) for d, _, files in os.walk(tmp) for f in files if not f.startswith(RANK_RECORD_PREFIX)
+        )
+        write_rank_record(tmp, self.rank, names[self.rank::world], self.config.verify)
 
     def _schedule_async(self, request, finalize):
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -531,35 +776,48 @@ class CheckpointManager:
         self._queue.schedule_async_request(request)
         return self._queue
 
+    def _finish_pending(self, blocking: bool) -> None:
+        if self._pending is None:
+            return
+        try:
+            self._pending.maybe_finalize_async_calls(blocking=blocking)
+        except CheckpointSaveFailed:
+            self._pending = None
+            raise
+        except _WRITE_FAILURES as err:  # the background write failed: clean up, then report or re-raise
+            self._pending = None
+            self._abandon(err, *self._pending_save)
+        if blocking or self._pending.get_num_unfinalized_calls() == 0:
+            self._pending = None
+
     def poll(self) -> None:
         """Finish a background save whose writes are done (collective; call at a step boundary)."""
-        if self._pending is not None:
-            self._pending.maybe_finalize_async_calls(blocking=False)
-            if self._pending.get_num_unfinalized_calls() == 0:
-                self._pending = None
+        self._finish_pending(blocking=False)
 
     def wait(self) -> None:
-        if self._pending is not None:
-            self._pending.maybe_finalize_async_calls(blocking=True)
-            self._pending = None
+        self._finish_pending(blocking=True)
 
     # -- load ----------------------------------------------------------------------------------------------------
     def load(self, path: str, weights_only: bool = False) -> Dict[str, Any]:
-        """Load ``path`` into the trainer's model (and, unless ``weights_only``, optimizer, scheduler, step, data
-        position and RNG); returns the checkpoint's trainer state."""
+        """Load ``path`` (verified beforehand) into the trainer's model (and, unless ``weights_only``, optimizer,
+        scheduler, step, data position and RNG); returns the checkpoint's trainer state. A file that cannot be read
+        raises CheckpointDamaged naming the checkpoint."""
         from megatron.core import dist_checkpointing
 
         saved = read_trainer_state(path)
         if weights_only:
-            load_model_weights(_model_chunks(self.trainer)[0], path, saved["config"]["model"])
+            with reading_checkpoint(path):
+                load_model_weights(_model_chunks(self.trainer)[0], path, saved["config"]["model"])
             barrier()
             return saved
         check_resumable(path, saved, self.trainer.cfg)
+        self.expected_bytes = checkpoint_bytes(path)
         current_layout = _layout(self.trainer)
         same_layout = all(saved["layout"][k] == current_layout[k] for k in ("tp", "pp", "dp"))
         with_rng = same_layout
         state = _sharded_state_dict(self.trainer, is_loading=True, optimizer=True, rng=with_rng)
-        loaded = dist_checkpointing.load(state, path)
+        with reading_checkpoint(path):
+            loaded = dist_checkpointing.load(state, path)
         _model_chunks(self.trainer)[0].load_state_dict(loaded["model"], strict=True)
         with compat.adam_step_left_out_of_param_copies(self.trainer.optimizer):
             self.trainer.optimizer.load_state_dict(loaded["optimizer"])

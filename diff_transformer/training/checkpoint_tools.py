@@ -18,40 +18,21 @@ import torch
 from omegaconf import OmegaConf
 
 from diff_transformer.config import Config, padded_vocab_size
-from diff_transformer.fileio import atomic_write_json, fsync_dir
+from diff_transformer.fileio import fsync_dir
 from diff_transformer.models.gpt import build_model_chunk, resolve_precision, set_dex_anneal
 from diff_transformer.training.checkpoint import (
-    STATE_FILE,
-    directory_bytes,
+    FORMAT_VERSION,
     read_trainer_state,
+    reading_checkpoint,
+    require_verified,
     resolve_checkpoint_path,
     saved_engine,
+    write_checkpoint_state,
 )
+from diff_transformer.training.checkpoint_files import describe  # noqa: F401  (inspect's description, torch-free)
 from diff_transformer.distributed import destroy_distributed, free_port, init_distributed
 
 logger = logging.getLogger("diff_transformer")
-
-
-def describe(path: str) -> Dict[str, Any]:
-    path = resolve_checkpoint_path(path)
-    state = read_trainer_state(path)
-    model = state["config"]["model"]
-    return {
-        "path": path,
-        "step": state["step"],
-        "consumed_samples": state["consumed_samples"],
-        "skipped_steps": state.get("skipped_steps", 0),
-        "layout": state["layout"],
-        "model": model,
-        "num_parameters": state.get("num_parameters"),
-        "size_bytes": directory_bytes(path),
-        "wandb_run_id": state.get("wandb_run_id"),
-        "saved_at": state.get("saved_at"),
-        "save_seconds": state.get("save_seconds"),
-        "engine": saved_engine(state),
-        "weights_only": bool(state.get("weights_only")),
-        "converted_from": state.get("converted_from"),
-    }
 
 
 def _saved_config(state: Dict[str, Any]) -> Config:
@@ -87,13 +68,15 @@ def load_single_rank_model(path: str, dtype: Optional[torch.dtype] = None):
 def load_single_rank_weights(chunk: torch.nn.Module, path: str, cfg: Config, state: Dict[str, Any]) -> None:
     """The weights of torch_dist checkpoint ``path`` (any saved TP/PP; trainer state ``state``) into ``chunk``, a
     TP=1/PP=1 model built from its config ``cfg``, as the run computed at that step: DEX's λ annealing is set to the
-    checkpoint's step. A DeepSpeed checkpoint is refused, naming the conversion."""
+    checkpoint's step. The checkpoint is verified first; a DeepSpeed checkpoint is refused, naming the conversion."""
     if saved_engine(state) == "deepspeed":
         raise ValueError(
             f"checkpoint {path} was saved by engine=deepspeed; convert it to torch_dist first "
             f"(python -m diff_transformer.checkpoint convert {path} OUT --to torch_dist) and give OUT"
         )
-    load_torch_dist_weights(chunk, path)
+    require_verified(path)
+    with reading_checkpoint(path):
+        load_torch_dist_weights(chunk, path)
     if cfg.model.attention == "dex":
         set_dex_anneal([chunk], cfg.model.dex, state["step"], cfg.trainer.max_steps)
 
@@ -164,6 +147,7 @@ def convert_to_torch_dist(path: str, output: str) -> Dict[str, Any]:
     at the TP of the run that saved it: engine=megatron starts from it with ``checkpoint.load_weights_only`` on any
     TP/PP layout (the optimizer state stays behind). One process per TP rank, over gloo on this machine."""
     path = resolve_checkpoint_path(path)
+    require_verified(path)
     state = read_trainer_state(path)
     if saved_engine(state) != "deepspeed":
         raise ValueError(f"{path} was saved by engine={saved_engine(state)} and is torch_dist already")
@@ -184,7 +168,8 @@ def convert_to_torch_dist(path: str, output: str) -> Dict[str, Any]:
         tp=tp, pp=1, dp=1, world_size=tp, distributed_optimizer=False, engine="megatron"
     )
     meta.update(weights_only=True, converted_from=f"converted from engine=deepspeed checkpoint {path}")
-    atomic_write_json(os.path.join(tmp, STATE_FILE), meta)  # last: marks the checkpoint complete
+    meta["format_version"] = FORMAT_VERSION
+    write_checkpoint_state(tmp, meta)  # last: marks the checkpoint complete, then its manifest
     os.rename(tmp, output)
     fsync_dir(os.path.dirname(os.path.abspath(output)))
     logger.info("converted %s (ZeRO-%d, tp=%d) to torch_dist %s", path, state["layout"]["zero_stage"], tp, output)

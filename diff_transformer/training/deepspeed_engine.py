@@ -40,8 +40,10 @@ from diff_transformer.models.gpt import build_model_chunk, parameter_numel
 from diff_transformer.training.checkpoint import (
     CheckpointManager,
     check_resumable,
+    checkpoint_bytes,
     load_model_weights,
     read_trainer_state,
+    reading_checkpoint,
     rng_state,
     saved_engine,
     set_rng_state,
@@ -316,7 +318,8 @@ class DeepSpeedTrainer(Trainer):
             self._log_partitioned_construction(chunk)
         weights = self._decide_checkpoint()[1]
         if weights:  # a new run from a checkpoint's weights, loaded into the whole model (under ZeRO-3 gathered)
-            self._load_weights(chunk, weights, zero3)
+            with reading_checkpoint(weights):
+                self._load_weights(chunk, weights, zero3)
         self._tp_hooks = register_tp_gradient_sums(chunk)
         groups = param_groups(chunk, self.cfg.optim)
         self.engine, optimizer, _, _ = deepspeed.initialize(
@@ -498,6 +501,7 @@ class DeepSpeedCheckpointManager(CheckpointManager):
             save_latest=False,
         )
         torch.save(rng_state(), os.path.join(tmp, RNG_FILE.format(rank=self.rank)))
+        self._record_files_by_rank(tmp)  # for the manifest: DeepSpeed's writer records nothing itself
         return None  # synchronous (config validation refuses checkpoint.async_save)
 
     def load(self, path: str, weights_only: bool = False) -> Dict[str, Any]:
@@ -505,15 +509,17 @@ class DeepSpeedCheckpointManager(CheckpointManager):
         if weights_only:  # loaded into the model before deepspeed.initialize (DeepSpeedTrainer._build_model)
             return saved
         check_resumable(path, saved, self.trainer.cfg)
+        self.expected_bytes = checkpoint_bytes(path)
         root, tag = os.path.split(os.path.normpath(path))
-        loaded, client_state = self.trainer.engine.load_checkpoint(
-            root, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
-        )
-        if loaded is None:
-            raise ValueError(f"DeepSpeed found no checkpoint to load in {path}")
-        compat.restore_nvme_optimizer_memory_state(self.trainer.engine, root, tag)
-        self.trainer.scheduler.load_state_dict(client_state["opt_param_scheduler"])
-        set_rng_state(torch.load(os.path.join(path, RNG_FILE.format(rank=self.rank)), weights_only=False))
+        with reading_checkpoint(path):
+            loaded, client_state = self.trainer.engine.load_checkpoint(
+                root, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+            )
+            if loaded is None:
+                raise ValueError(f"DeepSpeed found no checkpoint to load in {path}")
+            compat.restore_nvme_optimizer_memory_state(self.trainer.engine, root, tag)
+            self.trainer.scheduler.load_state_dict(client_state["opt_param_scheduler"])
+            set_rng_state(torch.load(os.path.join(path, RNG_FILE.format(rank=self.rank)), weights_only=False))
         distributed.barrier()
         return saved
 

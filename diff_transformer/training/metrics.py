@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
 import math
 import os
 import sys
@@ -15,15 +16,25 @@ from diff_transformer.fileio import atomic_write_lines
 
 logger = logging.getLogger("diff_transformer")
 
-def setup_console_logging(run_dir: str, rank: int, level: str = "INFO") -> None:
-    """Rank 0 logs to stdout and ``train.log``; other ranks log warnings only."""
+LOG_FILE = "train.log"
+_FORMAT = logging.Formatter("[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
+
+
+def setup_console_logging(run_dir: str, rank: int, level: str = "INFO", hold_file: bool = False) -> None:
+    """Rank 0 logs to stdout and ``train.log``; other ranks log warnings only. ``hold_file``: ``train.log``'s lines
+    are held in memory until :func:`start_run_log` (a start refused leaves the run directory untouched)."""
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
-    fmt = logging.Formatter("[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    fmt = _FORMAT
     if rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        for handler in (logging.StreamHandler(sys.stdout), logging.FileHandler(os.path.join(run_dir, "train.log"))):
+        if hold_file:
+            held = logging.handlers.MemoryHandler(capacity=1 << 30, flushLevel=logging.CRITICAL + 1)
+            handlers = (logging.StreamHandler(sys.stdout), held)
+        else:
+            os.makedirs(run_dir, exist_ok=True)
+            handlers = (logging.StreamHandler(sys.stdout), logging.FileHandler(os.path.join(run_dir, LOG_FILE)))
+        for handler in handlers:
             handler.setFormatter(fmt)
             root.addHandler(handler)
         root.setLevel(level)
@@ -36,6 +47,18 @@ def setup_console_logging(run_dir: str, rank: int, level: str = "INFO") -> None:
         root.setLevel(logging.WARNING)
 
 
+def start_run_log(run_dir: str) -> None:
+    """``train.log`` receives the lines held back by ``setup_console_logging(hold_file=True)``, then every line."""
+    root = logging.getLogger()
+    for held in [h for h in root.handlers if isinstance(h, logging.handlers.MemoryHandler) and h.target is None]:
+        log_file = logging.FileHandler(os.path.join(run_dir, LOG_FILE))
+        log_file.setFormatter(_FORMAT)
+        held.setTarget(log_file)
+        held.close()  # flushes what it held
+        root.removeHandler(held)
+        root.addHandler(log_file)
+
+
 def format_duration(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
@@ -43,6 +66,30 @@ def format_duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def last_logged_step(path: str) -> Optional[int]:
+    """The step of the last complete record of a metrics.jsonl (read from its end), or None when it has none."""
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        end, block = f.tell(), 1 << 16
+        while True:
+            start = max(0, end - block)
+            f.seek(start)
+            lines = f.read(end - start).splitlines()
+            for line in reversed(lines[1:] if start else lines):  # the first may be cut by the block start
+                try:
+                    return int(json.loads(line)["step"])
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut short by a crash mid-write
+            if start == 0:
+                return None
+            block *= 4
 
 
 def truncate_metrics(path: str, last_step: int) -> int:
@@ -71,7 +118,7 @@ class MetricsWriter:
     """Appends one JSON object per step to ``metrics.jsonl`` on the logging rank, and mirrors it to W&B."""
 
     def __init__(self, run_dir: str, max_steps: int, enabled: bool, wandb_run=None, resume_step: Optional[int] = None):
-        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.path = os.path.join(run_dir, METRICS_FILE)
         self.max_steps = max_steps
         self.enabled = enabled
         self.wandb_run = wandb_run

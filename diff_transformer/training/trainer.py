@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from diff_transformer import compat
 from diff_transformer.config import padded_vocab_size, validate
-from diff_transformer.fileio import atomic_write_json
+from diff_transformer.fileio import atomic_write_json, atomic_write_text
 from diff_transformer.models.gpt import (
     FUSED_ATTENTION_BACKENDS,
     attention_parameters_per_layer,
@@ -50,19 +50,23 @@ from diff_transformer.training.accounting import (
     peak_flops_per_device,
 )
 from diff_transformer.training.checkpoint import (
+    DAMAGED_SUFFIX,
+    LATEST_FILE,
     CheckpointManager,
     check_model_compatible,
     check_resumable,
     check_weights_compatible,
     check_weights_loadable,
+    checkpoint_bytes,
     checkpoints_dir,
-    directory_bytes,
     ensure_free_space,
     estimate_checkpoint_bytes,
-    latest_checkpoint,
+    move_aside,
     read_trainer_state,
     remove_partial_saves,
+    require_verified,
     resolve_checkpoint_path,
+    select_resume_checkpoint,
 )
 from diff_transformer.distributed import world_size_from_env
 from diff_transformer.training.diagnostics import AttentionDiagnostics, diagnostics_enabled, estimated_cost_fraction
@@ -74,8 +78,9 @@ from diff_transformer.training.failures import (
     poison_gradients,
     requeue_current_job,
 )
-from diff_transformer.training.metrics import MetricsWriter, init_wandb, setup_console_logging
+from diff_transformer.training.metrics import MetricsWriter, init_wandb, setup_console_logging, start_run_log
 from diff_transformer.training.profiling import StepProfiler
+from diff_transformer.training.run_directory import check_start, move_old_run_aside
 from diff_transformer.training.steps import forward_step
 
 logger = logging.getLogger("diff_transformer")
@@ -96,6 +101,11 @@ class Trainer:
         self.wandb_run_id: Optional[str] = None
         self.resumed_from: Optional[str] = None
         self.bad_steps = BadStepGuard(cfg.failures)
+        self.stopped_by_signal = False  # fit returned early after saving on a signal: the run is resumable
+        self.requeued = False  # ... and under SLURM the job requeued itself
+        self._old_run = None  # a run this fresh start moves aside (overwrite_run=true)
+        self._damaged_checkpoints: List[Any] = []  # (path, why) skipped by checkpoint.resume=auto
+        self._backend_decision: Optional[Dict[str, Any]] = None  # model.attention_backend=auto's, to record
 
     # -- setup -------------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -127,7 +137,9 @@ class Trainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
-        setup_console_logging(self.run_dir, self.rank, cfg.logging.level)
+        # the log reaches train.log only once every start-up check has passed (nothing in the run directory
+        # changes before): _commit_start
+        setup_console_logging(self.run_dir, self.rank, cfg.logging.level, hold_file=True)
 
         gbs, mbs = cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size
         self.num_microbatches = gbs // (mbs * self.dp_size)
@@ -159,13 +171,11 @@ class Trainer:
         itself is checked by ``compat``."""
 
     def _agree_on_run_dir(self) -> None:
-        """Every rank uses rank 0's run directory (time-stamped default directories can differ by a second)."""
+        """Every rank uses rank 0's run directory (time-stamped default directories can differ by a second). Rank 0
+        writes nothing there before every start-up check has passed (:meth:`_commit_start`)."""
         own = self.run_dir
         self.run_dir = distributed.broadcast_object(own, src=0)
-        if self.rank == 0:
-            os.makedirs(self.run_dir, exist_ok=True)
-            self._save_resolved_config()
-        elif os.path.realpath(own) != os.path.realpath(self.run_dir):
+        if self.rank != 0 and os.path.realpath(own) != os.path.realpath(self.run_dir):
             shutil.rmtree(own, ignore_errors=True)  # holds only Hydra's copy of the same config
 
     def _save_resolved_config(self) -> None:
@@ -176,11 +186,8 @@ class Trainer:
         before the model is built, and record the choice in config.yaml."""
         from diff_transformer.training.dex import resolve_dex_heads
 
-        root = checkpoints_dir(self.cfg, self.run_dir)
-        resume = distributed.broadcast_object(self._resume_candidate(root) if self.rank == 0 else None, src=0)
-        how = resolve_dex_heads(self, resume)
-        if self.rank == 0:
-            self._save_resolved_config()
+        how = resolve_dex_heads(self, self._agreed_resume_candidate())
+        if self.rank == 0:  # recorded in config.yaml by _commit_start
             logger.info("DEX heads per layer (from %s): %s", how, self.cfg.model.dex.heads)
 
     def _resolve_attention_backend(self) -> None:
@@ -191,15 +198,32 @@ class Trainer:
 
         if self.cfg.model.attention_backend != "auto":
             return
+        resume = self._agreed_resume_candidate()
         decision = None
-        if self.rank == 0:
-            resume = self._resume_candidate(checkpoints_dir(self.cfg, self.run_dir))
+        if self.rank == 0:  # recorded in the run directory by _commit_start
             saved = read_trainer_state(resume)["config"] if resume else None
-            decision = decide_attention_backend(self.cfg, self.run_dir, self.dtype, epilogue_impl(self.cfg), saved)
+            decision = decide_attention_backend(
+                self.cfg, self.run_dir, self.dtype, epilogue_impl(self.cfg), saved, record=False
+            )
+            self._backend_decision = decision
         decision = distributed.broadcast_object(decision, src=0)
         self.cfg.model.attention_backend = decision["backend"]
         if self.rank == 0:
             logger.info("model.attention_backend=auto: %s", describe(decision))
+
+    def _agreed_resume_candidate(self) -> Optional[str]:
+        """:meth:`_resume_candidate` of the run's checkpoint directory, decided by rank 0 for every rank
+        (collective); a refusal (a damaged checkpoint named by checkpoint.resume) raises on every rank."""
+        resume, error = None, None
+        if self.rank == 0:
+            try:
+                resume = self._resume_candidate(checkpoints_dir(self.cfg, self.run_dir))
+            except ValueError as err:
+                error = str(err)
+        resume, error = distributed.broadcast_object((resume, error), src=0)
+        if error:
+            raise ValueError(error)
+        return resume
 
     def _build_model(self):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -390,8 +414,9 @@ class Trainer:
         return CheckpointManager(self, root)
 
     def _decide_checkpoint(self):
-        """(checkpoint to resume, checkpoint to take weights from), at most one set: rank 0 decides and checks the
-        disk, every rank follows (collective the first time; the answer is kept)."""
+        """(checkpoint to resume, checkpoint to take weights from), at most one set: rank 0 verifies, decides and
+        checks the run directory and the disk, every rank follows; then the run directory is written for the first
+        time (collective the first time; the answer is kept)."""
         if hasattr(self, "_checkpoint_decision"):
             return self._checkpoint_decision
         c = self.cfg.checkpoint
@@ -399,35 +424,76 @@ class Trainer:
         decision: List[Any] = [None, None, None]  # resume path, weights-only path, error message
         if self.rank == 0:
             try:
-                decision[:2] = self._checkpoint_to_load()
+                resume, weights = self._checkpoint_to_load()
+                # one run per directory: a fresh start where a run is is refused (or, overwrite_run, moves it aside)
+                self._old_run = check_start(self.cfg, self.run_dir, will_resume=resume is not None)
                 if c.check_free_space:
-                    source = decision[0] or decision[1]
-                    needed = directory_bytes(source) if source else estimate_checkpoint_bytes(
+                    source = resume or weights
+                    needed = checkpoint_bytes(source) if source else estimate_checkpoint_bytes(
                         self.num_parameters, self.dtype
                     )
-                    ensure_free_space(self.checkpoint_root, needed)
-            except ValueError as err:
+                    ensure_free_space(self.checkpoint_root, needed, c.keep_last)
+                decision[:2] = resume, weights
+            except (ValueError, OSError) as err:  # every rank must hear of it, or the others wait forever
                 decision[2] = str(err)
         resume, weights, error = distributed.broadcast_object(decision, src=0)
         if error:
             raise ValueError(error)
+        self._commit_start(resume)
         self._checkpoint_decision = (resume, weights)
         return self._checkpoint_decision
 
+    def _commit_start(self, resume: Optional[str]) -> None:
+        """Every start-up check has passed: rank 0 writes the run directory for the first time (the old run moved
+        aside under overwrite_run, config.yaml, the log held back so far, damaged checkpoints moved aside and
+        ``latest`` on the one resumed); every rank waits for it."""
+        failure = None
+        if self.rank == 0:
+            try:
+                moved = move_old_run_aside(self._old_run) if self._old_run else []
+                os.makedirs(self.run_dir, exist_ok=True)
+                start_run_log(self.run_dir)
+                for old, new in moved:
+                    logger.warning("overwrite_run=true: moved the old run %s aside to %s", old, new)
+                self._save_resolved_config()
+                if self._backend_decision is not None:
+                    from diff_transformer.training.backend_choice import write_record
+
+                    write_record(self.run_dir, self._backend_decision)
+                for path, _ in self._damaged_checkpoints:
+                    logger.warning("moved the damaged checkpoint %s aside to %s (kept for inspection)", path,
+                                   move_aside(path, DAMAGED_SUFFIX))
+                if self._damaged_checkpoints and resume:
+                    atomic_write_text(os.path.join(self.checkpoint_root, LATEST_FILE), os.path.basename(resume) + "\n")
+                remove_partial_saves(self.checkpoint_root)
+            except OSError as err:
+                failure = f"cannot write the run directory {self.run_dir}: {err}"
+        failure = distributed.broadcast_object(failure, src=0)
+        if failure:
+            raise ValueError(failure)
+
     def _resume_candidate(self, root: str) -> Optional[str]:
-        """The checkpoint ``checkpoint.resume`` names (auto: the latest under ``root``), or None. Rank 0 only."""
+        """The checkpoint to resume, verified, or None. ``checkpoint.resume=auto``: the newest under ``root`` that
+        verifies (each damaged one skipped is logged and, once the start is committed, moved aside); a path: that
+        checkpoint, refused when damaged. Rank 0 only; kept once found."""
         c = self.cfg.checkpoint
+        cached = getattr(self, "_resume_selection", None)
+        if cached is not None and cached[0] == root:
+            return cached[1]
+        self._damaged_checkpoints = []
+        path = None
         if c.resume == "auto":
-            return latest_checkpoint(root)
-        if c.resume != "none":
-            return resolve_checkpoint_path(c.resume)
-        return None
+            path, self._damaged_checkpoints = select_resume_checkpoint(root, c.verify)
+        elif c.resume != "none":
+            path = resolve_checkpoint_path(c.resume)
+            require_verified(path, c.verify)
+        self._resume_selection = (root, path)
+        return path
 
     def _checkpoint_to_load(self):
-        """(checkpoint to resume, checkpoint to take weights from); at most one is set. Rank 0 only."""
+        """(checkpoint to resume, checkpoint to take weights from); at most one is set, verified. Rank 0 only."""
         c = self.cfg.checkpoint
         current_model = OmegaConf.to_container(OmegaConf.structured(self.cfg.model))
-        remove_partial_saves(self.checkpoint_root)
         resume = self._resume_candidate(self.checkpoint_root)
         if resume:
             saved = read_trainer_state(resume)
@@ -436,6 +502,7 @@ class Trainer:
             return resume, None
         if c.load_weights_only:
             weights = resolve_checkpoint_path(c.load_weights_only)
+            require_verified(weights, c.verify)
             saved = read_trainer_state(weights)
             check_weights_compatible(weights, saved["config"]["model"], current_model)
             check_weights_loadable(weights, saved, self.cfg)
@@ -772,5 +839,6 @@ class Trainer:
             logger.warning("%s: saving step %d before exiting", received, self.step)
         self.checkpoints.save(reason=received)
         self.checkpoints.wait()
-        if self.rank == 0 and os.environ.get("SLURM_JOB_ID"):
-            requeue_current_job()
+        self.stopped_by_signal = True
+        requeued = self.rank == 0 and bool(os.environ.get("SLURM_JOB_ID")) and requeue_current_job()
+        self.requeued = bool(distributed.broadcast_object(requeued, src=0))
