@@ -161,7 +161,7 @@ def _corpus(tmp_path, files=3):
 
 
 def test_preprocess_array_sbatch(tmp_path, fake_slurm, monkeypatch):
-    inputs = _corpus(tmp_path)
+    _corpus(tmp_path)
     monkeypatch.chdir(tmp_path)
     run_dir = tmp_path / "array"
     record = slurm.submit_preprocess(["partitions=3", "cpus_per_task=16", "max_running=2", "partition=cpu",

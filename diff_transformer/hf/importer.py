@@ -25,7 +25,7 @@ from data.tokenizer import import_sentencepiece, load_tokenizer
 from diff_transformer import compat
 from diff_transformer.config import Config, padded_vocab_size, validate
 from diff_transformer.distributed import destroy_distributed, init_distributed
-from diff_transformer.fileio import atomic_write_json, replace_directory
+from diff_transformer.fileio import replace_directory
 from diff_transformer.hf.convert import from_hf_state_dict, model_config_from_hf
 from diff_transformer.models.gpt import build_model_chunk, count_parameters
 from diff_transformer.training.checkpoint import FORMAT_VERSION, write_checkpoint_state

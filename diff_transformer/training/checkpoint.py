@@ -23,7 +23,6 @@ The tools that read checkpoints (inspect, convert) are in ``checkpoint_tools``; 
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import pickle

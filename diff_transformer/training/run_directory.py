@@ -95,7 +95,7 @@ def check_start(cfg: Any, run_dir: str, will_resume: Optional[bool] = None) -> O
         )
     how = "checkpoint.resume=none" if cfg.checkpoint.resume == "none" else "this start"
     if cfg.checkpoint.load_weights_only:
-        how = f"checkpoint.load_weights_only (a new run at step 0)"
+        how = "checkpoint.load_weights_only (a new run at step 0)"
     raise RunDirectoryInUse(
         f"run directory {run_dir} already holds a run ({state.describe()}); {how} would mix a new run with it: "
         f"resume it (checkpoint.resume=auto), or {choices}"
