@@ -59,7 +59,7 @@ def test_two_nodes_on_loopback_match_one_process(tmp_path):
         assert f"torchrun.sh: node {rank}/2, 1 processes, rendezvous 127.0.0.1:{port}" in output
 
     description, rows = read_run(two_nodes)
-    assert description["layout"] == {"tp": 1, "pp": 1, "dp": 2}
+    assert description["layout"] == {"tp": 1, "pp": 1, "cp": 1, "dp": 2}
 
     one_process = tmp_path / "one_process"
     result = subprocess.run([sys.executable, str(REPO_ROOT / "train.py"), *SMOKE, f"hydra.run.dir={one_process}"],
