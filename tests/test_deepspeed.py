@@ -239,9 +239,10 @@ def test_nvme_offload_resumes_bit_exact(nvme_runs):
     resumed = by_step(read_metrics(nvme_runs / "nvme-resumed"))
     assert sorted(resumed) == [4, 5, 6]
     for step in (4, 5, 6):
-        for key in ("loss", "grad_norm", "lr", "lambda", "skipped_steps"):
+        for key in ("loss", "grad_norm", "lr", "skipped_steps"):
             assert resumed[step][key] == full[step][key], (step, key)
-    assert resumed[6]["val_loss"] == full[6]["val_loss"]
+        assert resumed[step].get("lambda") == full[step].get("lambda"), step  # logged on logging steps only
+    assert resumed[6]["val_loss"] == full[6]["val_loss"] and "lambda" in resumed[6]
 
 
 # ------------------------------------------------------------------------------------------------------------------
