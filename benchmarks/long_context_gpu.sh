@@ -2,7 +2,8 @@
 # Long context on one GPU (README, "Long context"), from a bare GPU image, in about 5 minutes:
 #   bash benchmarks/long_context_gpu.sh .whl      (wheels from benchmarks/gpu_wheels.sh; logs and results under $OUT)
 # 1. the ring's CUDA block primitive (flash for bf16 with equal head sizes, memory-efficient otherwise) inside a ring
-#    of two threads sharing the GPU, against the fp64 reference (the gpu tests of tests/test_context_parallel.py);
+#    of two threads sharing the GPU, against the fp64 reference, and DIFF's fused ring (the compiled kernel pieces,
+#    bf16) against the fp32 eager maps (the gpu tests of tests/test_context_parallel.py);
 # 2. the fused kernel's forward+backward time and peak memory at N = 8K, 16K, 32K and 64K for one 3b layer shape
 #    (12 differential heads of d = 128, bf16, batch 1), next to two SDPA calls and the baseline (benchmarks/attention.py;
 #    memory linear in N: the peak at 64K about twice the one at 32K);

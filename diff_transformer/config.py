@@ -578,8 +578,7 @@ def _shown(value: Any) -> str:
 def validate_ring_attention(m: Any, shown: str, backend_key: str = "model.attention_backend") -> None:
     """The attention kind and backend of ``m`` have a ring-attention path (``shown``: the CP setting, for the message;
     ``backend_key``: how the user sets the backend)."""
-    from diff_transformer.models.layer_specs import context_parallel_kinds
-    from diff_transformer.models.ring_attention import IMPLEMENTATIONS as RING_IMPLEMENTATIONS
+    from diff_transformer.models.layer_specs import context_parallel_kinds, core_attention_class
 
     kinds = context_parallel_kinds(m)
     if m.attention not in kinds:
@@ -588,11 +587,12 @@ def validate_ring_attention(m: Any, shown: str, backend_key: str = "model.attent
             f"model.attention={m.attention} has no ring-attention path for context parallelism ({shown}){why}; "
             f"use one of {', '.join(kinds)}, or no context parallelism"
         )
-    if m.attention_backend not in RING_IMPLEMENTATIONS + ("auto",):  # auto chooses among the ring's
+    backends = core_attention_class(m, m.attention).ring_backends
+    if m.attention_backend not in backends + ("auto",):  # auto chooses among the ring's
         raise ValueError(
             f"model.attention_backend={m.attention_backend} has no ring-attention path for context parallelism "
             f"({shown}): the ring merges each softmax map by its log-sum-exp, which this backend does not expose; "
-            f"use {backend_key}=sdpa (or eager)"
+            f"use {backend_key}=sdpa (or {', '.join(b for b in backends if b != 'sdpa')})"
         )
 
 

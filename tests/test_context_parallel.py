@@ -1,7 +1,9 @@
 """Context parallelism (``parallel.cp``, ring attention: ``diff_transformer/models/ring_attention.py``).
 
 - In process: the ring's math on a ring of threads (fp64, against full causal attention: outputs and every gradient,
-  DIFF V1's two maps, V2's one over shared K/V, the baseline's), the load-balanced layout, refusals, the memory plan.
+  DIFF V1's two maps, V2's one over shared K/V, the baseline's), DIFF's fused ring (``triton``, the kernel's pieces in
+  Triton's interpreter, fp32) against the fused kernel over the whole sequence and the eager maps, the load-balanced
+  layout, refusals, the memory plan.
 - One torchrun launch of four processes (``tests/context_parallel_worker.py``): the ring around a real gloo group of
   four, the debug model at CP=4 against CP=1 (every token's loss and every gradient, fp32, every kind with a ring
   path), ten trainer steps at CP=2
@@ -43,20 +45,45 @@ LOSS_TOLERANCE = 1e-5  # measured: <= 1e-6 over ten fp32 steps
 # ------------------------------------------------------------------------------------------------------------------
 class ThreadRing:
     """Rank ``rank`` of a ring of threads in one process (on one device): each exchange hands copies to the next
-    rank's mailbox."""
+    rank's mailbox. With ``lock`` (held by the rank's thread while it computes), waiting releases it: Triton's
+    interpreter is not thread-safe, so the ranks take turns, each running until it waits for its neighbour."""
 
-    def __init__(self, mailboxes, rank):
-        self.mailboxes, self.rank, self.size = mailboxes, rank, len(mailboxes)
+    def __init__(self, mailboxes, rank, lock=None):
+        self.mailboxes, self.rank, self.size, self.lock = mailboxes, rank, len(mailboxes), lock
 
     def exchange(self, tensors):
         self.mailboxes[(self.rank + 1) % self.size].put([t.clone() for t in tensors])
-        mailbox = self.mailboxes[self.rank]
+        mailbox, lock = self.mailboxes[self.rank], self.lock
 
         class Pending:
             def wait(self):
-                return mailbox.get(timeout=60)
+                if lock is None:
+                    return mailbox.get(timeout=60)
+                lock.release()
+                try:
+                    return mailbox.get(timeout=60)
+                finally:
+                    lock.acquire()
 
         return Pending()
+
+
+def run_threads(ranks, rank_main):
+    """``rank_main(rank)`` on one thread per rank; re-raises what any of them raised."""
+    failures = []
+
+    def guarded(rank):
+        try:
+            rank_main(rank)
+        except Exception as err:  # noqa: BLE001  (reported by the test thread)
+            failures.append(err)
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
 
 
 def run_thread_ring(kind, impl, ranks, dtype=torch.float64, device="cpu", chunk=4):
@@ -67,24 +94,16 @@ def run_thread_ring(kind, impl, ranks, dtype=torch.float64, device="cpu", chunk=
     q, k, v = (t.to(device) for t in (q, k, v))
     grads_out = [g.to(device) for g in grads_out]
     mailboxes = [queue.Queue() for _ in range(ranks)]
-    results, failures = [None] * ranks, []
+    results = [None] * ranks
 
     def rank_main(rank):
-        try:
-            local = [context_parallel_chunks(t, ranks, rank, dim=2).clone().requires_grad_() for t in (q, k, v)]
-            outs = ring_attention([local[0][:, qs] for qs, _ in maps], local[1], local[2], [kh for _, kh in maps],
-                                  SCALE, ThreadRing(mailboxes, rank), impl)
-            torch.autograd.backward(outs, [context_parallel_chunks(g, ranks, rank, dim=2) for g in grads_out])
-            results[rank] = ([o.detach() for o in outs], local[0].grad, local[1].grad, local[2].grad)
-        except Exception as err:  # noqa: BLE001  (reported by the test thread)
-            failures.append(err)
+        local = [context_parallel_chunks(t, ranks, rank, dim=2).clone().requires_grad_() for t in (q, k, v)]
+        outs = ring_attention([local[0][:, qs] for qs, _ in maps], local[1], local[2], [kh for _, kh in maps],
+                              SCALE, ThreadRing(mailboxes, rank), impl)
+        torch.autograd.backward(outs, [context_parallel_chunks(g, ranks, rank, dim=2) for g in grads_out])
+        results[rank] = ([o.detach() for o in outs], local[0].grad, local[1].grad, local[2].grad)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not failures, failures
+    run_threads(ranks, rank_main)
     return [[x.cpu() if torch.is_tensor(x) else [o.cpu() for o in x] for x in r] for r in results], reference
 
 
@@ -132,6 +151,103 @@ def test_ring_on_cuda_sdpa_kernels(kind, dtype):
     assert_close_to_reference(results, reference, 2, 2e-2 if dtype == torch.bfloat16 else 1e-4)
 
 
+def rel_rms(actual, expected):
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+def differential_core_attention(kind, backend, epilogue="unfused", d=16, device="cpu"):
+    """DIFF V1 (layer 3: λ_init 0.35, the sub-layer norm) or V2 core attention with 2H = 4 query heads of d over one
+    KV group (GQA), the norm weight drawn away from ones; the same parameters at every call."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from diff_transformer.models.attention import DiffV2CoreAttention, DifferentialCoreAttention
+
+    torch.manual_seed(11)
+    heads = 2
+    config = TransformerConfig(num_layers=4, hidden_size=2 * heads * d, num_attention_heads=2 * heads,
+                               num_query_groups=2 if kind == "diff" else 1, kv_channels=d,
+                               use_cpu_initialization=True)
+    if kind == "diff_v2":
+        return DiffV2CoreAttention(config, 1, AttnMaskType.causal, backend=backend, epilogue=epilogue).to(device)
+    module = DifferentialCoreAttention(config, 3, AttnMaskType.causal, backend=backend, epilogue=epilogue)
+    with torch.no_grad():
+        module.sublayer_norm.weight.uniform_(0.5, 1.5)
+    return module.to(device)
+
+
+def core_attention_grads(module, tensors, grad_out):
+    """The output, the gradients of q, k, v (and V2's λ logits) and of every parameter (λ's vectors, the norm weight)."""
+    inputs = [t.clone().requires_grad_() for t in tensors]
+    bias = inputs[3] if len(inputs) == 4 else None
+    out = module(*inputs[:3], None, attention_bias=bias)
+    out.backward(grad_out.to(out.dtype))
+    return out.detach(), [t.grad for t in inputs], {name: p.grad for name, p in module.named_parameters()}
+
+
+def fused_ring_errors(kind, epilogue, chunk, d=16, device="cpu", dtype=torch.float32):
+    """Relative RMS errors of DIFF's fused ring (model.attention_backend=triton at CP=2) on a ring of two threads
+    against the fused kernel over the whole sequence of 4·chunk positions and against the eager maps in fp32 on the
+    same (``dtype``-rounded) inputs: {name: (against fused, against eager)} for the output and the gradients of q, k,
+    v, λ (V1's vectors, V2's logits) and the norm weight, each rank's share of a parameter's gradient summed."""
+    ranks, s, b = 2, 4 * chunk, 1
+    generator = torch.Generator().manual_seed(5)
+    heads = (4, 2, 2) if kind == "diff" else (4, 1, 1)
+    tensors = [torch.randn(s, b, h, d, generator=generator).to(dtype).to(device) for h in heads]
+    if kind == "diff_v2":
+        tensors.append(torch.randn(s, b, 2, generator=generator).to(dtype).to(device))  # λ's logits
+    grad_out = torch.randn(s, b, (4 if kind == "diff" else 2) * d, generator=generator).to(dtype).to(device)
+    want = core_attention_grads(differential_core_attention(kind, "triton", epilogue, d, device), tensors, grad_out)
+    reference = core_attention_grads(differential_core_attention(kind, "eager", d=d, device=device),
+                                     [t.float() for t in tensors], grad_out.float())
+    mailboxes, lock, results = [queue.Queue() for _ in range(ranks)], threading.Lock(), [None] * ranks
+
+    def rank_main(rank):
+        with lock:  # the ranks take turns (Triton's interpreter is not thread-safe), each until it waits
+            module = differential_core_attention(kind, "triton", epilogue, d, device)
+            module.ring = ThreadRing(mailboxes, rank, lock)
+            chunks = [context_parallel_chunks(t, ranks, rank, dim=0) for t in (*tensors, grad_out)]
+            results[rank] = core_attention_grads(module, chunks[:-1], chunks[-1])
+
+    run_threads(ranks, rank_main)
+    out = torch.empty_like(want[0])
+    grads = [torch.empty_like(g) for g in want[1]]
+    for rank, (rank_out, rank_grads, _) in enumerate(results):
+        index = load_balanced_indices(s, ranks, rank).to(device)
+        out[index] = rank_out
+        for grad, rank_grad in zip(grads, rank_grads):
+            grad[index] = rank_grad
+    params = {name: sum(r[2][name] for r in results) for name in want[2]}
+    assert kind == "diff_v2" or {"sublayer_norm.weight", "lambda_q1"} <= set(params)
+    compared = {"out": (out, want[0], reference[0])}
+    compared.update({f"grad {i}": (g, w, e) for i, (g, w, e) in enumerate(zip(grads, want[1], reference[1]))})
+    compared.update({name: (params[name], want[2][name], reference[2][name]) for name in params})
+    return {name: (rel_rms(got, fused), rel_rms(got, eager)) for name, (got, fused, eager) in compared.items()}
+
+
+@pytest.mark.parametrize("kind,epilogue", [("diff", "triton"), ("diff", "unfused"), ("diff_v2", "unfused")],
+                         ids=["diff-fused-epilogue", "diff", "diff_v2"])
+def test_fused_ring_equals_full_fused_attention(kind, epilogue):
+    """DIFF's fused ring (the kernel's context-parallel pieces, then the epilogue once on y) in Triton's interpreter,
+    fp32, chunks of 8 positions, equals the fused kernel over the whole sequence and the eager maps."""
+    for name, (fused, eager) in fused_ring_errors(kind, epilogue, chunk=8).items():
+        # measured: at most 7.3e-7 against the fused kernel, 2.0e-6 against the eager maps (λ's vectors)
+        assert fused < 2e-5 and eager < 2e-5, (name, fused, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["diff", "diff_v2"])
+def test_fused_ring_on_cuda_in_bf16(kind):
+    """The compiled pieces inside the ring (two threads sharing the GPU) in bf16, with the fused epilogue, d = 64 and
+    chunks of 100 positions (not a multiple of the kernels' blocks), against the fp32 eager maps on the same bf16
+    inputs; the fused kernel over the whole sequence in bf16 rounds as much."""
+    for name, (fused, eager) in fused_ring_errors(kind, "triton", chunk=100, d=64, device="cuda",
+                                                  dtype=torch.bfloat16).items():
+        # as test_attention's bf16 backends against eager: 2e-2 for the output, 3e-2 for the gradients
+        assert eager < (2e-2 if name == "out" else 3e-2), (name, fused, eager)
+        assert fused < 3e-2, (name, fused, eager)
+
+
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_load_balanced_chunks_cover_the_sequence_evenly(cp):
     seq, c = 32, 32 // (2 * cp)
@@ -163,10 +279,12 @@ def test_ring_exchange_refuses_a_tensor_the_group_cannot_carry(monkeypatch):
          r"vanilla, diff_v2, vanilla_subln, vanilla_wide"),
         (["parallel.cp=2", "model.attention=signed_mask"], 2, r"model.attention=signed_mask has no ring-attention path"),
         (["parallel.cp=2", "model.attention=dex"], 2, r"model.attention=dex has no ring-attention path .*calibration"),
-        (["parallel.cp=2", "model.attention_backend=triton"], 2,
-         r"model.attention_backend=triton has no ring-attention path .* use model.attention_backend=sdpa"),
+        (["parallel.cp=2", "model.attention_backend=flash_attn"], 2,
+         r"model.attention_backend=flash_attn has no ring-attention path .* use model.attention_backend=sdpa \(or "
+         r"eager, triton\)$"),
         (["parallel.cp=2", "model.attention=vanilla", "model.attention_backend=flash_attn"], 2,
-         r"model.attention_backend=flash_attn has no ring-attention path"),
+         r"model.attention_backend=flash_attn has no ring-attention path .* use model.attention_backend=sdpa \(or "
+         r"eager\)$"),
         (["parallel.cp=2", "engine=deepspeed", "engine.zero_stage=1"], 2,
          r"engine=deepspeed does not run context parallelism \(parallel.cp=2\); use engine=megatron"),
         (["parallel.cp=2"], 3, r"world size 3 is not divisible by parallel.tp\*parallel.pp\*parallel.cp=2"),
@@ -175,22 +293,30 @@ def test_ring_exchange_refuses_a_tensor_the_group_cannot_carry(monkeypatch):
           "model.seq_length=12"], 8, r"splits each context-parallel rank's 6 tokens .* over parallel.tp=4"),
         (["parallel.cp=0"], 1, r"parallel.cp=0 must be positive"),
     ],
-    ids=["seq", "topk", "signed-mask", "dex", "triton", "flash-attn", "deepspeed", "world", "diagnostics", "sp", "zero"],
+    ids=["seq", "topk", "signed-mask", "dex", "flash-attn", "vanilla-flash-attn", "deepspeed", "world", "diagnostics",
+         "sp", "zero"],
 )
 def test_bad_context_parallel_configs_are_refused(overrides, world, message):
     with pytest.raises(ValueError, match=message):
         validate(compose_cfg("experiment=smoke", *overrides), world_size=world)
 
 
-def test_train_py_refuses_triton_at_cp2_in_one_line(tmp_path):
+@pytest.mark.parametrize("kind", ["diff", "diff_v2"])
+def test_the_fused_kernel_runs_at_cp2(kind):
+    """DIFF V1 and V2 ring on the fused kernel's pieces: model.attention_backend=triton passes at parallel.cp=2."""
+    validate(compose_cfg("experiment=smoke", "parallel.cp=2", f"model.attention={kind}", "model.attention_backend=triton"),
+             world_size=2)
+
+
+def test_train_py_refuses_flash_attn_at_cp2_in_one_line(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "experiment=smoke", "parallel.cp=2", "model.attention_backend=triton",
-         f"hydra.run.dir={tmp_path / 'run'}"],
+        [sys.executable, str(REPO / "train.py"), "experiment=smoke", "parallel.cp=2",
+         "model.attention_backend=flash_attn", f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=REPO, env=dict(train_env(), WORLD_SIZE="2"), capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "model.attention_backend=triton has no ring-attention path" in errors[0], proc.stderr
+    assert len(errors) == 1 and "model.attention_backend=flash_attn has no ring-attention path" in errors[0], proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -212,6 +338,13 @@ def test_memory_plan_divides_activations_and_proposes_context_parallelism():
         assert two[kind] == pytest.approx(one[kind] / 2), kind
     assert two["full"] < 0.6 * one["full"]  # the ring keeps per-map outputs and LSEs instead of the kernel's
     assert one["ring"] == 0 and two["ring"] > 0  # K/V in flight and dK/dV accumulating: one layer at a time
+    fused = activation_bytes_per_layer(compose_cfg(*LONG_3B, "parallel.cp=2", "model.attention_backend=triton"), 2,
+                                       "cuda")
+    # the fused ring stores y in fp32 and the LSEs, not each map's output; its kernels return a block's dQ, dK, dV in fp32
+    assert fused["core"] < two["core"] and fused["ring"] > two["ring"]
+    triton_problem = memory_plan_problem(compose_cfg(*LONG_3B, "parallel.cp=1", "model.attention_backend=triton"),
+                                         torch.bfloat16, 8, 100352, 64, "cuda")
+    assert "parallel.cp=2 (" in triton_problem  # proposed with the backend kept: triton has a ring path
     estimates = {cp: estimate_memory_per_gpu(compose_cfg(*LONG_3B, f"parallel.cp={cp}"), torch.bfloat16, 8, 100352,
                                              "cuda") for cp in (1, 2, 4, 8)}
     assert [estimates[cp]["logits"] for cp in (2, 4, 8)] == pytest.approx([estimates[1]["logits"] / cp for cp in (2, 4, 8)])

@@ -76,6 +76,30 @@ def test_fused_epilogue_matches_the_definition_in_fp32(name, small_interpreter_t
         assert rel_rms(got, want) < FP32_TOLERANCE
 
 
+@pytest.mark.parametrize("layout", ["combined", "halves-of-wide-V"])
+def test_fused_epilogue_takes_the_context_parallel_layouts(layout, small_interpreter_tiles):
+    """The fused ring's y, its maps already combined: one part as wide as a head, (B, N, 1, H, 2d), no λ; and the
+    sdpa ring's two maps over a 2d-wide V split into halves, views that skip every other d columns, whose gradients
+    the kernel writes at their own (compact) strides."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    seed = zlib.crc32(layout.encode())
+    g = torch.Generator().manual_seed(seed)
+    batch, seq, heads, d = 2, 17, 3, 8
+    if layout == "combined":
+        halves = [torch.randn(batch, seq, heads, 2 * d, generator=g).to(device).unsqueeze(2)]
+    else:
+        maps = torch.randn(batch, heads, 2, seq, 2 * d, generator=g).to(device).transpose(1, 3)  # (B, N, 2, H, 2d)
+        halves = [maps[..., :d], maps[..., d:]]
+    lam, weight = torch.tensor(0.37, device=device), (torch.rand(2 * d, generator=g) + 0.5).to(device)
+    fused = run(diff_epilogue, halves, lam, weight, 0.7, seed)
+    reference = run(diff_epilogue_naive, halves, lam, weight, 0.7, seed)
+    for got, want in zip(fused, reference):
+        if want is None:  # λ's gradient, of maps already combined
+            assert got is None
+        else:
+            assert rel_rms(got, want) < FP32_TOLERANCE
+
+
 def test_fused_epilogue_refuses_what_it_cannot_compute():
     halves = [torch.randn(1, 4, 2, 2, 8)]
     with pytest.raises(ValueError, match=r"lam has shape \(3,\); expected \(\) or \(B, N, H\)"):

@@ -248,6 +248,28 @@ def test_auto_with_one_candidate_does_not_time(tmp_path, cache_dir):
     assert decision["backend"] == "sdpa" and decision["how"] == "the only candidate" and calls == []
 
 
+def test_auto_under_context_parallelism_times_the_ring_backends(tmp_path, cache_dir):
+    """Under CP the candidates are the kind's ring backends (DIFF: sdpa and the fused ring; the baseline: sdpa alone),
+    timed as one CP rank's ring attention over its s/cp tokens, and cached apart from CP=1's timings."""
+    calls = []
+    cfg = compose_cfg("model=debug", "parallel.cp=2")
+    decision = backend_choice.decide_attention_backend(cfg, str(tmp_path / "a"), torch.bfloat16, "triton", cuda=True,
+                                                       device_name="NVIDIA H100", measure=fake_timer(
+                                                           {"sdpa": 3.0, "triton": 2.0}, calls))
+    assert decision["backend"] == "triton" and decision["how"] == "timed" and calls == ["sdpa", "triton"]
+    assert json.loads(decision["key"])["cp"] == 2
+    assert "cp" not in json.loads(backend_choice.problem_key(compose_cfg("model=debug"), "NVIDIA H100", torch.bfloat16,
+                                                             "triton"))  # CP=1's keys as before: their cache holds
+    vanilla = backend_choice.decide_attention_backend(
+        compose_cfg("model=debug", "model.attention=vanilla", "parallel.cp=2"), str(tmp_path / "b"), torch.bfloat16,
+        "triton", cuda=True, device_name="NVIDIA H100", measure=fake_timer({}, calls))
+    assert vanilla["backend"] == "sdpa" and vanilla["how"] == "the only candidate"
+    module, (q, k, v), _ = backend_choice.core_attention_problem(cfg, "sdpa", torch.float32, "unfused", device="cpu")
+    assert module.ring.size == 2 and q.shape[0] == cfg.model.seq_length // 2  # one CP rank's ring over s/cp tokens
+    module(q, k, v, None).sum().backward()
+    assert q.grad is not None and k.grad is not None
+
+
 def test_fusion_keys_are_validated():
     from diff_transformer.config import validate
 

@@ -29,6 +29,15 @@ twice as wide as Q and K, DIFF V1's, is attended in halves with the same LSE), a
 
 Tensors here are ``(batch, heads, local sequence, head size)``; a map's key heads are a slice of K's heads (GQA: a
 query head i reads key and value head i // (query heads / key heads)).
+
+**DIFF's fused ring** (:func:`differential_ring_attention`, ``model.attention_backend=triton``): the fused kernel's
+context-parallel pieces (``kernels.diff_attn``, the kernel's own layout ``(batch, local sequence, heads, size)``) in
+rounds of the same ring and block schedule, the diagonal block causal with offset 0 and the others unmasked. The
+forward is two rounds: K alone, gathering both maps' LSE over every key block (merged by logaddexp), then K and V,
+accumulating y = Σ_blocks (P1/l1 − λ·P2/l2)·V (with the merged LSE each block's share is exact, so the shares add).
+The backward is two rounds: K and V for r2 = Σ_blocks rowsum(dy ∘ O2), then, with δ from r2, K and V again, each block
+adding its dQ locally and its dK, dV travelling back with the block. It returns y before the DIFF epilogue, which the
+caller applies once (``models.attention.epilogue``, the maps already combined).
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ import torch
 
 from diff_transformer.distributed import ring_exchange
 
-IMPLEMENTATIONS = ("eager", "sdpa")
+IMPLEMENTATIONS = ("eager", "sdpa")  # the single-map block primitives; DIFF V1 and V2 also ring with "triton"
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -212,6 +221,24 @@ class ProcessGroupRing:
         return ring_exchange(tensors, self.group)
 
 
+class LoopbackRing:
+    """Rank ``rank`` of a ring of ``size`` whose exchange hands the rank its own tensors back: the blocks, masks and
+    kernels of that rank's schedule without a group or communication (``model.attention_backend=auto`` times a CP
+    rank's attention with it on one GPU; its numbers are meaningless)."""
+
+    def __init__(self, size: int, rank: int = 0):
+        self.rank, self.size = rank, size
+
+    def exchange(self, tensors: Sequence[torch.Tensor]):
+        received = [t.clone() for t in tensors]  # a received block's own buffers, as ring_exchange allocates them
+
+        class Received:
+            def wait(self):
+                return received
+
+        return Received()
+
+
 def _block_layout(step: int, rank: int, size: int, chunk: int) -> Tuple[slice, slice, bool]:
     """(local query rows, key rows of the visiting block, causal) of ring step ``step`` on ``rank``."""
     if step == 0:
@@ -244,16 +271,44 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     old_lse.copy_(new_lse)
 
 
+def _ring_round(ring, tensors: Sequence[torch.Tensor], chunk: int, visit) -> None:
+    """One round of the ring: at step i, ``visit(step, rows, cols, causal, block)`` with the block of rank r − i
+    (this rank's own ``tensors`` at step 0) while the next block travels; ``chunk``: the positions of one chunk."""
+    block = tuple(tensors)
+    for step in range(ring.size):
+        pending = ring.exchange(block) if step + 1 < ring.size else None  # the next block travels during this one
+        visit(step, *_block_layout(step, ring.rank, ring.size, chunk), block)
+        if pending is not None:
+            block = tuple(pending.wait())
+
+
+def _ring_round_with_gradients(ring, tensors: Sequence[torch.Tensor], chunk: int, visit) -> List[torch.Tensor]:
+    """A round of the ring whose ``visit`` (as in :func:`_ring_round`) returns this rank's share of the gradients of
+    the visiting block's tensors (fp32, their shapes); the shares travel with the block, each rank adding its own,
+    and the gradients of this rank's ``tensors``, summed over every rank, come back at the end."""
+    block = tuple(tensors)
+    incoming = None  # the gradients of the visiting block, accumulated by the ranks it visited before
+    for step in range(ring.size):
+        pending = ring.exchange(block) if step + 1 < ring.size else None
+        grads = list(visit(step, *_block_layout(step, ring.rank, ring.size, chunk), block))
+        if incoming is not None:
+            for grad, received in zip(grads, incoming.wait()):
+                grad += received
+        if pending is not None:
+            block = tuple(pending.wait())
+        if ring.size == 1:
+            return grads
+        incoming = ring.exchange(grads)  # to the next rank, which holds this block next
+    return list(incoming.wait())  # this rank's own block's gradients, back from their round
+
+
 def _ring_forward(ring, impl, scale, key_heads, key, value, queries):
     acc = _accumulation_dtype(key)
-    chunk = key.shape[-2] // 2
     outs: List[Optional[torch.Tensor]] = [None] * len(queries)
     lses: List[Optional[torch.Tensor]] = [None] * len(queries)
-    kv = (key, value)
-    for step in range(ring.size):
-        pending = ring.exchange(kv) if step + 1 < ring.size else None  # the next block travels during this one
-        rows, cols, causal = _block_layout(step, ring.rank, ring.size, chunk)
-        k_block, v_block = kv[0][..., cols, :], kv[1][..., cols, :]
+
+    def visit(step, rows, cols, causal, block):
+        k_block, v_block = block[0][..., cols, :], block[1][..., cols, :]
         for m, q in enumerate(queries):
             k_map = k_block[:, key_heads[m]]
             groups = q.shape[1] // k_map.shape[1]
@@ -263,21 +318,17 @@ def _ring_forward(ring, impl, scale, key_heads, key, value, queries):
                 outs[m], lses[m] = out.to(acc), lse.to(acc)
             else:
                 _merge(outs[m], lses[m], out, lse.to(acc), rows)
-        if pending is not None:
-            kv = tuple(pending.wait())
+
+    _ring_round(ring, (key, value), key.shape[-2] // 2, visit)
     return [o.to(q.dtype) for o, q in zip(outs, queries)], lses
 
 
 def _ring_backward(ring, impl, scale, key_heads, key, value, queries, outs, lses, grad_outs):
     acc = _accumulation_dtype(key)
-    chunk = key.shape[-2] // 2
     grad_queries = [torch.zeros(q.shape, dtype=acc, device=q.device) for q in queries]
-    kv = (key, value)
-    incoming = None  # dK, dV of the visiting block, accumulated by the ranks it visited before
-    for step in range(ring.size):
-        pending = ring.exchange(kv) if step + 1 < ring.size else None
-        rows, cols, causal = _block_layout(step, ring.rank, ring.size, chunk)
-        k_block, v_block = kv[0][..., cols, :], kv[1][..., cols, :]
+
+    def visit(step, rows, cols, causal, block):
+        k_block, v_block = block[0][..., cols, :], block[1][..., cols, :]
         grad_k = torch.zeros(key.shape, dtype=acc, device=key.device)
         grad_v = torch.zeros(value.shape, dtype=acc, device=value.device)
         for m, q in enumerate(queries):
@@ -292,16 +343,9 @@ def _ring_backward(ring, impl, scale, key_heads, key, value, queries, outs, lses
             grad_queries[m][..., rows, :] += dq
             grad_k[:, key_heads[m]][..., cols, :] += _sum_groups(dk, groups)
             grad_v[..., cols, :] += _sum_groups(dv, groups)
-        if incoming is not None:
-            received_k, received_v = incoming.wait()
-            grad_k += received_k
-            grad_v += received_v
-        if pending is not None:
-            kv = tuple(pending.wait())
-        if ring.size == 1:
-            return grad_queries, grad_k, grad_v
-        incoming = ring.exchange((grad_k, grad_v))  # to the next rank, which holds this block's K/V next
-    grad_k, grad_v = incoming.wait()  # the gradients of this rank's own K/V, back from their round
+        return grad_k, grad_v
+
+    grad_k, grad_v = _ring_round_with_gradients(ring, (key, value), key.shape[-2] // 2, visit)
     return grad_queries, grad_k, grad_v
 
 
@@ -339,3 +383,109 @@ def ring_attention(
     if key.shape[-2] % 2:
         raise ValueError(f"a context-parallel rank holds two equal chunks; its {key.shape[-2]} positions are odd")
     return list(_RingAttention.apply(ring, impl, scale, tuple(key_heads), key, value, *queries))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# DIFF's fused ring: the fused kernel's context-parallel pieces (kernels/diff_attn) in rounds of the same ring
+# ------------------------------------------------------------------------------------------------------------------
+def _kernel_pieces():
+    try:
+        import kernels.diff_attn as pieces
+    except ImportError as err:
+        raise ImportError(
+            "model.attention_backend=triton needs the fused kernel package `kernels` (kernels/diff_attn); it could not "
+            f"be imported ({err}); use model.attention_backend=sdpa"
+        ) from err
+    return pieces
+
+
+def _query_rows(lam: torch.Tensor, rows: slice) -> torch.Tensor:
+    """λ of the query rows ``rows``: V2's per token (B, s, H) sliced, V1's (one, or one per head) as it is."""
+    return lam[:, rows] if lam.dim() == 3 else lam
+
+
+def _differential_ring_forward(ring, pieces, scale, shared_k, q, k, v, lam):
+    chunk = k.shape[1] // 2
+    options = dict(shared_k=shared_k, causal_offset=0, softmax_scale=scale)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+
+    def gather_lse(step, rows, cols, causal, block):
+        block_lse = pieces.diff_attn_chunk_lse(q[:, rows], block[0][:, cols], causal=causal, **options)
+        if step == 0:  # the diagonal block covers every local query
+            lse.copy_(block_lse)
+        else:
+            lse[..., rows] = torch.logaddexp(lse[..., rows], block_lse)
+
+    _ring_round(ring, (k,), chunk, gather_lse)  # round 1: K alone, each map's LSE over every key
+    y = torch.zeros(*q.shape[:2], q.shape[2] // 2, v.shape[3], dtype=torch.float32, device=q.device)
+
+    def accumulate(step, rows, cols, causal, block):
+        y[:, rows] += pieces.diff_attn_chunk_forward(q[:, rows], block[0][:, cols], block[1][:, cols],
+                                                     _query_rows(lam, rows), lse[..., rows], causal=causal, **options)
+
+    _ring_round(ring, (k, v), chunk, accumulate)  # round 2: K and V, each block's exact share of y
+    return y, lse
+
+
+def _differential_ring_backward(ring, pieces, scale, shared_k, q, k, v, lam, y, lse, grad_y):
+    chunk = k.shape[1] // 2
+    options = dict(shared_k=shared_k, causal_offset=0, softmax_scale=scale)
+    r2 = torch.zeros(q.shape[0], q.shape[2] // 2, q.shape[1], dtype=torch.float32, device=q.device)
+
+    def gather_r2(step, rows, cols, causal, block):
+        r2[..., rows] += pieces.diff_attn_chunk_r2(grad_y[:, rows], q[:, rows], block[0][:, cols], block[1][:, cols],
+                                                   lse[..., rows], causal=causal, **options)
+
+    _ring_round(ring, (k, v), chunk, gather_r2)  # round 1: r2 = rowsum(dy ∘ O2) over every key
+    delta = pieces.diff_attn_delta(grad_y, y, lam, r2)
+    grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+
+    def gradients(step, rows, cols, causal, block):
+        dq, dk, dv = pieces.diff_attn_chunk_backward(
+            grad_y[:, rows], q[:, rows], block[0][:, cols], block[1][:, cols], _query_rows(lam, rows),
+            lse[..., rows], delta[..., rows], causal=causal, **options,
+        )
+        grad_q[:, rows] += dq
+        grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        grad_v = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        grad_k[:, cols], grad_v[:, cols] = dk, dv
+        return grad_k, grad_v
+
+    grad_k, grad_v = _ring_round_with_gradients(ring, (k, v), chunk, gradients)  # round 2: dK, dV travel back
+    grad_lam = (-r2.transpose(1, 2)).sum_to_size(lam.shape)  # y = O1 − λ·O2: dλ = −r2, summed as λ is shared
+    return grad_q, grad_k, grad_v, grad_lam
+
+
+class _DifferentialRingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ring, scale, shared_k, q, k, v, lam):
+        pieces = _kernel_pieces()
+        y, lse = _differential_ring_forward(ring, pieces, scale, shared_k, q, k, v, lam)
+        ctx.ring, ctx.scale, ctx.shared_k, ctx.pieces = ring, scale, shared_k, pieces
+        ctx.save_for_backward(q, k, v, lam, y, lse)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        q, k, v, lam, y, lse = ctx.saved_tensors
+        # the kernels' products take dy in the inputs' dtype (fp32 dy against bf16 V does not compile); δ reads the same
+        grad_y = grad_y.to(q.dtype)
+        grad_q, grad_k, grad_v, grad_lam = _differential_ring_backward(
+            ctx.ring, ctx.pieces, ctx.scale, ctx.shared_k, q, k, v, lam, y, lse, grad_y
+        )
+        return (None, None, None, grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype),
+                grad_lam.to(lam.dtype))
+
+
+def differential_ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, scale: float, ring, shared_k: bool = False,
+) -> torch.Tensor:
+    """DIFF's causal attention over the whole sequence split across ``ring``, on the fused kernel's pieces:
+    y = O1 − λ·O2 (B, local s, H, Dv) in fp32, before the epilogue; differentiable in q, k, v and λ.
+
+    q (B, s, 2H, d), k, v and λ in the layouts of ``kernels.diff_flash_attn`` (V1: k (B, s, 2Hkv, d), v (B, s, Hkv,
+    2d), λ 0-dim or (H,)) or, with ``shared_k``, of ``kernels.diff_flash_attn_v2`` (k, v (B, s, Hkv, d), λ (B, s, H));
+    the local sequence is this rank's two load-balanced chunks (:func:`context_parallel_chunks`)."""
+    if k.shape[1] % 2:
+        raise ValueError(f"a context-parallel rank holds two equal chunks; its {k.shape[1]} positions are odd")
+    return _DifferentialRingAttention.apply(ring, scale, shared_k, q, k, v, lam)

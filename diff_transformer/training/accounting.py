@@ -19,8 +19,12 @@ from diff_transformer.models.gpt import (
     head_dim,
     num_kv_heads,
 )
-from diff_transformer.models.layer_specs import attention_heads, context_parallel_kinds, resolved_backend
-from diff_transformer.models.ring_attention import IMPLEMENTATIONS as RING_IMPLEMENTATIONS
+from diff_transformer.models.layer_specs import (
+    attention_heads,
+    context_parallel_kinds,
+    core_attention_class,
+    resolved_backend,
+)
 
 
 GIB = 2**30
@@ -87,8 +91,8 @@ def core_attention_bytes_per_token(
 
     - context parallelism (``cp`` > 1, models/ring_attention.py): the ring keeps no map (each block's is recomputed in
       the backward), only each softmax map's merged output and its fp32 LSE (DIFF: two maps over H heads of 2d);
-    - context parallelism (``cp`` > 1, models/ring_attention.py): the ring keeps no map (each block's is recomputed in
-      the backward), only each softmax map's merged output and its fp32 LSE (DIFF: two maps over H heads of 2d);
+      DIFF's fused ring (``triton``) keeps y = O1 − λ·O2 in fp32 and both maps' fp32 LSE instead, and its epilogue,
+      unfused, x and x·rstd in fp32 (with the sub-layer norm);
     - maps: ``eager`` keeps fp32 softmax maps of s keys per head (DIFF: A1, A2 and A1 − λA2 over H heads; the
       baseline one over 2H); the library kernels (sdpa's flash, cuDNN and memory-efficient kernels, on a CPU torch's
       flash kernel, all with equal head dims) and ``triton`` keep none;
@@ -103,6 +107,9 @@ def core_attention_bytes_per_token(
     hkv = 2 * num_kv_heads(model) * d
     diff = model.attention == "diff"
     maps = copies = 0
+    if cp > 1 and backend == "triton":  # V1: H heads of 2d; V2: H heads of d
+        norm = 2 * hq * 4 if diff and model.sublayer_norm and not fused_epilogue else 0
+        return (hq if diff else hq // 2) * 4 + 2 * h_heads * 4 + norm, True
     if cp > 1:  # the ring: each map's merged output and its fp32 LSE, no map
         copies = 2 * hq * a + 2 * h_heads * 4 if diff else hq * a + 2 * h_heads * 4
         backend = "ring"
@@ -128,11 +135,15 @@ def ring_bytes_per_token(model: Any, backend: str, device: str, a: int, cp: int)
     """Bytes per local token that one layer's ring attention holds while it runs (then frees), at its backward's peak:
     the K and V in flight (the block computed and the one arriving), the visiting block's dK and dV accumulating in
     fp32 and the ones arriving, the block's K and V repeated to the query heads (GQA), and with ``eager`` (or on a
-    CPU) a block's fp32 scores, probabilities and their gradient, over the at most s/cp keys of a block."""
+    CPU) a block's fp32 scores, probabilities and their gradient, over the at most s/cp keys of a block. DIFF's fused
+    ring (``triton``) repeats nothing and keeps no scores; its kernels return a block's dQ, dK and dV in fp32, and dQ
+    accumulates in fp32."""
     if cp == 1:
         return 0.0
     query_heads, kv_heads, d = attention_heads(model)
     kv_width = 4 * num_kv_heads(model) * d if model.attention == "diff" else 2 * kv_heads * d  # K and V together
+    if backend == "triton":
+        return 2 * kv_width * a + 3 * kv_width * 4 + 2 * query_heads * d * 4
     maps = 2 * model.num_heads if model.attention == "diff" else query_heads  # softmax rows per token
     value = 2 * d if model.attention == "diff" else d
     expanded = maps * (d + value) * a
@@ -363,7 +374,7 @@ def memory_switches(cfg: Any, world_size: int) -> List[Dict[str, Any]]:
     if not deepspeed and (m.attention in context_parallel_kinds(m) and _divides(m.seq_length, 4 * cp)
                           and _fits_layout(cfg, world_size, cfg.parallel.tp, p.pp, 2 * cp)):
         # the sequence split over twice as many ranks (ring attention), on a backend with a ring path
-        ring_backend = m.attention_backend in RING_IMPLEMENTATIONS + ("auto",)
+        ring_backend = m.attention_backend in core_attention_class(m, m.attention).ring_backends + ("auto",)
         backend = {} if ring_backend else {"model.attention_backend": "sdpa"}
         out.append({"parallel.cp": 2 * cp, **backend})
     tp = p.tp * 2

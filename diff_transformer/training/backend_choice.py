@@ -6,10 +6,15 @@ Rank 0 decides, in this order, and every rank follows (``distributed.broadcast_o
    directory (``attention_backend.json``): a resume computes with the same kernels, so a bit-exact GPU resume stays
    possible;
 2. without a GPU: ``sdpa``;
-3. a kind with one candidate (the map controls: ``sdpa``; the softmax kinds without flash-attn installed) takes it;
+3. a kind with one candidate (the map controls: ``sdpa``; the softmax kinds without flash-attn installed; under
+   context parallelism the kind's backends with a ring path: ``sdpa`` for the baselines) takes it;
 4. otherwise the fastest candidate for the run's per-rank shape, forward and backward of one layer's core attention
-   (a few milliseconds each), timed once per (GPU, torch, Triton, kind, shape, dtype, epilogue) and cached in
-   ``$DIFF_TRANSFORMER_CACHE_DIR/attention_backends.json`` (default ``~/.cache/diff_transformer``).
+   (a few milliseconds each), timed once per (GPU, torch, Triton, kind, shape, dtype, epilogue, CP) and cached in
+   ``$DIFF_TRANSFORMER_CACHE_DIR/attention_backends.json`` (default ``~/.cache/diff_transformer``). Under context
+   parallelism (``parallel.cp`` > 1) the candidates are the kind's ring backends (DIFF V1 and V2: ``sdpa`` and
+   ``triton``), each timed as one CP rank's ring attention over its s/cp tokens, all of the rank's blocks computed
+   around a ring that hands the rank its own K and V back (``models.ring_attention.LoopbackRing``): the kernels of
+   a real rank, without the transfers, which the ring overlaps with them.
 
 The decision, how it was reached and the timings go to the log and to ``<run dir>/attention_backend.json``. An
 explicit ``model.attention_backend`` is never replaced.
@@ -28,7 +33,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from diff_transformer.fileio import atomic_write_json
-from diff_transformer.models.layer_specs import attention_kind, head_dim, num_kv_heads
+from diff_transformer.models.layer_specs import attention_kind, core_attention_class, head_dim, num_kv_heads
 
 RECORD_FILE = "attention_backend.json"
 CACHE_FILE = "attention_backends.json"
@@ -47,10 +52,12 @@ def installed(backend: str) -> bool:
     return module is None or importlib.util.find_spec(module) is not None
 
 
-def candidates(model: Any) -> List[str]:
-    """The backends ``auto`` chooses among for this attention kind: the kind's, minus eager, minus those whose
-    library is missing; ``sdpa`` first (the choice when timing cannot separate them)."""
-    found = [b for b in attention_kind(model).backends if b not in NOT_CANDIDATES and installed(b)]
+def candidates(model: Any, cp: int = 1) -> List[str]:
+    """The backends ``auto`` chooses among for this attention kind: the kind's (under context parallelism, ``cp`` > 1,
+    those with a ring path), minus eager, minus those whose library is missing; ``sdpa`` first (the choice when timing
+    cannot separate them)."""
+    backends = core_attention_class(model, model.attention).ring_backends if cp > 1 else attention_kind(model).backends
+    found = [b for b in backends if b not in NOT_CANDIDATES and installed(b)]
     return sorted(found, key=lambda b: b != "sdpa")
 
 
@@ -62,12 +69,15 @@ def problem_key(cfg: Any, device_name: str, dtype: torch.dtype, epilogue: str) -
         import triton
 
         triton_version = triton.__version__
-    return json.dumps({
+    key = {
         "gpu": device_name, "torch": torch.__version__, "triton": triton_version, "kind": m.attention,
         "micro_batch": cfg.trainer.micro_batch_size, "seq": m.seq_length, "heads": m.num_heads // p.tp,
         "kv_heads": num_kv_heads(m) // p.tp, "head_dim": head_dim(m), "dtype": str(dtype).replace("torch.", ""),
         "epilogue": epilogue,
-    }, sort_keys=True)
+    }
+    if (p.cp or 1) > 1:  # the ring's timings (without CP the key is what it always was: cached timings stay valid)
+        key["cp"] = p.cp
+    return json.dumps(key, sort_keys=True)
 
 
 def choose(options: List[str], measure: Callable[[str], float]) -> Dict[str, Any]:
@@ -125,10 +135,8 @@ def decide_attention_backend(
                         timings_ms=recorded.get("timings_ms"), key=recorded.get("key"))
     elif not cuda:
         decision.update(backend="sdpa", how="no GPU")
-    elif (cfg.parallel.cp or 1) > 1:  # only the ring's block implementations split a sequence over ranks
-        decision.update(backend="sdpa", how="context parallelism (the ring's)")
     else:
-        options = candidates(cfg.model)
+        options = candidates(cfg.model, cfg.parallel.cp or 1)
         if len(options) == 1:
             decision.update(backend=options[0], how="the only candidate")
         else:
@@ -168,26 +176,30 @@ def describe(decision: Dict[str, Any]) -> str:
 # Timing on the GPU
 # ------------------------------------------------------------------------------------------------------------------
 def _rank_local_model(cfg: Any, backend: str) -> Any:
-    """The run's model config with this rank's heads and one process: the core attention this rank computes."""
+    """The run's model config with this rank's heads and tokens (s/cp) and one process: the core attention this rank
+    computes."""
     local = copy.deepcopy(cfg)
     m, tp = local.model, cfg.parallel.tp
+    m.seq_length //= cfg.parallel.cp or 1
     m.head_dim = head_dim(cfg.model)
     m.num_heads //= tp
     m.num_kv_heads = num_kv_heads(cfg.model) // tp
     m.hidden_size = 2 * m.num_heads * m.head_dim
     m.attention_backend = backend
-    local.parallel.tp, local.parallel.pp, local.parallel.sequence_parallel = 1, 1, False
+    local.parallel.tp, local.parallel.pp, local.parallel.cp, local.parallel.sequence_parallel = 1, 1, 1, False
     return local
 
 
 def core_attention_problem(cfg: Any, backend: str, dtype: torch.dtype, epilogue: str, device: str = "cuda"):
     """One layer's core attention of the run's kind with ``backend`` and this rank's heads, and inputs at the run's
-    micro-batch and sequence: (module, (q, k, v) requiring gradients, attention_bias or None)."""
+    micro-batch and this rank's share of the sequence: (module, (q, k, v) requiring gradients, attention_bias or
+    None). Under context parallelism the module rings around a :class:`LoopbackRing` of the CP size."""
     from megatron.core.transformer.enums import AttnMaskType
 
     from diff_transformer.models.attention import DiffV2CoreAttention, DifferentialCoreAttention, VanillaCoreAttention
     from diff_transformer.models.gpt import transformer_config
     from diff_transformer.models.layer_specs import attention_heads
+    from diff_transformer.models.ring_attention import LoopbackRing
 
     local = _rank_local_model(cfg, backend)
     config = transformer_config(local, dtype)
@@ -199,6 +211,8 @@ def core_attention_problem(cfg: Any, backend: str, dtype: torch.dtype, epilogue:
     else:  # every other kind's attention call is the baseline's (the controls have one candidate and are not timed)
         module = VanillaCoreAttention(config, 1, AttnMaskType.causal, backend=backend)
     module = module.to(device)
+    if (cfg.parallel.cp or 1) > 1:
+        module.ring = LoopbackRing(cfg.parallel.cp)
     query_heads, kv_heads, size = attention_heads(local.model)
     s, b = local.model.seq_length, local.trainer.micro_batch_size
     make = lambda heads: torch.randn(s, b, heads, size, device=device, dtype=dtype, requires_grad=True)  # noqa: E731

@@ -2,8 +2,9 @@
 
     env -u TRITON_INTERPRET .venv/bin/python kernels/diff_epilogue/check_compile.py [--arch 90]
 
-Every kernel (forward, backward) for bf16 and fp32 inputs, head dims 64, 96 and 128, and the three variants the model
-runs (V1 with and without the sub-layer norm, V2); exits non-zero on a compile failure or a register spill (a spill
+Every kernel (forward, backward) for bf16 and fp32 inputs, head dims 64, 96 and 128, and the variants the model
+runs (V1 with and without the sub-layer norm, V2, and both with the maps already combined by context parallelism's
+fused ring: one part of V as wide as a head's output); exits non-zero on a compile failure or a register spill (a spill
 in this memory-bound kernel costs more than the few registers it saves).
 """
 
@@ -26,14 +27,17 @@ from kernels.diff_epilogue import fused  # noqa: E402
 
 KERNELS = {"forward": fused._diff_epilogue_fwd_kernel, "backward": fused._diff_epilogue_bwd_kernel}
 FP32_POINTERS = {"LAM", "RSTD", "DLAM", "DW"}
-VARIANTS = {"V1": (True, False, True), "V1 no norm": (True, False, False), "V2": (False, True, False)}
+# name: (two d-wide parts of V, λ per token, the norm, two maps (not yet combined), the part's width in head dims)
+VARIANTS = {"V1": (True, False, True, True, 1), "V1 no norm": (True, False, False, True, 1),
+            "V2": (False, True, False, True, 1), "V1 ring": (False, False, True, False, 2),
+            "V2 ring": (False, True, False, False, 1)}
 
 
 def compile_one(kernel, dtype, head_dim, variant, arch):
-    block_t, block_d = fused._tile(head_dim)
-    two_halves, per_token, norm = VARIANTS[variant]
+    two_halves, per_token, norm, two_maps, width = VARIANTS[variant]
+    block_t, block_d = fused._tile(width * head_dim)
     constexprs = dict(BLOCK_T=block_t, BLOCK_D=block_d, TWO_HALVES=two_halves, LAM_PER_TOKEN=per_token,
-                      HAS_NORM=norm)
+                      HAS_NORM=norm, TWO_MAPS=two_maps)
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:

@@ -4,7 +4,8 @@ Forward, one program per (block of tokens, head): load both maps' outputs of eve
 form x = O1 − λ·O2 in fp32 registers, the RMSNorm over the head's n·d features with the weight already multiplied
 by the output factor (folded at run time; the parameters stay as they are), and store y once in the output dtype,
 straight into megatron-core's [s, b, H·n·d] layout. Saves only rstd (one fp32 per token and head): the maps'
-outputs are saved by the attention kernels that produced them anyway.
+outputs are saved by the attention kernels that produced them anyway. The maps may also come already combined
+((B, N, 1, H, d): x = O, no λ; context parallelism's fused ring, which subtracts inside its kernels).
 
 Backward, a fixed number of programs per head, each looping over blocks of tokens: recompute x from the saved
 outputs, then with g = dy·w·scale
@@ -42,6 +43,19 @@ def _load_pair(O, base, j, mask, s_m, s_d):
 
 
 @triton.jit
+def _load_combined(O, base, j, mask, s_m, s_d, lam, TWO_MAPS: tl.constexpr):
+    """x = O1 − λ·O2 of one d-wide part of V for a tile of tokens in fp32, and O2 (0 for maps already combined, whose
+    x does not depend on λ)."""
+    if TWO_MAPS:
+        first, second = _load_pair(O, base, j, mask, s_m, s_d)
+        x = first - lam * second
+    else:
+        x = tl.load(O + base[:, None] + j[None, :] * s_d, mask=mask, other=0.0).to(tl.float32)
+        second = 0.0
+    return x, second
+
+
+@triton.jit
 def _token_tile(block, seq_len, n_tokens, BLOCK_T: tl.constexpr):
     t = tl.arange(0, BLOCK_T).to(tl.int64) + block * BLOCK_T
     return t, t // seq_len, t % seq_len, t < n_tokens
@@ -56,7 +70,7 @@ def _diff_epilogue_fwd_kernel(
     sl_b, sl_s, sl_h,
     eps, scale,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    TWO_HALVES: tl.constexpr, LAM_PER_TOKEN: tl.constexpr, HAS_NORM: tl.constexpr,
+    TWO_HALVES: tl.constexpr, LAM_PER_TOKEN: tl.constexpr, HAS_NORM: tl.constexpr, TWO_MAPS: tl.constexpr,
 ):
     h = tl.program_id(1)
     t, b, s, t_mask = _token_tile(tl.program_id(0), seq_len, n_tokens, BLOCK_T)
@@ -67,12 +81,10 @@ def _diff_epilogue_fwd_kernel(
         lam = tl.load(LAM + b * sl_b + s * sl_s + h * sl_h, mask=t_mask, other=0.0).to(tl.float32)[:, None]
     else:
         lam = tl.load(LAM).to(tl.float32)
-    a1, a2 = _load_pair(OA, b * sa_b + s * sa_s + h * sa_h, j, mask, sa_m, sa_d)
-    xa = a1 - lam * a2
+    xa, _ = _load_combined(OA, b * sa_b + s * sa_s + h * sa_h, j, mask, sa_m, sa_d, lam, TWO_MAPS)
     squares = tl.sum(xa * xa, axis=1)
     if TWO_HALVES:
-        b1, b2 = _load_pair(OB, b * sb_b + s * sb_s + h * sb_h, j, mask, sb_m, sb_d)
-        xb = b1 - lam * b2
+        xb, _ = _load_combined(OB, b * sb_b + s * sb_s + h * sb_h, j, mask, sb_m, sb_d, lam, TWO_MAPS)
         squares += tl.sum(xb * xb, axis=1)
     out = OUT + ((s * batch + b) * heads + h)[:, None] * head_width + j[None, :]
     if HAS_NORM:
@@ -98,10 +110,12 @@ def _diff_epilogue_bwd_kernel(
     n_tokens, seq_len, batch, heads, head_dim, head_width, n_blocks, n_programs,
     sa_b, sa_s, sa_m, sa_h, sa_d,
     sb_b, sb_s, sb_m, sb_h, sb_d,
+    sga_b, sga_s, sga_m, sga_h, sga_d,
+    sgb_b, sgb_s, sgb_m, sgb_h, sgb_d,
     sl_b, sl_s, sl_h,
     scale,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    TWO_HALVES: tl.constexpr, LAM_PER_TOKEN: tl.constexpr, HAS_NORM: tl.constexpr,
+    TWO_HALVES: tl.constexpr, LAM_PER_TOKEN: tl.constexpr, HAS_NORM: tl.constexpr, TWO_MAPS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -122,14 +136,12 @@ def _diff_epilogue_bwd_kernel(
         else:
             lam = tl.load(LAM).to(tl.float32)
         base_a = b * sa_b + s * sa_s + h * sa_h
-        a1, a2 = _load_pair(OA, base_a, j, mask, sa_m, sa_d)
-        xa = a1 - lam * a2
+        xa, a2 = _load_combined(OA, base_a, j, mask, sa_m, sa_d, lam, TWO_MAPS)
         dout = DOUT + ((s * batch + b) * heads + h)[:, None] * head_width + j[None, :]
         dya = tl.load(dout, mask=mask, other=0.0).to(tl.float32)
         if TWO_HALVES:
             base_b = b * sb_b + s * sb_s + h * sb_h
-            b1, b2 = _load_pair(OB, base_b, j, mask, sb_m, sb_d)
-            xb = b1 - lam * b2
+            xb, b2 = _load_combined(OB, base_b, j, mask, sb_m, sb_d, lam, TWO_MAPS)
             dyb = tl.load(dout + head_dim, mask=mask, other=0.0).to(tl.float32)
         if HAS_NORM:
             rstd = tl.load(RSTD + t * heads + h, mask=t_mask, other=0.0)
@@ -149,13 +161,16 @@ def _diff_epilogue_bwd_kernel(
             if TWO_HALVES:
                 dxb = dyb * scale
         dlam = -tl.sum(dxa * a2, axis=1)
-        tl.store(DOA + base_a[:, None] + j[None, :] * sa_d, dxa.to(DOA.dtype.element_ty), mask=mask)
-        tl.store(DOA + base_a[:, None] + sa_m + j[None, :] * sa_d, (-lam * dxa).to(DOA.dtype.element_ty), mask=mask)
+        grad_a = DOA + (b * sga_b + s * sga_s + h * sga_h)[:, None] + j[None, :] * sga_d
+        tl.store(grad_a, dxa.to(DOA.dtype.element_ty), mask=mask)
+        if TWO_MAPS:
+            tl.store(grad_a + sga_m, (-lam * dxa).to(DOA.dtype.element_ty), mask=mask)
         if TWO_HALVES:
             dlam -= tl.sum(dxb * b2, axis=1)
-            tl.store(DOB + base_b[:, None] + j[None, :] * sb_d, dxb.to(DOB.dtype.element_ty), mask=mask)
-            tl.store(DOB + base_b[:, None] + sb_m + j[None, :] * sb_d, (-lam * dxb).to(DOB.dtype.element_ty),
-                     mask=mask)
+            grad_b = DOB + (b * sgb_b + s * sgb_s + h * sgb_h)[:, None] + j[None, :] * sgb_d
+            tl.store(grad_b, dxb.to(DOB.dtype.element_ty), mask=mask)
+            if TWO_MAPS:
+                tl.store(grad_b + sgb_m, (-lam * dxb).to(DOB.dtype.element_ty), mask=mask)
         if LAM_PER_TOKEN:
             tl.store(DLAM + t * heads + h, dlam, mask=t_mask)
         else:
@@ -203,7 +218,7 @@ def _forward(oa, ob, lam, weight, eps, scale):
         float(eps), float(scale),
         BLOCK_T=block_t, BLOCK_D=block_d,
         TWO_HALVES=ob is not None, LAM_PER_TOKEN=lam.dim() > 0, HAS_NORM=weight is not None,
-        num_warps=4,
+        TWO_MAPS=oa.shape[2] == 2, num_warps=4,
     )
     return out, rstd
 
@@ -223,9 +238,11 @@ def _backward(dout, oa, ob, lam, weight, rstd, scale):
     block_t, block_d = _tile(head_dim)
     n_blocks = triton.cdiv(n_tokens, block_t)
     n_programs = _programs_per_head(n_blocks, heads, oa.device)
-    doa = torch.empty_like(oa)  # oa's strides: the gradient reaches the attention kernel in its own layout
+    # oa's strides where oa is dense (a permuted attention output: the gradient reaches the attention kernel in its own
+    # layout); a view that skips elements (a half of a wider V) gets compact strides, which the kernel is given
+    doa = torch.empty_like(oa)
     dob = torch.empty_like(ob) if ob is not None else None
-    per_token = lam.dim() > 0
+    per_token, two_maps = lam.dim() > 0, oa.shape[2] == 2
     dlam = torch.empty((n_tokens if per_token else n_programs), heads, dtype=torch.float32, device=oa.device)
     dw = (torch.empty(n_programs, heads, head_width, dtype=torch.float32, device=oa.device)
           if weight is not None else None)
@@ -234,14 +251,16 @@ def _backward(dout, oa, ob, lam, weight, rstd, scale):
         rstd if rstd is not None else dlam, dout.contiguous(), doa, dob if dob is not None else doa, dlam,
         dw if dw is not None else dlam,
         n_tokens, seq, batch, heads, head_dim, head_width, n_blocks, n_programs,
-        *oa.stride(), *_strides(ob, oa), *_lam_strides(lam),
+        *oa.stride(), *_strides(ob, oa), *doa.stride(), *_strides(dob, doa), *_lam_strides(lam),
         float(scale),
         BLOCK_T=block_t, BLOCK_D=block_d,
         TWO_HALVES=ob is not None, LAM_PER_TOKEN=per_token, HAS_NORM=weight is not None,
-        num_warps=4,
+        TWO_MAPS=two_maps, num_warps=4,
     )
-    dlam = dlam.view(batch, seq, heads) if per_token else dlam.sum()
     dweight = dw.sum(dim=(0, 1)).to(weight.dtype) if weight is not None else None
+    if not two_maps:  # maps already combined: the output does not depend on λ
+        return doa, dob, None, dweight
+    dlam = dlam.view(batch, seq, heads) if per_token else dlam.sum()
     return doa, dob, dlam.to(lam.dtype), dweight
 
 
@@ -270,8 +289,9 @@ def _check(halves, lam, weight):
     if len(halves) not in (1, 2):
         raise ValueError(f"halves has {len(halves)} tensors; expected one or two (B, N, 2, H, d) map outputs")
     first = halves[0]
-    if first.dim() != 5 or first.shape[2] != 2:
-        raise ValueError(f"halves[0] has shape {tuple(first.shape)}; expected (B, N, 2, H, d)")
+    if first.dim() != 5 or first.shape[2] not in (1, 2):
+        raise ValueError(f"halves[0] has shape {tuple(first.shape)}; expected (B, N, 2, H, d), or (B, N, 1, H, d) "
+                         "for maps already combined")
     if first.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"halves[0] has dtype {first.dtype}; expected one of float16, bfloat16, float32")
     for o in halves[1:]:

@@ -131,8 +131,9 @@ class CoreAttentionBase(MegatronModule):
     subclasses add their own keywords and hand the protocol's on as ``**protocol``)."""
 
     # A kind whose forward has a ring-attention path (``self.ring``: models/ring_attention.py) for a sequence split
-    # over a context-parallel group; the others refuse parallel.cp > 1.
+    # over a context-parallel group; the others refuse parallel.cp > 1. Its ring runs on these backends.
     supports_context_parallel = False
+    ring_backends = RING_IMPLEMENTATIONS
 
     def __init__(
         self,
@@ -162,10 +163,10 @@ class CoreAttentionBase(MegatronModule):
             return None
         if not self.supports_context_parallel:
             raise ValueError(f"{type(self).__name__} has no ring-attention path for context parallelism (parallel.cp > 1)")
-        if self.backend not in RING_IMPLEMENTATIONS:
+        if self.backend not in self.ring_backends:
             raise ValueError(
                 f"model.attention_backend={self.backend} has no ring-attention path for context parallelism; use "
-                f"{' or '.join(RING_IMPLEMENTATIONS)}"
+                f"{' or '.join(self.ring_backends)}"
             )
         group = getattr(pg_collection, "cp", None)
         return ProcessGroupRing(group if group is not None else parallel_state.get_context_parallel_group())

@@ -20,7 +20,8 @@ from diff_transformer.models.attention.base import (
 )
 from diff_transformer.models.attention.epilogue import EPILOGUE_IMPLS, diff_epilogue, paired_halves
 from diff_transformer.models.attention_maps import AttentionMaps
-from diff_transformer.models.ring_attention import ring_attention
+from diff_transformer.models.ring_attention import IMPLEMENTATIONS as RING_IMPLEMENTATIONS
+from diff_transformer.models.ring_attention import differential_ring_attention, ring_attention
 
 
 def lambda_difference(q1, k1, q2, k2) -> torch.Tensor:
@@ -69,6 +70,7 @@ class DifferentialCoreAttention(CoreAttentionBase):
     """
 
     supports_context_parallel = True
+    ring_backends = RING_IMPLEMENTATIONS + ("triton",)  # the fused kernel's context-parallel pieces
 
     def __init__(
         self,
@@ -155,11 +157,11 @@ class DifferentialCoreAttention(CoreAttentionBase):
         lam = self.lambda_full().to(query.device)
         # (s, b, heads, d) -> (b, s, heads, d): the layout every backend below starts from.
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))
-        if self.backend == "triton":
+        if self.backend == "triton" and self.ring is None:
             # (b, s, H, 2d): the fused kernel applies the epilogue (norm, weight, output scale) itself
             out = self._forward_triton(q, k, v.reshape(b, s, two_g // 2, 2 * d), lam)
             return out.transpose(0, 1).reshape(s, b, two_h * d)
-        # two (b, s, 2, H, d): maps 1 and 2 of each d-wide half of V
+        # two (b, s, 2, H, d): maps 1 and 2 of each d-wide half of V (or the maps already combined)
         forward = self._forward_ring if self.ring is not None else getattr(self, f"_forward_{self.backend}")
         halves = forward(q, k, v, lam)
         norm = self.sublayer_norm
@@ -177,8 +179,13 @@ class DifferentialCoreAttention(CoreAttentionBase):
 
     def _forward_ring(self, q, k, v, lam):
         """The sequence split over the context-parallel group: both maps merged by their own LSEs around the ring
-        (models/ring_attention.py); returns the halves of V for the epilogue, (b, s, 2, H, d) each."""
+        (models/ring_attention.py); returns the halves of V for the epilogue, (b, s, 2, H, d) each. The fused ring
+        (``triton``) returns y = O1 − λ·O2 itself, the maps already combined, one part as wide as V: (b, s, 1, H, 2d)."""
         b, s, two_g, d = v.shape
+        if self.backend == "triton":
+            y = differential_ring_attention(q, k, v.reshape(b, s, two_g // 2, 2 * d), lam, self.softmax_scale,
+                                            self.ring)
+            return [y.unsqueeze(2)]
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(b, s, two_g // 2, 2 * d).transpose(1, 2)
         o1, o2 = ring_attention([q[:, 0::2], q[:, 1::2]], k, v, (slice(0, None, 2), slice(1, None, 2)),

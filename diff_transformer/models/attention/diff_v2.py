@@ -18,7 +18,8 @@ from diff_transformer.models.attention.base import (
 )
 from diff_transformer.models.attention.epilogue import EPILOGUE_IMPLS, diff_epilogue, paired_halves
 from diff_transformer.models.attention_maps import AttentionMaps
-from diff_transformer.models.ring_attention import ring_attention
+from diff_transformer.models.ring_attention import IMPLEMENTATIONS as RING_IMPLEMENTATIONS
+from diff_transformer.models.ring_attention import differential_ring_attention, ring_attention
 
 class DiffV2CoreAttention(CoreAttentionBase):
     """Differential attention V2: one causal attention of 2H query heads of d over Hkv KV heads of d (GQA; head
@@ -36,6 +37,7 @@ class DiffV2CoreAttention(CoreAttentionBase):
         self.epilogue = epilogue
 
     supports_context_parallel = True
+    ring_backends = RING_IMPLEMENTATIONS + ("triton",)  # the fused kernel's context-parallel pieces
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None) -> torch.Tensor:
@@ -47,13 +49,17 @@ class DiffV2CoreAttention(CoreAttentionBase):
             raise ValueError(f"{two_h} query heads over {key.shape[2]} KV heads: head pairs must share a KV group")
         lam = torch.sigmoid(attention_bias.float()).transpose(0, 1)  # (b, s, H)
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # (b, s, heads, d)
-        if self.backend == "triton":
+        if self.backend == "triton" and self.ring is None:
             out = self._forward_triton(q, k, v, lam)
             return out.to(query.dtype).transpose(0, 1).reshape(s, b, two_h // 2 * d)
-        forward = self._forward_ring if self.ring is not None else getattr(self, f"_forward_{self.backend}")
-        o = forward(q, k, v)  # (b, s, 2H, d); eager's in fp32
+        if self.backend == "triton":  # the fused ring: y = O1 − λ·O2 (b, s, H, d) in fp32, the maps already combined
+            halves = [differential_ring_attention(q, k, v, lam, self.softmax_scale, self.ring, shared_k=True)
+                      .unsqueeze(2)]
+        else:
+            forward = self._forward_ring if self.ring is not None else getattr(self, f"_forward_{self.backend}")
+            halves = [paired_halves(forward(q, k, v), "interleaved")]  # (b, s, 2H, d); eager's in fp32
         impl = "unfused" if self.backend == "eager" else self.epilogue
-        return diff_epilogue([paired_halves(o, "interleaved")], lam, None, 0.0, 1.0, impl=impl).to(query.dtype)
+        return diff_epilogue(halves, lam, None, 0.0, 1.0, impl=impl).to(query.dtype)
 
     def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
         if attention_bias is None:

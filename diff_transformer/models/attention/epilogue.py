@@ -13,7 +13,9 @@ Three implementations of the same function (``trainer.diff_epilogue`` picks one 
 - ``compile``: ``torch.compile`` of the definition (inductor fuses it; AOTAutograd derives the backward).
 
 All take the maps' outputs as ``halves``: one or two tensors (B, N, 2, H, d), ``[:, :, 0]`` map 1 and ``[:, :, 1]``
-map 2 of each d-wide part of V, as views of whatever the attention kernels returned.
+map 2 of each d-wide part of V, as views of whatever the attention kernels returned; or (B, N, 1, H, ·), the maps
+already combined into O1 − λ·O2 (the eager reference; DIFF's fused ring under context parallelism, one part as wide
+as V), which the epilogue normalises and lays out without λ.
 """
 
 from __future__ import annotations
