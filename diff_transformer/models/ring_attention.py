@@ -388,7 +388,8 @@ def ring_attention(
 # ------------------------------------------------------------------------------------------------------------------
 # DIFF's fused ring: the fused kernel's context-parallel pieces (kernels/diff_attn) in rounds of the same ring
 # ------------------------------------------------------------------------------------------------------------------
-def _kernel_pieces():
+def fused_kernel_package():
+    """``kernels.diff_attn`` (the fused kernel and its context-parallel pieces), or a clear error without it."""
     try:
         import kernels.diff_attn as pieces
     except ImportError as err:
@@ -459,7 +460,7 @@ def _differential_ring_backward(ring, pieces, scale, shared_k, q, k, v, lam, y, 
 class _DifferentialRingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ring, scale, shared_k, q, k, v, lam):
-        pieces = _kernel_pieces()
+        pieces = fused_kernel_package()
         y, lse = _differential_ring_forward(ring, pieces, scale, shared_k, q, k, v, lam)
         ctx.ring, ctx.scale, ctx.shared_k, ctx.pieces = ring, scale, shared_k, pieces
         ctx.save_for_backward(q, k, v, lam, y, lse)

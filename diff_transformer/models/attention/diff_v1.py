@@ -21,7 +21,7 @@ from diff_transformer.models.attention.base import (
 from diff_transformer.models.attention.epilogue import EPILOGUE_IMPLS, diff_epilogue, paired_halves
 from diff_transformer.models.attention_maps import AttentionMaps
 from diff_transformer.models.ring_attention import IMPLEMENTATIONS as RING_IMPLEMENTATIONS
-from diff_transformer.models.ring_attention import differential_ring_attention, ring_attention
+from diff_transformer.models.ring_attention import differential_ring_attention, fused_kernel_package, ring_attention
 
 
 def lambda_difference(q1, k1, q2, k2) -> torch.Tensor:
@@ -225,13 +225,7 @@ class DifferentialCoreAttention(CoreAttentionBase):
                 for vc in values]
 
     def _forward_triton(self, q, k, v, lam):
-        try:
-            from kernels import diff_flash_attn
-        except ImportError as err:
-            raise ImportError(
-                "model.attention_backend=triton needs the fused kernel package `kernels` (kernels/diff_attn); "
-                f"it could not be imported ({err}); use model.attention_backend=sdpa"
-            ) from err
+        diff_flash_attn = fused_kernel_package().diff_flash_attn
         norm = self.sublayer_norm
         # The DIFF epilogue inside the kernel: RMSNorm over each head's 2d columns, its weight, and (1 − λ_init).
         return diff_flash_attn(q, k, v, lam, causal=True, softmax_scale=self.softmax_scale,

@@ -19,7 +19,7 @@ from diff_transformer.models.attention.base import (
 from diff_transformer.models.attention.epilogue import EPILOGUE_IMPLS, diff_epilogue, paired_halves
 from diff_transformer.models.attention_maps import AttentionMaps
 from diff_transformer.models.ring_attention import IMPLEMENTATIONS as RING_IMPLEMENTATIONS
-from diff_transformer.models.ring_attention import differential_ring_attention, ring_attention
+from diff_transformer.models.ring_attention import differential_ring_attention, fused_kernel_package, ring_attention
 
 class DiffV2CoreAttention(CoreAttentionBase):
     """Differential attention V2: one causal attention of 2H query heads of d over Hkv KV heads of d (GQA; head
@@ -94,14 +94,7 @@ class DiffV2CoreAttention(CoreAttentionBase):
         return load_flash_attn_func()(q, k, v, causal=True, softmax_scale=self.softmax_scale)
 
     def _forward_triton(self, q, k, v, lam):
-        try:
-            from kernels import diff_flash_attn_v2
-        except ImportError as err:
-            raise ImportError(
-                "model.attention_backend=triton needs the fused kernel package `kernels` (kernels/diff_attn); "
-                f"it could not be imported ({err}); use model.attention_backend=sdpa"
-            ) from err
-        return diff_flash_attn_v2(q, k, v, lam, causal=True, softmax_scale=self.softmax_scale)
+        return fused_kernel_package().diff_flash_attn_v2(q, k, v, lam, causal=True, softmax_scale=self.softmax_scale)
 
 
 class DiffV2SelfAttention(SelfAttention):
