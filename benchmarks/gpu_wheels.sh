@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepare, on any machine that reaches PyPI, the wheels a bare GPU image lacks (it brings torch, Triton,
 # sentencepiece, numpy, scipy, matplotlib, pyarrow, psutil, tqdm): megatron-core, hydra-core, omegaconf,
-# antlr4-python3-runtime (an sdist on PyPI: built into a wheel here) and zstandard, for CPython 3.12 on x86-64.
+# antlr4-python3-runtime (an sdist on PyPI: built into a wheel here), zstandard, and pytest-xdist with execnet (the
+# test suite's addopts run it on two workers), for CPython 3.12 on x86-64.
 #
 #   bash benchmarks/gpu_wheels.sh [DIR]        # default DIR: .whl (add /.whl/ to .git/info/exclude)
 #
@@ -18,6 +19,6 @@ done
 "$py" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platforms[@]}" -d "$dir" megatron-core==0.16.1 zstandard==0.25.0
 "$py" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 -d "$dir" \
-  hydra-core==1.3.8 omegaconf==2.3.1
+  hydra-core==1.3.8 omegaconf==2.3.1 pytest-xdist==3.8.0 execnet==2.1.2
 "$py" -m pip wheel --quiet --no-deps -w "$dir" antlr4-python3-runtime==4.9.3
 ls -1 "$dir"

@@ -33,16 +33,13 @@ def pytest_collection_modifyitems(config, items):
 def megatron_single_process():
     """A gloo world of one with megatron-core's TP=PP=1 groups, for in-process model tests."""
     from diff_transformer.compat import apply_cpu_patches
-    from diff_transformer.distributed import free_port
-
     apply_cpu_patches()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-        )
+        # a world of one needs no port: its rendezvous store lives in this process
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(0)

@@ -32,7 +32,7 @@ from diff_transformer.models.ring_attention import (
 from diff_transformer.training.checkpoint import checkpoint_name
 from tests.ring_reference import KINDS, SCALE, full_attention, ring_inputs
 from tests.test_config import compose_cfg
-from tests.train_runs import REPO, read_metrics, run_train, train_env
+from tests.train_runs import REPO, TORCHRUN, read_metrics, run_train, train_env
 
 STEPS = 10
 COMMON = ["experiment=smoke", f"trainer.max_steps={STEPS}", "trainer.eval_interval=5", "optim.warmup_steps=2"]
@@ -366,15 +366,12 @@ def test_long_context_preset_is_the_papers_recipe():
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Over a real gloo ring: one torchrun launch of two processes
+# Over a real gloo ring: one torchrun launch of four processes
 # ------------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
-    from diff_transformer.distributed import free_port
-
     root = tmp_path_factory.mktemp("cp_worker")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", str(REPO / "tests" / "context_parallel_worker.py"),
+    command = [*TORCHRUN, "--nproc_per_node=4", str(REPO / "tests" / "context_parallel_worker.py"),
                str(root / "results.json"), str(root)]
     proc = subprocess.run(command, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
@@ -470,15 +467,13 @@ def test_evaluate_past_the_training_length_with_and_without_cp(preset_runs, tmp_
     """The preset's model trained at 128 tokens, evaluated at 256: in this process, then by evaluate under torchrun
     with each sequence split over two ranks; the same seed draws the same needles and gives the same answers."""
     from diff_transformer import evaluate
-    from diff_transformer.distributed import free_port
     from diff_transformer.evaluation.inference import load_for_inference, resolve_run
 
     args = evaluate.parse_args([str(preset_runs / "long"), *EVALUATE_ARGS])
     run = resolve_run(args.runs[0])
     model = load_for_inference(run, seq_length=args.seq_length)
     whole = evaluate.evaluate_one(model, run, args, ["ppl", "niah"], evaluate.niah_config(args, run))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", "-m", "diff_transformer.evaluate", str(preset_runs / "long"),
+    command = [*TORCHRUN, "--nproc_per_node=2", "-m", "diff_transformer.evaluate", str(preset_runs / "long"),
                *EVALUATE_ARGS, "--cp", "2", "--out", str(tmp_path)]
     proc = subprocess.run(command, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]

@@ -6,19 +6,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from diff_transformer.distributed import free_port
-
 REPO = Path(__file__).resolve().parent.parent
+# One node: torchrun binds its rendezvous store to a port it picks itself, which the workers share (a port picked here
+# and bound later could be taken meanwhile by another test's connections).
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
 def train_command(run_dir, overrides, nproc: int = 1):
     if nproc == 1:
         launcher = [sys.executable, str(REPO / "train.py")]
     else:
-        launcher = [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO / "train.py"),
-        ]
+        launcher = [*TORCHRUN, f"--nproc_per_node={nproc}", str(REPO / "train.py")]
     return launcher + list(overrides) + [f"hydra.run.dir={run_dir}"]
 
 
