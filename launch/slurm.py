@@ -264,7 +264,9 @@ def render_sbatch(settings: LaunchSettings, overrides: Sequence[str], run_dir: P
         f"export PYTHON={shlex.quote(python)}",
         f"export PYTHONPATH={shlex.quote(str(code_dir))}${{PYTHONPATH:+:$PYTHONPATH}}",
         'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
-        "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+        # Below Linux's ephemeral ports (32768-60999 by default): a port in that range can be held by any outgoing
+        # connection on the node, and the rendezvous then fails with EADDRINUSE.
+        "export MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))",
         f"export NPROC_PER_NODE={procs_per_node(settings)}",
         # Leave a margin inside the warning for the requeue itself once the checkpoint is written.
         f"export SHUTDOWN_GRACE_S={max(5, settings.grace - 5)}",
