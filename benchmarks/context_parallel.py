@@ -11,8 +11,8 @@ Forward + backward, median of --repeats after a warm-up, each process one thread
 CP=2 has twice the cores of CP=1, so with no overhead it would take half the time: efficiency = t(ring of one) /
 (2 · t(CP=2)) measures the ring's own cost (its exchanges, gloo copies on a CPU; the LSE merges; blocks computed
 separately instead of one kernel call; the backward's dK/dV round; waiting for the slower rank). Against the usual
-CP=1 path the block primitive differs too (DIFF V1's sdpa path on a CPU runs torch's math kernel, V being twice as
-wide as Q and K; the ring attends V in halves with the flash kernel). t(CP=2) is the slower rank's time.
+CP=1 path the block primitive may differ too (the ring's blocks return their LSE, which only torch's flash op gives
+on a CPU). t(CP=2) is the slower rank's time.
 
 Wall-clock times on a machine shared with other jobs move with their load; the CPU seconds the processes use move
 much less: "extra CPU" = CPU seconds of both CP=2 ranks over those of the ring of one, minus 1, the work the ring adds
@@ -188,8 +188,9 @@ def main() -> int:
         "the ring of one's, minus 1: the work the ring adds, which the other jobs on the machine disturb much less "
         "than the wall-clock times.",
         "",
-        f"The machine was shared with other jobs while this ran (1-minute load average {load_before:.1f} before, "
-        f"{load_after:.1f} after, on {os.cpu_count()} cores): the times are noisy and slower than on an idle machine.",
+        f"1-minute load average {load_before:.1f} before and {load_after:.1f} after, on {os.cpu_count()} cores"
+        + (": the machine was shared with other jobs, so the times are noisy and slower than on an idle machine."
+           if max(load_before, load_after) > os.cpu_count() else " (no other jobs to speak of)."),
         "",
         "| sequence | what | CP=1 wall (ms) | ring of one wall | CP=2 wall | speedup | efficiency | CP=1 CPU (ms) | "
         "ring of one CPU | CP=2 CPU (both ranks) | extra CPU of the ring |",
