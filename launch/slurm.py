@@ -268,6 +268,9 @@ def render_sbatch(settings: LaunchSettings, overrides: Sequence[str], run_dir: P
         # connection on the node, and the rendezvous then fails with EADDRINUSE.
         "export MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))",
         f"export NPROC_PER_NODE={procs_per_node(settings)}",
+        # Each process's share of the task's CPUs for torch's intra-op threads, unless the environment sets it
+        # (torchrun sets 1 only for several processes a node; one process would start a thread per core of the node).
+        f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{max(1, cpus // procs_per_node(settings))}}}",
         # Leave a margin inside the warning for the requeue itself once the checkpoint is written.
         f"export SHUTDOWN_GRACE_S={max(5, settings.grace - 5)}",
         "",

@@ -236,12 +236,12 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def jobs(cluster, tmp_path_factory):
     """The uninterrupted and the to-be-preempted run, submitted together (one CPU each) to share the wall time.
-    Sequences of 512 make the 30 steps last seconds, so that the signal reaches the preempted run while it trains
+    Sequences of 256 make the 30 steps last seconds, so that the signal reaches the preempted run while it trains
     (at the smoke experiment's 64 tokens they take under a second)."""
     root = tmp_path_factory.mktemp("runs")
     submitted = {}
     for name in ("uninterrupted", "preempted"):
-        overrides = [*SMOKE, "model.seq_length=512", *CPU_JOB, f"run_dir={root / name}", f"job_name={name}"]
+        overrides = [*SMOKE, "model.seq_length=256", *CPU_JOB, f"run_dir={root / name}", f"job_name={name}"]
         assert slurm.main(["submit", *overrides]) == 0
         submitted[name] = root / name
     return submitted
