@@ -231,6 +231,7 @@ def render_sbatch(settings: LaunchSettings, overrides: Sequence[str], run_dir: P
     """The job script: readable, and resubmittable by hand with `sbatch <run dir>/submit.sbatch`."""
     code_dir = run_dir / "code"
     cpus = settings.cpus_per_task or (8 * settings.gpus_per_node if settings.gpus_per_node else 2)
+    procs = procs_per_node(settings)
     directives = [
         f"--job-name={job_name}",
         f"--nodes={settings.nodes}",
@@ -267,10 +268,10 @@ def render_sbatch(settings: LaunchSettings, overrides: Sequence[str], run_dir: P
         # Below Linux's ephemeral ports (32768-60999 by default): a port in that range can be held by any outgoing
         # connection on the node, and the rendezvous then fails with EADDRINUSE.
         "export MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))",
-        f"export NPROC_PER_NODE={procs_per_node(settings)}",
+        f"export NPROC_PER_NODE={procs}",
         # Each process's share of the task's CPUs for torch's intra-op threads, unless the environment sets it
         # (torchrun sets 1 only for several processes a node; one process would start a thread per core of the node).
-        f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{max(1, cpus // procs_per_node(settings))}}}",
+        f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{max(1, cpus // procs)}}}",
         # Leave a margin inside the warning for the requeue itself once the checkpoint is written.
         f"export SHUTDOWN_GRACE_S={max(5, settings.grace - 5)}",
         "",

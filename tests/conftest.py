@@ -43,6 +43,7 @@ def pytest_collection_modifyitems(config, items):
 def megatron_single_process():
     """A gloo world of one with megatron-core's TP=PP=1 groups, for in-process model tests."""
     from diff_transformer.compat import apply_cpu_patches
+
     apply_cpu_patches()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

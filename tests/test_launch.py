@@ -80,7 +80,8 @@ def test_submit_writes_snapshot_config_and_sbatch_then_status_and_cancel(tmp_pat
                  "#SBATCH --cpus-per-task=32", "#SBATCH --partition=gpu", "#SBATCH --account=proj",
                  "#SBATCH --qos=high", "#SBATCH --time=02:00:00", "#SBATCH --requeue", "#SBATCH --open-mode=append",
                  "#SBATCH --signal=USR1@120", f"#SBATCH --output={run_dir}/slurm-%j.out", f"cd {run_dir}/code",
-                 "export NPROC_PER_NODE=4", "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}", "srun --kill-on-bad-exit=1 --cpu-bind=none bash launch/torchrun.sh \\",
+                 "export NPROC_PER_NODE=4", "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}",
+                 "srun --kill-on-bad-exit=1 --cpu-bind=none bash launch/torchrun.sh \\",
                  "  experiment=smoke \\", "  trainer.max_steps=7 \\", "  trainer.global_batch_size=32 \\",
                  f"  hydra.run.dir={run_dir}"):
         assert line in script.splitlines(), line
