@@ -106,9 +106,9 @@ def _from_run_config(path: str, args: argparse.Namespace) -> None:
 
     cfg = OmegaConf.load(path)
     args.data_cfg = cfg.data
-    args.seq_length = args.seq_length or cfg.model.seq_length
-    args.global_batch_size = args.global_batch_size or cfg.trainer.global_batch_size
-    args.train_steps = args.train_steps or cfg.trainer.max_steps
+    args.seq_length = args.seq_length if args.seq_length is not None else cfg.model.seq_length
+    args.global_batch_size = args.global_batch_size if args.global_batch_size is not None else cfg.trainer.global_batch_size
+    args.train_steps = args.train_steps if args.train_steps is not None else cfg.trainer.max_steps
     args.seed = cfg.get("seed", args.seed)
 
 
@@ -130,6 +130,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--chars", type=int, default=400, help="print at most this many characters a sample")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = parser.parse_args(argv)
+    for option, value, least in (("--seq-length", args.seq_length, 1), ("--global-batch-size", args.global_batch_size, 1),
+                                 ("--train-steps", args.train_steps, 0), ("--samples", args.samples, 0),
+                                 ("--chars", args.chars, 1)):
+        if value is not None and value < least:  # 0 would silently mean the default
+            parser.error(f"{option} {value} must be at least {least}")
+    if args.weights is not None and not all(w >= 0 for w in args.weights):
+        parser.error(f"--weights {' '.join(map(str, args.weights))}: weights must be >= 0")
 
     from data.config import DataConfig
     from data.datasets import PreparedData, load_tokenizer, prepare
@@ -149,9 +156,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             parser.error(f"--weights has {len(args.weights)} values for {len(args.blend)} prefixes in --blend")
         prepared = PreparedData(os.path.abspath(args.tokenizer), [os.path.abspath(p) for p in args.blend], args.weights)
         split = args.split or "969,30,1"
-    seq_length = args.seq_length or 2048
-    global_batch_size = args.global_batch_size or 1
-    train_steps = args.train_steps or 0
+    seq_length = args.seq_length if args.seq_length is not None else 2048
+    global_batch_size = args.global_batch_size if args.global_batch_size is not None else 1
+    train_steps = args.train_steps if args.train_steps is not None else 0
     tokenizer = load_tokenizer(prepared.tokenizer_dir)
     summaries = summarise_blend(prepared.prefixes, prepared.weights, split, tokenizer.vocab_size, seq_length)
     samples = []

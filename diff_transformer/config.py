@@ -186,6 +186,7 @@ def validate_failure_config(f: FailureConfig) -> None:
 
 
 WANDB_MODES = ("offline", "online", "disabled")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 @dataclass
@@ -343,6 +344,13 @@ def validate_settings(cfg: Any) -> None:
     validate_failure_config(cfg.failures)
     if t.max_steps < 1:
         raise ValueError(f"trainer.max_steps={t.max_steps} must be at least 1")
+    if t.eval_interval < 0:
+        raise ValueError(f"trainer.eval_interval={t.eval_interval} must be >= 0 (0: no validation)")
+    if t.eval_interval > 0 and t.eval_iters < 1:
+        raise ValueError(f"trainer.eval_iters={t.eval_iters} must be at least 1 when validating every "
+                         f"trainer.eval_interval={t.eval_interval} steps (or set trainer.eval_interval=0: no validation)")
+    if t.log_interval < 1:
+        raise ValueError(f"trainer.log_interval={t.log_interval} must be at least 1 (the progress line every N steps)")
     if t.precision not in PRECISIONS:
         raise ValueError(f"trainer.precision={t.precision!r} is unknown; use one of {', '.join(PRECISIONS)}")
     if t.attention_diagnostics not in ATTENTION_DIAGNOSTICS_MODES:
@@ -358,6 +366,15 @@ def validate_settings(cfg: Any) -> None:
         raise ValueError(f"optim.decay={o.decay!r} is unknown; use one of {', '.join(DECAYS)}")
     if not (o.lr > 0 and 0 <= o.min_lr <= o.lr):
         raise ValueError(f"optim.lr={o.lr} must be positive and optim.min_lr={o.min_lr} within [0, lr]")
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(o, key) < 1:
+            raise ValueError(f"optim.{key}={getattr(o, key)} must lie in [0, 1)")
+    if not o.eps > 0:
+        raise ValueError(f"optim.eps={o.eps} must be positive")
+    if not o.weight_decay >= 0:
+        raise ValueError(f"optim.weight_decay={o.weight_decay} must be >= 0")
+    if not o.clip_grad >= 0:
+        raise ValueError(f"optim.clip_grad={o.clip_grad} must be >= 0 (0: no clipping)")
     if o.warmup_steps < 0 or o.warmup_steps >= t.max_steps:
         raise ValueError(
             f"optim.warmup_steps={o.warmup_steps} must lie in [0, trainer.max_steps={t.max_steps}) so that the "
@@ -365,6 +382,8 @@ def validate_settings(cfg: Any) -> None:
         )
     if p.backend not in ("auto", "nccl", "gloo"):
         raise ValueError(f"parallel.backend={p.backend!r} is unknown; use auto, nccl or gloo")
+    if cfg.logging.level not in LOG_LEVELS:
+        raise ValueError(f"logging.level={cfg.logging.level!r} is unknown; use one of {', '.join(LOG_LEVELS)}")
     if cfg.logging.wandb.mode not in WANDB_MODES:
         raise ValueError(
             f"logging.wandb.mode={cfg.logging.wandb.mode!r} is unknown; use one of {', '.join(WANDB_MODES)}"
@@ -669,6 +688,20 @@ def resolve_launch_paths(cfg: Any, base_dir: str) -> List[str]:
     return changed
 
 
+def launch_record(dict_cfg: DictConfig) -> Dict[str, str]:
+    """Hydra's record of this launch (``.hydra/``: the composed config, Hydra's own, the overrides), written by the
+    run with config.yaml once its start is committed (``hydra.output_subdir`` is null), so that a refused start
+    leaves the run directory as it was."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    return {
+        "config.yaml": OmegaConf.to_yaml(dict_cfg),
+        "hydra.yaml": OmegaConf.to_yaml({"hydra": hydra_cfg}),
+        "overrides.yaml": OmegaConf.to_yaml(list(hydra_cfg.overrides.task)),
+    }
+
+
 def to_object(cfg: DictConfig) -> Config:
     """The typed Config object of a composed DictConfig. A key the schema does not know (added with ``+``, which
     Hydra accepts and the conversion would drop) and a missing ``???`` value raise ValueError naming the key."""
@@ -748,6 +781,11 @@ def config_error_message(err: BaseException) -> str:
         return f"no config {missing!r} ({_first_line(text)})"
     if isinstance(err, OverrideParseException):
         return f"cannot parse the command line: {_first_line(text)}"
+    ambiguous = re.search(r"Ambiguous value for argument '([^=']+)=([^']*)'", text)
+    if ambiguous:  # a comma makes Hydra read several values (a sweep) unless the value is quoted or a list
+        key, value = ambiguous.groups()
+        return (f"{key}={value}: Hydra reads a comma as several values to sweep over; quote the value to give one "
+                f"string: '{key}=\"{value}\"' (the outer quotes keep the inner ones from the shell)")
     existing = re.search(r"An item is already at '([^']+)'", text)
     if existing:
         key = existing.group(1)

@@ -55,11 +55,14 @@ from diff_transformer.training.checkpoint import (
     CheckpointManager,
     check_model_compatible,
     check_resumable,
+    check_tokenizer_unchanged,
+    config_changes,
     check_weights_compatible,
     check_weights_loadable,
     checkpoint_bytes,
     checkpoints_dir,
     ensure_free_space,
+    rerun_advice,
     estimate_checkpoint_bytes,
     move_aside,
     read_trainer_state,
@@ -78,9 +81,11 @@ from diff_transformer.training.failures import (
     poison_gradients,
     requeue_current_job,
 )
-from diff_transformer.training.metrics import MetricsWriter, init_wandb, setup_console_logging, start_run_log
+from diff_transformer.training.metrics import (
+    MetricsWriter, RunLogFailed, init_wandb, setup_console_logging, start_run_log,
+)
 from diff_transformer.training.profiling import StepProfiler
-from diff_transformer.training.run_directory import check_start, move_old_run_aside
+from diff_transformer.training.run_directory import check_start, move_old_run_aside, write_launch_record
 from diff_transformer.training.steps import forward_step
 
 logger = logging.getLogger("diff_transformer")
@@ -106,6 +111,7 @@ class Trainer:
         self._old_run = None  # a run this fresh start moves aside (overwrite_run=true)
         self._damaged_checkpoints: List[Any] = []  # (path, why) skipped by checkpoint.resume=auto
         self._backend_decision: Optional[Dict[str, Any]] = None  # model.attention_backend=auto's, to record
+        self.launch_record: Dict[str, str] = {}  # Hydra's record of this launch (.hydra/), written at the commit
 
     # -- setup -------------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -282,6 +288,8 @@ class Trainer:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         o, t = self.cfg.optim, self.cfg.trainer
+        # a resumed run's schedule is the config's, continued at the checkpoint's step (megatron's
+        # --override-opt_param-scheduler): extending trainer.max_steps or changing optim.lr takes effect
         return OptimizerParamScheduler(
             optimizer,
             init_lr=0.0,
@@ -294,6 +302,8 @@ class Trainer:
             end_wd=o.weight_decay,
             wd_incr_steps=t.max_steps,
             wd_incr_style="constant",
+            use_checkpoint_opt_param_scheduler=False,
+            override_opt_param_scheduler=True,
         )
 
     def _count_parameters(self, chunks) -> None:
@@ -403,12 +413,33 @@ class Trainer:
             self.bad_steps.recent.extend(saved.get("recent_losses", []))
             self.wandb_run_id = saved.get("wandb_run_id")
             self.resumed_from = resume
+            self._apply_optimizer_settings()
             if self.rank == 0:
                 logger.info("resumed from %s at step %d (%d samples consumed)", resume, self.step, self.consumed_samples)
+                self._log_config_changes(saved)
         elif weights:
             self.checkpoints.load(weights, weights_only=True)
             if self.rank == 0:
                 logger.info("started from the weights of %s", weights)
+
+    def _apply_optimizer_settings(self) -> None:
+        """The config's learning rates, Adam betas and eps over the ones a loaded optimizer state carries, then the
+        schedule's rate for the checkpoint's step (weight decay comes from the schedule, clipping from the config)."""
+        o = self.cfg.optim
+        for group in self.optimizer.param_groups:
+            settings = {"max_lr": o.lr, "min_lr": o.min_lr, "betas": (o.beta1, o.beta2), "eps": o.eps}
+            group.update({key: value for key, value in settings.items() if key in group})
+        self.scheduler.step(increment=0)
+
+    def _log_config_changes(self, saved: Dict[str, Any]) -> None:
+        current = OmegaConf.to_container(OmegaConf.structured(self.cfg))
+        changes = config_changes(saved["config"], current)
+        if changes:
+            logger.warning(
+                "resuming with settings changed since the checkpoint (they apply from step %d; the LR schedule is "
+                "rebuilt from the config and continues at that step, now lr %.3e): %s", self.step,
+                self.optimizer.param_groups[0]["lr"], "; ".join(changes),
+            )
 
     def _checkpoint_manager(self, root: str) -> CheckpointManager:
         return CheckpointManager(self, root)
@@ -456,6 +487,7 @@ class Trainer:
                 for old, new in moved:
                     logger.warning("overwrite_run=true: moved the old run %s aside to %s", old, new)
                 self._save_resolved_config()
+                write_launch_record(self.run_dir, self.launch_record)
                 if self._backend_decision is not None:
                     from diff_transformer.training.backend_choice import write_record
 
@@ -498,6 +530,7 @@ class Trainer:
         if resume:
             saved = read_trainer_state(resume)
             check_model_compatible(resume, saved["config"]["model"], current_model)
+            check_tokenizer_unchanged(resume, saved, self.tokenizer.model_sha256, self.prepared.tokenizer_dir)
             check_resumable(resume, saved, self.cfg)
             return resume, None
         if c.load_weights_only:
@@ -697,7 +730,8 @@ class Trainer:
         raises TrainingDiverged (after a checkpoint) after too many bad steps in a row."""
         self.write_run_info()
         writer = self._open_metrics()
-        signals = PreemptionSignals(self.cfg.failures.signals, grace_period_seconds(self.cfg.failures)).install()
+        signals = PreemptionSignals(self.cfg.failures.signals, grace_period_seconds(self.cfg.failures),
+                                    self.checkpoint_root).install()
         train_iter = self._loader(self.train_ds, self.consumed_samples)
         self._flops_per_token = model_flops_per_token(self.cfg, self.num_non_embedding_parameters, self.padded_vocab)
         self._peak_flops = peak_flops_per_device(self.cfg)
@@ -717,6 +751,9 @@ class Trainer:
                 if self.cfg.checkpoint.save_at_end:
                     self.checkpoints.save(reason="end")
             self.checkpoints.wait()
+        except RunLogFailed as err:
+            raise RunLogFailed(f"{err}: the run stops at step {self.step}; free space there and "
+                               f"{rerun_advice(self.checkpoint_root)}") from None
         finally:
             signals.uninstall()
             writer.close()
@@ -839,6 +876,7 @@ class Trainer:
             logger.warning("%s: saving step %d before exiting", received, self.step)
         self.checkpoints.save(reason=received)
         self.checkpoints.wait()
+        signals.saved()
         self.stopped_by_signal = True
         requeued = self.rank == 0 and bool(os.environ.get("SLURM_JOB_ID")) and requeue_current_job()
         self.requeued = bool(distributed.broadcast_object(requeued, src=0))
