@@ -437,7 +437,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     preset = readers.PRESETS[args.preset] if args.preset else None
     text_field = args.text_field or (preset.text_field if preset else "text")
     files = readers.expand_inputs(args.input, preset.globs if preset else ())
-    check_output(args.out, files + [path for path in args.input if os.path.isdir(path)], WRITER, args.force)
+    check_output(args.out, [path for path in args.input if os.path.isdir(path)] + files, WRITER, args.force)
     tokenizer = train_tokenizer(
         files, args.out, args.vocab_size, model_type=args.model_type, byte_fallback=args.byte_fallback,
         special_tokens=args.special_tokens, max_sentences=args.max_sentences,

@@ -257,13 +257,14 @@ def test_imported_checkpoint_adapts_with_dex_at_tp2(imported, tmp_path, megatron
     assert w_d == sorted(f"layer_{layer}.head_{h}" for layer, hs in enumerate(heads, 1) for h in hs)
     assert all(r["loss"] == r["loss"] for r in read_metrics(tmp_path))
 
-    cli("diff_transformer.export", tmp_path, "--format", "hf", "--out", tmp_path / "hf")
+    exported = tmp_path.parent / f"{tmp_path.name}-hf"  # beside the run: an export never writes inside its input
+    cli("diff_transformer.export", tmp_path, "--format", "hf", "--out", exported)
     chunk, cfg, _ = framework_model(tmp_path)
     assert any(p.abs().max() > 0 for name, p in chunk.named_parameters() if ".w_d." in name)  # adapted, not the base
     tokens = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ours = chunk(tokens, torch.arange(64)[None].expand_as(tokens), None)
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)(tokens).logits
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)(tokens).logits
     assert (ours - theirs).abs().max().item() < 1e-4
 
 

@@ -21,7 +21,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from data.locking import HeldLock, LockHeld, hold_lock
 from diff_transformer.fileio import atomic_write_text, check_writable, move_aside, old_suffix
-from diff_transformer.training.checkpoint_files import CHECKPOINTS_DIRNAME, checkpoints_dir, list_checkpoints
+from diff_transformer.training.checkpoint_files import (
+    CHECKPOINTS_DIRNAME,
+    checkpoints_dir,
+    list_checkpoints,
+    resolve_checkpoint_path,
+)
 from diff_transformer.training.metrics import METRICS_FILE, last_logged_step
 
 LOCK_FILE = ".run.lock"
@@ -111,6 +116,13 @@ def check_start(cfg: Any, run_dir: str, will_resume: Optional[bool] = None) -> O
     choices; returns the directory's state when the start is fresh there under ``overwrite_run=true`` (the caller
     moves the old run aside once every other start-up check has passed), else None. ``will_resume``: the trainer's
     decision once checkpoints are verified; None guesses it from the files (the cheap check before any import)."""
+    for key, path in (("checkpoint.resume", cfg.checkpoint.resume), ("checkpoint.load_weights_only",
+                                                                     cfg.checkpoint.load_weights_only)):
+        if path is not None and path not in ("auto", "none"):
+            try:  # a path that names no complete checkpoint: refused, never replaced by another
+                resolve_checkpoint_path(path)
+            except ValueError as err:
+                raise ValueError(f"{key}={path}: {err}") from None
     state = inspect_run_directory(cfg, run_dir)
     if (resumes(cfg, state) if will_resume is None else will_resume) or not state.used:
         return None
