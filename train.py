@@ -28,7 +28,7 @@ from diff_transformer.config import (
 )
 from diff_transformer.training.metrics import wandb_credentials_problem
 from diff_transformer.training.run_directory import (
-    check_start, check_writable_paths, lock_run_directory, release_run_directory,
+    check_disks, check_start, lock_run_directory, release_run_directory,
 )
 
 register_configs()
@@ -66,7 +66,7 @@ def run(dict_cfg: DictConfig) -> None:
         if credentials:
             raise ValueError(credentials)
         if first_process():
-            check_writable_paths(cfg, run_dir)
+            check_disks(cfg, run_dir)
             lock_run_directory(run_dir)  # held until the run ends: a second start here is refused
         check_start(cfg, run_dir)  # a fresh start where a run is: refused before torch is even imported
     except ValueError as err:

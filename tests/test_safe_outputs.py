@@ -160,7 +160,7 @@ def unwritable_directory(tmp_path):
 
 def test_an_unwritable_checkpoint_directory_is_refused_at_start_up(tmp_path):
     from diff_transformer.config import Config
-    from diff_transformer.training.run_directory import check_writable_paths
+    from diff_transformer.training.run_directory import check_disks
 
     where = unwritable_directory(tmp_path)
     if where is None:
@@ -169,9 +169,31 @@ def test_an_unwritable_checkpoint_directory_is_refused_at_start_up(tmp_path):
     cfg.checkpoint.dir = os.path.join(where, "checkpoints")
     with pytest.raises(ValueError, match=rf"checkpoint\.dir={cfg.checkpoint.dir} is not writable: cannot create a file "
                                          rf"in {where}, where it would be created"):
-        check_writable_paths(cfg, str(tmp_path / "run"))
+        check_disks(cfg, str(tmp_path / "run"))
     with pytest.raises(ValueError, match=rf"the run directory hydra\.run\.dir={where} is not writable"):
         check_writable(where, "the run directory hydra.run.dir")
+
+
+def test_a_resume_without_room_for_one_more_checkpoint_is_refused_before_torch(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from diff_transformer.config import Config
+    from diff_transformer.training.run_directory import check_disks
+
+    from diff_transformer.training.checkpoint_files import write_checkpoint_state
+
+    run = tmp_path / "run"
+    saved = run / "checkpoints" / "step_00000004"
+    saved.mkdir(parents=True)
+    (saved / "weights").write_bytes(b"\0" * 4096)
+    write_checkpoint_state(str(saved), {"format_version": 2, "step": 4})  # its manifest: 4 KiB and more
+    cfg = Config()
+    check_disks(cfg, str(run))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 1000))
+    with pytest.raises(ValueError, match=r"the checkpoint disk at .* has 1000 B free, less than one checkpoint"):
+        check_disks(cfg, str(run))
 
 
 def test_wandb_online_needs_credentials_before_the_model_is_built(tmp_path, monkeypatch):

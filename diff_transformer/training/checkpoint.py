@@ -49,10 +49,12 @@ from diff_transformer.training.checkpoint_files import (  # noqa: F401  (the lay
     STATE_FILE,
     Verification,
     apply_retention,
+    checkpoint_bytes,
     checkpoint_name,
     checkpoints_dir,
     checkpoints_to_delete,
     directory_bytes,
+    ensure_free_space,
     format_bytes,
     free_bytes,
     incomplete_checkpoints,
@@ -66,6 +68,7 @@ from diff_transformer.training.checkpoint_files import (  # noqa: F401  (the lay
     read_trainer_state,
     rerun_advice,
     resolve_checkpoint_path,
+    room_choices,
     saved_engine,
     verify,
     write_checkpoint_state,
@@ -241,25 +244,6 @@ def estimate_checkpoint_bytes(num_parameters: int, params_dtype: torch.dtype) ->
     weight = torch.empty((), dtype=params_dtype).element_size()
     master = 0 if params_dtype == torch.float32 else 4
     return num_parameters * (weight + master + 8)
-
-
-def _room_choices(root: str, keep_last: int) -> str:
-    return (
-        f"free space there and {rerun_advice(root)}; or move {root} to a disk with room and rerun with "
-        f"checkpoint.dir set to its new place (checkpoint.resume=auto finds the moved checkpoints); or keep fewer "
-        f"checkpoints (checkpoint.keep_last, now {keep_last})"
-    )
-
-
-def ensure_free_space(root: str, needed_bytes: int, keep_last: int = 1) -> None:
-    """Refuse to start a run whose checkpoint disk cannot hold one more checkpoint (start-up check)."""
-    free = free_bytes(root)
-    if free < needed_bytes:
-        raise ValueError(
-            f"the checkpoint disk at {root} has {format_bytes(free)} free, less than one checkpoint "
-            f"({format_bytes(needed_bytes)}); {_room_choices(root, keep_last)}; or skip this check "
-            "(checkpoint.check_free_space=false)"
-        )
 
 
 def is_disk_full(err: BaseException) -> bool:
@@ -611,14 +595,6 @@ class _RecordingQueue:
         self.queue.put(result)
 
 
-def checkpoint_bytes(path: str) -> int:
-    try:
-        manifest = read_manifest(path)
-    except ValueError:
-        manifest = None
-    return int(manifest["bytes"]) if manifest and "bytes" in manifest else directory_bytes(path)
-
-
 class _Reading:
     """Turns what a damaged checkpoint raises inside a reader into CheckpointDamaged naming the checkpoint."""
 
@@ -674,7 +650,7 @@ class CheckpointManager:
             raise CheckpointSaveFailed(
                 f"{message}; the run stops at step {step} ({reason}; checkpoint.on_disk_full="
                 f"{self.config.on_disk_full}) and `latest` still names {pointer_target(self.root) or 'no checkpoint'}: "
-                f"{_room_choices(self.root, self.config.keep_last)}", disk_full=True,
+                f"{room_choices(self.root, self.config.keep_last)}", disk_full=True,
             )
         start = time.perf_counter()
         tmp = os.path.join(self.root, f".{checkpoint_name(step)}.tmp")
@@ -773,7 +749,7 @@ class CheckpointManager:
             f"the checkpoint disk at {self.root} filled up while saving the checkpoint of step {step}: its partial "
             f"files are removed and `latest` still names {latest}; a checkpoint needs about "
             f"{format_bytes(self._needed_bytes())}, {format_bytes(free_bytes(self.root))} are free there now: "
-            f"{_room_choices(self.root, self.config.keep_last)}", True,
+            f"{room_choices(self.root, self.config.keep_last)}", True,
         )
 
     def _abandon(self, err: BaseException, step: int, tmp: str) -> None:

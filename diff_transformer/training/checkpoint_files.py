@@ -238,6 +238,34 @@ def free_bytes(path: str) -> int:
     return shutil.disk_usage(probe).free
 
 
+def checkpoint_bytes(path: str) -> int:
+    try:
+        manifest = read_manifest(path)
+    except ValueError:
+        manifest = None
+    return int(manifest["bytes"]) if manifest and "bytes" in manifest else directory_bytes(path)
+
+
+def room_choices(root: str, keep_last: int) -> str:
+    """What to do when the checkpoint disk at ``root`` has no room, true for what ``root`` holds."""
+    return (
+        f"free space there and {rerun_advice(root)}; or move {root} to a disk with room and rerun with "
+        f"checkpoint.dir set to its new place (checkpoint.resume=auto finds the moved checkpoints); or keep fewer "
+        f"checkpoints (checkpoint.keep_last, now {keep_last})"
+    )
+
+
+def ensure_free_space(root: str, needed_bytes: int, keep_last: int = 1) -> None:
+    """Refuse (ValueError) to start a run whose checkpoint disk cannot hold one more checkpoint (start-up check)."""
+    free = free_bytes(root)
+    if free < needed_bytes:
+        raise ValueError(
+            f"the checkpoint disk at {root} has {format_bytes(free)} free, less than one checkpoint "
+            f"({format_bytes(needed_bytes)}); {room_choices(root, keep_last)}; or skip this check "
+            "(checkpoint.check_free_space=false)"
+        )
+
+
 def format_bytes(n: float) -> str:
     """``n`` bytes in the largest binary unit that keeps it at 1 or more, to three significant digits (1.53 MiB,
     312 KiB, 17 B): a size never reads as 0.00 of a unit too large for it."""

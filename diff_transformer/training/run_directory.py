@@ -23,7 +23,9 @@ from data.locking import HeldLock, LockHeld, hold_lock
 from diff_transformer.fileio import atomic_write_text, check_writable, move_aside, old_suffix
 from diff_transformer.training.checkpoint_files import (
     CHECKPOINTS_DIRNAME,
+    checkpoint_bytes,
     checkpoints_dir,
+    ensure_free_space,
     list_checkpoints,
     resolve_checkpoint_path,
 )
@@ -104,11 +106,17 @@ def write_launch_record(run_dir: str, record: Dict[str, str]) -> None:
         atomic_write_text(os.path.join(run_dir, LAUNCH_RECORD_DIR, name), text)
 
 
-def check_writable_paths(cfg: Any, run_dir: str) -> None:
-    """The run directory and the checkpoint directory must take files (a read-only or full mount, a path under a
-    file), checked at start-up rather than at the first save."""
+def check_disks(cfg: Any, run_dir: str) -> None:
+    """The run directory and the checkpoint directory must take files (a read-only mount, a path under a file), and
+    a resume needs room for one more checkpoint of the size of the one it resumes: checked at start-up, before torch
+    is imported, rather than at the first save (the trainer checks the room again, with the model's size, for a
+    fresh start)."""
     check_writable(run_dir, "the run directory hydra.run.dir")
-    check_writable(checkpoints_dir(cfg, run_dir), "checkpoint.dir" if cfg.checkpoint.dir else "the checkpoint directory")
+    root = checkpoints_dir(cfg, run_dir)
+    check_writable(root, "checkpoint.dir" if cfg.checkpoint.dir else "the checkpoint directory")
+    found = list_checkpoints(root)
+    if cfg.checkpoint.check_free_space and cfg.checkpoint.resume == "auto" and found:
+        ensure_free_space(root, checkpoint_bytes(found[-1][1]), cfg.checkpoint.keep_last)
 
 
 def check_start(cfg: Any, run_dir: str, will_resume: Optional[bool] = None) -> Optional[RunDirectory]:
