@@ -391,21 +391,10 @@ def validate_settings(cfg: Any) -> None:
 
 
 def validate(cfg: Any, world_size: int) -> None:
-    """Raise ValueError naming the first invalid value. Cheap: runs before any process group starts."""
+    """Raise ValueError naming the first invalid value. Cheap: runs before any process group starts; the shapes and
+    the layout are checked before megatron-core is imported (seconds), the attention kinds' own rules after."""
     m, p, t = cfg.model, cfg.parallel, cfg.trainer
     validate_settings(cfg)
-    # the attention kinds are megatron-core ModuleSpecs: imported here, after the checks that need none of them
-    from diff_transformer.models.attention import BACKENDS, EPILOGUE_IMPLS
-    from diff_transformer.models.layer_specs import ATTENTION_KINDS, num_kv_heads
-
-    backend_choices = ("auto",) + BACKENDS
-
-    if m.attention not in ATTENTION_KINDS:
-        raise ValueError(f"model.attention={m.attention!r} is unknown; use one of {', '.join(ATTENTION_KINDS)}")
-    if m.attention_backend not in backend_choices:
-        raise ValueError(
-            f"model.attention_backend={m.attention_backend!r} is unknown; use one of {', '.join(backend_choices)}"
-        )
     for key in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "seq_length"):
         if getattr(m, key) < 1:
             raise ValueError(f"model.{key}={getattr(m, key)} must be a positive integer")
@@ -414,7 +403,7 @@ def validate(cfg: Any, world_size: int) -> None:
             f"model.hidden_size={m.hidden_size} is not divisible by 2*model.num_heads={2 * m.num_heads}; "
             "set model.head_dim explicitly"
         )
-    kv = num_kv_heads(m)
+    kv = m.num_kv_heads if m.num_kv_heads is not None else m.num_heads  # layer_specs.num_kv_heads, without megatron
     if kv < 1 or m.num_heads % kv:
         why = (
             " (DIFF V2 subtracts query heads 2h and 2h+1, which must share one KV head)"
@@ -423,7 +412,6 @@ def validate(cfg: Any, world_size: int) -> None:
         raise ValueError(
             f"model.num_kv_heads={kv} must divide model.num_heads={m.num_heads}{why}; use {_divisors(m.num_heads)}"
         )
-    validate_attention_kind(m)
     validate_engine(cfg)  # before the layout: engine=deepspeed refuses PP whatever the world size
     if p.tp < 1 or p.pp < 1 or (p.cp is not None and p.cp < 1):
         raise ValueError(
@@ -460,10 +448,22 @@ def validate(cfg: Any, world_size: int) -> None:
             f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}"
         )
     validate_recompute(t, m.num_layers // p.pp)
+    validate_parallel_switches(p, m.seq_length, dp)
+    # the attention kinds are megatron-core ModuleSpecs: imported here, after the checks that need none of them
+    from diff_transformer.models.attention import BACKENDS, EPILOGUE_IMPLS
+    from diff_transformer.models.layer_specs import ATTENTION_KINDS
+
+    backend_choices = ("auto",) + BACKENDS
+    if m.attention not in ATTENTION_KINDS:
+        raise ValueError(f"model.attention={m.attention!r} is unknown; use one of {', '.join(ATTENTION_KINDS)}")
+    if m.attention_backend not in backend_choices:
+        raise ValueError(
+            f"model.attention_backend={m.attention_backend!r} is unknown; use one of {', '.join(backend_choices)}"
+        )
+    validate_attention_kind(m)
     fused_epilogues = tuple(e for e in EPILOGUE_IMPLS if e != "unfused")
     if t.diff_epilogue not in fused_epilogues:
         raise ValueError(f"trainer.diff_epilogue={t.diff_epilogue!r} is unknown; use one of {', '.join(fused_epilogues)}")
-    validate_parallel_switches(p, m.seq_length, dp)
     validate_context_parallel(cfg)
 
 

@@ -216,6 +216,33 @@ def test_wandb_online_needs_credentials_before_the_model_is_built(tmp_path, monk
     assert wandb_credentials_problem(cfg) is None
 
 
+LAYOUT_REFUSAL = """
+import sys
+from diff_transformer.config import Config, validate
+from diff_transformer.distributed import destroy_distributed
+
+cfg = Config()
+cfg.model.name, cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_heads = "debug", 2, 64, 2
+cfg.model.ffn_hidden_size, cfg.trainer.max_steps, cfg.trainer.global_batch_size = 176, 10, 8
+cfg.optim.warmup_steps, cfg.parallel.tp = 1, 3
+try:
+    validate(cfg, 1)
+except ValueError as err:
+    print(err)
+destroy_distributed()  # what train.py does on a refusal
+print("megatron-core imported:", "megatron.core" in sys.modules)
+"""
+
+
+def test_a_bad_layout_is_refused_without_importing_megatron_core():
+    """Shapes and layout are checked before the attention kinds (megatron-core ModuleSpecs, seconds to import)."""
+    proc = subprocess.run([sys.executable, "-c", LAYOUT_REFUSAL], cwd=REPO, env=train_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "parallel.tp=3 does not divide model.num_heads=2" in proc.stdout
+    assert "megatron-core imported: False" in proc.stdout
+
+
 @pytest.mark.parametrize("key, value, expected", [
     ("trainer.log_interval", 0, r"trainer\.log_interval=0 must be at least 1"),
     ("trainer.eval_interval", -1, r"trainer\.eval_interval=-1 must be >= 0"),
