@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.reports import machine_name, write_report  # noqa: E402
 
-from tests.train_runs import free_port  # noqa: E402
+from diff_transformer.distributed import free_port  # noqa: E402
 
 CATEGORIES = ("GEMM", "attention", "DIFF epilogue", "norms", "other elementwise", "optimizer", "communication", "idle")
 
