@@ -14,8 +14,8 @@
 #   second  3b throughput at sequence 4096; the fused kernel's config sweep (benchmarks/kernel_tuning.py); evaluate
 #           and analyze on a run trained with the attention diagnostics
 #   long    long context: the fused kernel and the baselines at N = 8K-64K; evaluate (NIAH, perplexity) at 32K
-# A step already measured on this card by this code (the ledger, .gpu_run/ledger.tsv: card, code hash, step, exit
-# status) is skipped; the ledger stays on the machine between commands, and gpu_run.md says what each step did.
+# A step already measured on this card by this code (the ledger, $GPU_RUN_LEDGER or .gpu_run/ledger.tsv: card, code
+# hash, step, exit status) is skipped; the ledger stays on the machine between commands, and gpu_run.md says what each step did.
 #
 # Files in $OUT (flat, at most 8 for all three plans): gpu_run.md (one line per step: status, seconds, the headline
 # numbers), gpu_run.log (every step's output: evaluate's and analyze's tables too), step_running.log while a step
@@ -47,11 +47,11 @@ if [ ${#plans[@]} -eq 0 ]; then
 fi
 started=$SECONDS
 out="${OUT:-outputs/gpu_run}"
-mkdir -p "$out" .gpu_run
+ledger="${GPU_RUN_LEDGER:-.gpu_run/ledger.tsv}"
+mkdir -p "$out" "$(dirname "$ledger")"
 py="${PYTHON:-python3}"
 summary="$out/gpu_run.md"
 log="$out/gpu_run.log"
-ledger=".gpu_run/ledger.tsv"
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled PYTHONWARNINGS=ignore
 # caches outside $OUT, kept on the machine between commands: the second command compiles nothing twice
 cache="${TMPDIR:-/tmp}/gpu_run_cache"
@@ -78,7 +78,7 @@ fi
 card=$("$py" -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-') if torch.cuda.is_available() else 'cpu-dry-run')")
 code=$(find train.py configs diff_transformer kernels benchmarks data launch tests -type f \
          \( -name '*.py' -o -name '*.sh' -o -name '*.yaml' -o -name '*.json' \) -not -path '*/results/*' \
-         -not -path '*/__pycache__/*' | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-12)
+         -not -path '*/__pycache__/*' -not -path 'data/cache/*' | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-12)
 versions=$("$py" -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}')" 2>&1)
 {
   echo "# gpu_run.sh ${plans[*]}$( [ $dry_run -eq 1 ] && echo ' (dry run)'): $card, code $code, $(date -u +%FT%TZ)"
@@ -128,27 +128,22 @@ step() {
   [ $rc -eq 0 ] || status=1
 }
 
-core_attention() {  # name, limit, head dim, N, B
-  local name="$1" limit="$2" d="$3" n="$4" b="$5"
-  if [ $dry_run -eq 1 ]; then
-    step "$name" "$limit" '^headline' "$py" benchmarks/core_attention.py --heads 1 --head-dim "$d" --seq-len 32 \
-      --batch 1 --epilogues triton unfused --repeats 1 --out "$out"
-  else
-    step "$name" "$limit" '^headline' "$py" benchmarks/core_attention.py --heads 8 --head-dim "$d" --seq-len "$n" \
-      --batch "$b" --out "$out"
-  fi
-}
-
-throughput() {  # name, limit, train_throughput.py arguments for the GPU
+# The dry run runs each step's GPU command line with toy sizes appended (argparse keeps an option's last value).
+core_attention() {  # name, limit, core_attention.py arguments
   local name="$1" limit="$2"
   shift 2
-  if [ $dry_run -eq 1 ]; then
-    step "$name" "$limit" '(tokens/s at TP|FAILED)' "$py" benchmarks/train_throughput.py --model debug \
-      --steps 3 --micro-batch-size 1 --micro-batches 1 --seq-length 32 --out "$out" trainer.fusions=on
-  else
-    step "$name" "$limit" '(tok/s|tokens/s at TP|FAILED)' "$py" benchmarks/train_throughput.py "$@" --out "$out" \
-      trainer.init_on_gpu=true
-  fi
+  local toy=()
+  [ $dry_run -eq 1 ] && toy=(--heads 1 --seq-len 32 --batch 1 --repeats 1 --epilogues triton unfused)
+  step "$name" "$limit" '^headline' "$py" benchmarks/core_attention.py --out "$out" "$@" "${toy[@]}"
+}
+
+throughput() {  # name, limit, train_throughput.py arguments
+  local name="$1" limit="$2"
+  shift 2
+  local toy=()
+  [ $dry_run -eq 1 ] && toy=(--model debug --steps 3 --micro-batch-size 1 --micro-batches 1 --seq-length 32)
+  step "$name" "$limit" '(tok/s|tokens/s at TP|FAILED)' "$py" benchmarks/train_throughput.py --out "$out" "$@" \
+    "${toy[@]}" trainer.init_on_gpu=true trainer.fusions=on
 }
 
 gpu_tests() {  # name, limit, pytest arguments
@@ -160,8 +155,8 @@ gpu_tests() {  # name, limit, pytest arguments
 }
 
 plan_first() {
-  core_attention core_attention_d128 150 128 4096 4
-  core_attention core_attention_d96 120 96 2048 4
+  core_attention core_attention_d128 150 --heads 8 --head-dim 128 --seq-len 4096 --batch 4
+  core_attention core_attention_d96 120 --heads 8 --head-dim 96 --seq-len 2048 --batch 4
   throughput throughput_830m 300 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 --steps 8
   gpu_tests kernel_tests 240 tests/test_diff_attn_kernel.py tests/test_diff_epilogue.py tests/test_attention.py \
     tests/test_context_parallel.py

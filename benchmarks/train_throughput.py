@@ -209,7 +209,7 @@ def main() -> int:
     parser.add_argument("--profile-step", type=int, default=None, help="step to profile (default: the last but one)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # overrides may follow options (gpu_run.sh appends toy sizes)
     if args.micro_batches < 8:
         print(f"note: --micro-batches={args.micro_batches}: below 8, per-step fixed costs weigh more than in training")
 
