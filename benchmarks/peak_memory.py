@@ -14,7 +14,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.train_runs import free_port, train_env  # noqa: E402
+from diff_transformer.distributed import free_port  # noqa: E402
+from tests.train_runs import train_env  # noqa: E402
 
 
 def rank_worker(out_dir: str, overrides) -> None:

@@ -52,6 +52,10 @@ class ThreadRing:
         self.mailboxes, self.rank, self.size, self.lock = mailboxes, rank, len(mailboxes), lock
 
     def exchange(self, tensors):
+        # Autograd runs a CUDA backward on its one thread per device: two ranks' backward passes would queue there one
+        # after the other, the first waiting for the second's message forever. run_threads keeps each rank's backward
+        # on the rank's own thread, which this checks on any device.
+        assert not torch.autograd.is_multithreading_enabled(), "a ring of threads needs run_threads' backward setting"
         self.mailboxes[(self.rank + 1) % self.size].put([t.clone() for t in tensors])
         mailbox, lock = self.mailboxes[self.rank], self.lock
 
@@ -69,12 +73,14 @@ class ThreadRing:
 
 
 def run_threads(ranks, rank_main):
-    """``rank_main(rank)`` on one thread per rank; re-raises what any of them raised."""
+    """``rank_main(rank)`` on one thread per rank, each rank's backward on its own thread (not autograd's device
+    thread, which the ranks would share on one GPU); re-raises what any of them raised."""
     failures = []
 
     def guarded(rank):
         try:
-            rank_main(rank)
+            with torch.autograd.set_multithreading_enabled(False):
+                rank_main(rank)
         except Exception as err:  # noqa: BLE001  (reported by the test thread)
             failures.append(err)
 
@@ -144,9 +150,9 @@ def test_ring_in_fp32_within_its_rounding():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_ring_on_cuda_sdpa_kernels(kind, dtype):
-    """The CUDA block primitive inside the ring (two threads sharing the GPU): flash for bf16 with equal head sizes,
-    the memory-efficient kernel otherwise (fp32, DIFF V1's 2d-wide V), against the fp64 reference; chunks of 100
-    positions, so that the efficient kernel's LSE is padded (to multiples of 32 rows)."""
+    """The CUDA block primitive inside the ring (two threads sharing the GPU): flash for bf16 (DIFF V1's 2d-wide V in
+    halves), the memory-efficient kernel for fp32, against the fp64 reference; chunks of 100 positions, so that the
+    efficient kernel's LSE is padded (to multiples of 32 rows)."""
     results, reference = run_thread_ring(kind, "sdpa", 2, dtype, device="cuda", chunk=100)  # not a multiple of 32
     assert_close_to_reference(results, reference, 2, 2e-2 if dtype == torch.bfloat16 else 1e-4)
 

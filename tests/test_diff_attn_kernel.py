@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import diff_flash_attn, diff_flash_attn_v2
+from kernels import diff_flash_attn, diff_flash_attn_v2, gpu_target
 from kernels.diff_attn import fused, tuning
 from kernels.diff_attn.naive import diff_attn_naive, diff_attn_v2_naive
 from kernels.diff_attn.tuning import BlockConfig, ConfigCache, Design, DeviceInfo, KernelProblem
@@ -557,26 +557,26 @@ def test_autotune_result_round_trips_through_the_disk_cache(tmp_path, monkeypatc
 
 def test_launcher_asks_for_the_table_config_once_per_problem(monkeypatch):
     """The launcher's wiring, with the GPU replaced: the problem it builds, and one selection per shape class."""
-    monkeypatch.setattr(fused, "_INTERPRET", False)
     monkeypatch.setattr(fused, "_CHOSEN_CONFIGS", {})
+    monkeypatch.setattr(gpu_target, "_simulated", gpu_target.SIMULATED_GPUS["sm_90"])
     monkeypatch.delenv(tuning.AUTOTUNE_ENV, raising=False)
     looked_up = []
     monkeypatch.setattr(tuning, "device_info", lambda device: looked_up.append(device) or H100)
     q = torch.empty(1, 1000, 4, 96, dtype=torch.bfloat16)
     design = tuning.DEFAULT_DESIGNS[(9, 128, 256)]
     constants = fused._kernel_constants(q, 192, True, False, design, False)
-    assert constants["DOT_PRECISION"] == "tf32"
     # d = 96 as two column blocks (64 + 32), V 2d = 192 as 128 + 64: no product padded to 128 or 256.
     assert (constants["BLOCK_D"], constants["BLOCK_D2"], constants["BLOCK_DV"], constants["BLOCK_DV2"]) == \
         (64, 32, 128, 64)
     for n in (1000, 1024, 600):
-        config = fused._block_config("dk", None, None, (), constants, q, n, n, None, design)
+        config = fused._block_config("dk", None, None, (), constants, q, n, n, None, design, 192)
         assert config == tuning.DEFAULT_CONFIGS[(9, 128, 256)]["dk"]
     assert len(looked_up) == 1  # 600, 1000 and 1024 share the bucket of 1024
-    gqa = fused._block_config("dk", None, None, (), constants | dict(HEAD_LOOP=True), q, 1000, 1000, None, design)
+    gqa = fused._block_config("dk", None, None, (), constants | dict(HEAD_LOOP=True), q, 1000, 1000, None, design,
+                              192)
     assert gqa == tuning.GQA_CONFIGS[(9, 128, 256)]["dk"]
     plan = tuning.Plan(design, fused._INTERPRET_CONFIGS)
-    assert fused._block_config("dk", None, None, (), constants, q, 1000, 1000, plan, design) == \
+    assert fused._block_config("dk", None, None, (), constants, q, 1000, 1000, plan, design, 192) == \
         fused._INTERPRET_CONFIGS["dk"]
 
 

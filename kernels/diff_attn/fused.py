@@ -52,10 +52,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import gpu_target
 from kernels.diff_attn import tuning
 from kernels.diff_attn.tuning import BlockConfig
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = gpu_target.INTERPRET
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 128
@@ -1017,24 +1018,21 @@ _MIN_BLOCK_M = 16
 _CHOSEN_DESIGNS = {}
 _CHOSEN_CONFIGS = {}
 _CONFIG_CACHE = {}
-_CAPABILITIES = {}
 
 
 def _capability_major(device):
-    """The GPU's compute capability major; the interpreter plans as on Hopper (the table's main entries)."""
-    if _INTERPRET:
+    """The GPU's compute capability major (the simulated GPU's); the interpreter's own branch plans as on Hopper (the
+    table's main entries)."""
+    if not gpu_target.gpu_branch():
         return 9
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABILITIES:
-        _CAPABILITIES[index] = torch.cuda.get_device_capability(index)[0]
-    return _CAPABILITIES[index]
+    return gpu_target.device_properties(device).capability[0]
 
 
 def _design(q, value_dim, plan):
     """The explicit plan's design, else the table's for this GPU and these head dims (with DIFF_ATTN_DESIGN)."""
     if plan is not None:
         return plan.design
-    key = (q.device.index, q.shape[3], value_dim, os.environ.get(tuning.DESIGN_ENV, ""))
+    key = (gpu_target.key(), q.device.index, q.shape[3], value_dim, os.environ.get(tuning.DESIGN_ENV, ""))
     design = _CHOSEN_DESIGNS.get(key)
     if design is None:
         design = tuning.default_design(_capability_major(q.device), q.shape[3], value_dim)
@@ -1050,16 +1048,12 @@ def _descriptors_usable(*tensors):
     )
 
 
-_ALLOCATOR_SET = []
-
-
 def _use_descriptors(design, *tensors):
     if not design.descriptors or not _descriptors_usable(*tensors):
         return False
-    if not _INTERPRET and not _ALLOCATOR_SET:
-        # Tensor descriptors built inside a kernel live in a global scratch buffer that Triton asks the host for.
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _ALLOCATOR_SET.append(True)
+    # Tensor descriptors built inside a kernel live in a global scratch buffer that Triton asks the host for, through
+    # an allocator kept per thread: the backward may run on autograd's device thread, so every launch checks.
+    gpu_target.ensure_allocator()
     return True
 
 
@@ -1085,17 +1079,17 @@ def _kernel_constants(q, value_dim, causal, shared_k, design, use_desc):
     )
 
 
-def _block_config(name, kernel, grid, args, constants, q, n_q, n_k, plan, design):
+def _block_config(name, kernel, grid, args, constants, q, n_q, n_k, plan, design, value_dim):
     """The block config `kernel` launches with at this problem (kernels/diff_attn/tuning.py explains the choice)."""
     if plan is not None:
         return plan.configs[name]
-    if _INTERPRET:
+    if not gpu_target.gpu_branch():
         return _INTERPRET_CONFIGS[name]
-    autotuning = tuning.autotune_enabled()
-    problem = tuning.KernelProblem.of(name, _DTYPE_NAMES[q.dtype], constants["HEAD_D"], constants["VALUE_D"],
+    autotuning = tuning.autotune_enabled() and not _INTERPRET  # nothing to time in the interpreter
+    problem = tuning.KernelProblem.of(name, _DTYPE_NAMES[q.dtype], constants["HEAD_D"], value_dim,
                                       constants["SHARED_K"], constants["CAUSAL"], n_q, n_k, design.split_dims,
                                       constants["USE_DESC"], constants.get("HEAD_LOOP", False))
-    memo_key = (q.device.index, problem, autotuning)
+    memo_key = (gpu_target.key(), q.device.index, problem, autotuning)
     config = _CHOSEN_CONFIGS.get(memo_key)
     if config is None:
         device = tuning.device_info(q.device)
@@ -1113,9 +1107,13 @@ def _block_config(name, kernel, grid, args, constants, q, n_q, n_k, plan, design
     return config
 
 
-def _launch(name, kernel, grid, args, constants, q, n_q, n_k, plan, design):
-    """Launch `kernel` over `grid(config)` with the block config chosen for it."""
-    config = _block_config(name, kernel, grid, args, constants, q, n_q, n_k, plan, design)
+def _launch(name, kernel, grid, args, constants, q, n_q, n_k, plan, design, value_dim=None):
+    """Launch `kernel` over `grid(config)` with the block config chosen for it (the problem's value dim: the
+    kernel's VALUE_D unless the kernel has none)."""
+    config = _block_config(name, kernel, grid, args, constants, q, n_q, n_k, plan, design,
+                           constants["VALUE_D"] if value_dim is None else value_dim)
+    if constants["USE_DESC"]:
+        gpu_target.require_allocator()
     kernel[grid(config)](*args, **constants, **config.launch_options())
 
 
@@ -1127,8 +1125,9 @@ def _query_grid(n_q, batch, n_heads):
     return lambda config: (triton.cdiv(n_q, config.block_m), batch * n_heads)
 
 
-def _diff_attn_lse(q, k, causal, causal_offset, softmax_scale, shared_k, design, plan):
-    """The two-pass forward's first pass: lse (B, 2H, Nq) fp32, natural log."""
+def _diff_attn_lse(q, k, value_dim, causal, causal_offset, softmax_scale, shared_k, design, plan):
+    """The two-pass forward's first pass: lse (B, 2H, Nq) fp32, natural log. The kernel reads no V; `value_dim`
+    picks the table entry of the problem it belongs to."""
     batch, n_q, two_h, _ = q.shape
     n_heads, n_k = two_h // 2, k.shape[1]
     group = n_heads // (k.shape[2] if shared_k else k.shape[2] // 2)
@@ -1139,7 +1138,7 @@ def _diff_attn_lse(q, k, causal, causal_offset, softmax_scale, shared_k, design,
     args = (q, k, lse, *_strides3(q), *_strides3(k), n_heads, group, n_q, n_k, causal_offset,
             softmax_scale * _LOG2E)
     _launch("forward_lse", _diff_attn_fwd_lse_kernel, _query_grid(n_q, batch, n_heads), args, constants, q, n_q,
-            n_k, plan, design)
+            n_k, plan, design, value_dim)
     return lse
 
 
@@ -1164,7 +1163,7 @@ def _diff_attn_forward(q, k, v, lam_rows, norm_weight, causal, causal_offset, so
             n_heads, n_heads // n_kv_groups, n_q, n_k, causal_offset, softmax_scale * _LOG2E, output_scale, norm_eps)
     if design.forward == "twopass" or lse is not None:
         if lse is None:
-            lse = _diff_attn_lse(q, k, causal, causal_offset, softmax_scale, shared_k, design, plan)
+            lse = _diff_attn_lse(q, k, value_dim, causal, causal_offset, softmax_scale, shared_k, design, plan)
         args = (q, k, v, lam_rows, lse, out, y, rstd if norm else lse, norm_weight if norm else lse, *tail)
         _launch("forward_out", _diff_attn_fwd_out_kernel, grid, args, constants, q, n_q, n_k, plan, design)
     else:
@@ -1467,7 +1466,9 @@ def _pieces_setup(q, k, v, lam, shared_k, causal, causal_offset, softmax_scale):
 def diff_attn_chunk_lse(q, k, *, shared_k=False, causal=True, causal_offset=None, softmax_scale=None):
     """Both maps' LSE of queries q against the key chunk k: (B, 2H, Nq) fp32, natural log (−inf: no key seen)."""
     offset, scale, design, _ = _pieces_setup(q, k, None, None, shared_k, causal, causal_offset, softmax_scale)
-    return _diff_attn_lse(_unit_stride_last(q), _unit_stride_last(k), causal, offset, scale, shared_k, design, None)
+    value_dim = q.shape[3] if shared_k else 2 * q.shape[3]
+    return _diff_attn_lse(_unit_stride_last(q), _unit_stride_last(k), value_dim, causal, offset, scale, shared_k,
+                          design, None)
 
 
 def diff_attn_chunk_forward(q, k, v, lam, lse, *, shared_k=False, causal=True, causal_offset=None,

@@ -527,11 +527,10 @@ def select_config(problem: KernelProblem, device: DeviceInfo, autotuning: bool, 
 
 
 def device_info(device) -> DeviceInfo:
-    """Name, capability and shared memory per block of a CUDA device (torch's figure, else by capability)."""
-    import torch
+    """Name, capability and shared memory per block of a CUDA device (torch's figure, else by capability), or of the
+    GPU that kernels/gpu_target.py simulates."""
+    from kernels import gpu_target
 
-    props = torch.cuda.get_device_properties(device)
-    capability = (props.major, props.minor)
-    shared = getattr(props, "shared_memory_per_block_optin", 0) or SHARED_MEMORY_BY_CAPABILITY.get(
-        capability, SHARED_MEMORY_FALLBACK)
-    return DeviceInfo(props.name, capability, int(shared))
+    gpu = gpu_target.device_properties(device)
+    shared = gpu.shared_memory or SHARED_MEMORY_BY_CAPABILITY.get(gpu.capability, SHARED_MEMORY_FALLBACK)
+    return DeviceInfo(gpu.name, gpu.capability, int(shared))

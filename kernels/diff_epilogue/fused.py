@@ -15,14 +15,15 @@ the sums over tokens kept per program and added in PyTorch (deterministic, no at
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from kernels import gpu_target
+
+_INTERPRET = gpu_target.INTERPRET
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements of one (tokens x head_dim) tile a program holds per map output (4 tokens at d = 128). Compiled for sm_90
 # (check_compile.py, Triton 3.9): forward 32 registers, backward 96 with the norm, no spills (2048 spilled 884 B).
@@ -189,7 +190,7 @@ def _diff_epilogue_bwd_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 def _tile(head_dim: int):
     block_d = triton.next_power_of_2(head_dim)
-    elements = _INTERPRET_TILE_ELEMENTS if _INTERPRET else _TILE_ELEMENTS
+    elements = _TILE_ELEMENTS if gpu_target.gpu_branch() else _INTERPRET_TILE_ELEMENTS
     return max(1, elements // block_d), block_d
 
 
@@ -225,9 +226,9 @@ def _forward(oa, ob, lam, weight, eps, scale):
 
 def _programs_per_head(n_blocks: int, heads: int, device: torch.device) -> int:
     """Programs that loop over the token blocks of one head: about four waves of the GPU over all heads."""
-    if _INTERPRET or device.type != "cuda":
+    if not gpu_target.gpu_branch():
         return min(n_blocks, 2)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = gpu_target.device_properties(device).multiprocessors
     return max(1, min(n_blocks, triton.cdiv(4 * sms, heads)))
 
 

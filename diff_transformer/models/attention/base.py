@@ -93,16 +93,39 @@ def record_sdpa_kernels() -> Iterator[List[str]]:
         _sdpa_choices = outer
 
 
+class _GradInOutputLayout(torch.autograd.Function):
+    """The identity, whose backward hands the gradient on in the output's own memory layout.
+
+    The library kernel's output follows the query's stride order (megatron's [s, b, heads, d]); a gradient that
+    arrives in another order (DIFF's unfused epilogue gives (b, s, heads, d)) made cuDNN's attention backward wrong on
+    an H100 (torch 2.11: 5.6e-1 relative error in DIFF's gradients, benchmarks/results/core_attention_d128_*). One copy,
+    only when the orders differ."""
+
+    @staticmethod
+    def forward(ctx, out):
+        ctx.layout = out.shape, out.stride()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, stride = ctx.layout
+        if grad.stride() == stride:
+            return grad
+        return torch.empty_strided(shape, stride, dtype=grad.dtype, device=grad.device).copy_(grad)
+
+
 def scaled_dot_product_attention(q, k, v, scale: float, enable_gqa: bool = False) -> torch.Tensor:
     """Causal ``F.scaled_dot_product_attention`` on (b, heads, s, d) inputs, the one call every kind's ``sdpa``
-    backend makes (so that :func:`record_sdpa_kernels` sees them all)."""
+    backend makes (so that :func:`record_sdpa_kernels` sees them all); its backward receives the gradient in the
+    output's layout."""
     if _sdpa_choices is not None:
         kernel = sdpa_kernel_choice(q, k, v, True, scale, enable_gqa)
         _sdpa_choices.append(
             f"{kernel}: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} {str(q.dtype).replace('torch.', '')}"
             f"{' gqa' if enable_gqa else ''}"
         )
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+    return _GradInOutputLayout.apply(out) if out.requires_grad else out
 
 
 def heads_first(query: torch.Tensor, key: torch.Tensor):
