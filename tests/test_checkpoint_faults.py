@@ -31,11 +31,12 @@ EXIT_STOPPED_RESUMABLE = 75
 
 # train.py with faults: "enospc@N" makes the torch_dist writer fail with ENOSPC on the files of step N's save, after
 # writing part of them (also in the background process of an async save); "sigterm@N" and "sigint@N" send SIGTERM or
-# SIGINT after step N; "sigint_in_save@N" SIGINT again as the save of step N begins; "enospc_metrics@N" a full disk
+# SIGINT after step N; "sigint_in_save@N" SIGINT at once and again 1.2 s later as the save of step N begins (a Ctrl-C
+# delivered twice, then pressed again); "enospc_metrics@N" a full disk
 # half-way through metrics.jsonl's record of step N; "sigterm_at_exit@PATH" SIGTERM once more as the process exits
 # after a signal's save (the first thing it does on the way out), and the process ids of its children into PATH.
 FAULTY_TRAIN = r"""
-import atexit, errno, functools, json, multiprocessing, os, runpy, signal, sys
+import atexit, errno, functools, json, multiprocessing, os, runpy, signal, sys, time
 faults = dict(f.split("@") for f in sys.argv[1].split(","))
 sys.argv = sys.argv[2:]
 if "enospc_metrics" in faults:
@@ -57,6 +58,8 @@ if "sigint_in_save" in faults:
     save_at, write = int(faults["sigint_in_save"]), CheckpointManager._write
     def write_interrupted(self, tmp):
         if self.trainer.step == save_at:
+            os.kill(os.getpid(), signal.SIGINT)  # the same Ctrl-C, forwarded (torchrun): the save goes on
+            time.sleep(1.2)
             os.kill(os.getpid(), signal.SIGINT)
         return write(self, tmp)
     CheckpointManager._write = write_interrupted

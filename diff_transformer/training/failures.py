@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from typing import Any, Deque, List, Optional
 
@@ -38,6 +39,9 @@ class TrainingDiverged(RuntimeError):
 
 
 EXIT_INTERRUPTED = 130  # a second SIGINT: stopped without finishing the save (diff_transformer.cli's status)
+# A SIGINT within this many seconds of the first is the same Ctrl-C delivered twice (the terminal's, to the whole
+# process group, and torchrun's, which forwards the one it received to its workers), not a second press.
+SAME_CTRL_C_S = 1.0
 EXIT_SAVE_UNFINISHED = 143  # the save did not finish within the grace period
 
 
@@ -59,6 +63,7 @@ class PreemptionSignals:
         self._previous = {}
         self._watchdog: Optional[threading.Timer] = None
         self._saved = False
+        self._received_at = 0.0
 
     def install(self) -> "PreemptionSignals":
         if threading.current_thread() is not threading.main_thread():
@@ -71,10 +76,12 @@ class PreemptionSignals:
     def _handle(self, signum, frame) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name
+            self._received_at = time.monotonic()
             self._watchdog = threading.Timer(self.grace_period_s, self._grace_exceeded)
             self._watchdog.daemon = True
             self._watchdog.start()
-        elif signum == signal.SIGINT and not self._saved:  # Ctrl-C again: the user will not wait for the save
+        elif signum == signal.SIGINT and not self._saved and time.monotonic() - self._received_at > SAME_CTRL_C_S:
+            # Ctrl-C pressed again: the user will not wait for the save
             if os.environ.get("RANK", "0") == "0":
                 advice = rerun_advice(self.checkpoint_root) if self.checkpoint_root else "rerun the same command"
                 what = "a second SIGINT" if self.received == "SIGINT" else f"SIGINT after {self.received}"
