@@ -112,6 +112,7 @@ class Trainer:
         self._damaged_checkpoints: List[Any] = []  # (path, why) skipped by checkpoint.resume=auto
         self._backend_decision: Optional[Dict[str, Any]] = None  # model.attention_backend=auto's, to record
         self.launch_record: Dict[str, str] = {}  # Hydra's record of this launch (.hydra/), written at the commit
+        self.tokenizer = None  # the run's tokenizer, once setup has prepared the data
 
     # -- setup -------------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -530,7 +531,8 @@ class Trainer:
         if resume:
             saved = read_trainer_state(resume)
             check_model_compatible(resume, saved["config"]["model"], current_model)
-            check_tokenizer_unchanged(resume, saved, self.tokenizer.model_sha256, self.prepared.tokenizer_dir)
+            if self.tokenizer is not None:
+                check_tokenizer_unchanged(resume, saved, self.tokenizer.model_sha256, self.tokenizer.path)
             check_resumable(resume, saved, self.cfg)
             return resume, None
         if c.load_weights_only:
