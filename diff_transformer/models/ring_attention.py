@@ -205,6 +205,12 @@ def _shared_documents(q_ids, k_ids):
     return blocks
 
 
+def _one_document(q_ids, k_ids) -> bool:
+    """Whether each sample's queries and keys of the block all lie in one document: then the mask changes nothing."""
+    first = q_ids[:, :1]
+    return bool((q_ids == first).all() and (k_ids == first).all())
+
+
 def block_forward(q, k, v, scale: float, causal: bool, impl: str, q_ids=None,
                   k_ids=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """softmax(q·kᵀ·scale [+ causal mask])·v and its LSE (natural log, fp32 or fp64) for one map; q (b, h, sq, d),
@@ -218,7 +224,7 @@ def block_forward(q, k, v, scale: float, causal: bool, impl: str, q_ids=None,
         mask = (q_ids[:, :, None] == k_ids[:, None, :]).unsqueeze(1) if q_ids is not None else None
         return _eager_forward(q, k, v, scale, causal, mask)
     primitive = _cuda_sdpa_forward if q.is_cuda else _cpu_sdpa_forward
-    if q_ids is None:
+    if q_ids is None or _one_document(q_ids, k_ids):
         return primitive(q, k, v, scale, causal)
     out = q.new_zeros(*q.shape[:-1], v.shape[-1])
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=_accumulation_dtype(q), device=q.device)
@@ -235,7 +241,7 @@ def block_backward(grad_out, q, k, v, out, lse, scale: float, causal: bool, impl
         mask = (q_ids[:, :, None] == k_ids[:, None, :]).unsqueeze(1) if q_ids is not None else None
         return _eager_backward(grad_out, q, k, v, out, lse, scale, causal, mask)
     primitive = _cuda_sdpa_backward if q.is_cuda else _cpu_sdpa_backward
-    if q_ids is None:
+    if q_ids is None or _one_document(q_ids, k_ids):
         return primitive(grad_out, q, k, v, out, lse, scale, causal)
     dtype = _accumulation_dtype(q)
     grad_q, grad_k, grad_v = (torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
@@ -473,39 +479,55 @@ def _query_rows(lam: torch.Tensor, rows: slice) -> torch.Tensor:
     return lam[:, rows] if lam.dim() == 3 else lam
 
 
-def _differential_ring_forward(ring, pieces, scale, shared_k, q, k, v, lam):
+def _piece_documents(document_ids, block, rows, cols):
+    """The fused pieces' document arguments for a block (none without document masking): the queries' ids and the
+    visiting keys' (the last tensor travelling with K); the kernels skip the tiles that share no document."""
+    if document_ids is None:
+        return {}
+    return dict(q_document_ids=document_ids[:, rows], k_document_ids=block[-1][:, cols])
+
+
+def _with_documents(tensors, document_ids):
+    """A round's travelling tensors, the keys' document ids last with document masking."""
+    return tuple(tensors) + ((document_ids,) if document_ids is not None else ())
+
+
+def _differential_ring_forward(ring, pieces, scale, shared_k, q, k, v, lam, document_ids):
     chunk = k.shape[1] // 2
     options = dict(shared_k=shared_k, causal_offset=0, softmax_scale=scale)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
 
     def gather_lse(step, rows, cols, causal, block):
-        block_lse = pieces.diff_attn_chunk_lse(q[:, rows], block[0][:, cols], causal=causal, **options)
+        block_lse = pieces.diff_attn_chunk_lse(q[:, rows], block[0][:, cols], causal=causal, **options,
+                                               **_piece_documents(document_ids, block, rows, cols))
         if step == 0:  # the diagonal block covers every local query
             lse.copy_(block_lse)
         else:
             lse[..., rows] = torch.logaddexp(lse[..., rows], block_lse)
 
-    _ring_round(ring, (k,), chunk, gather_lse)  # round 1: K alone, each map's LSE over every key
+    _ring_round(ring, _with_documents((k,), document_ids), chunk, gather_lse)  # round 1: K, each map's LSE
     y = torch.zeros(*q.shape[:2], q.shape[2] // 2, v.shape[3], dtype=torch.float32, device=q.device)
 
     def accumulate(step, rows, cols, causal, block):
         y[:, rows] += pieces.diff_attn_chunk_forward(q[:, rows], block[0][:, cols], block[1][:, cols],
-                                                     _query_rows(lam, rows), lse[..., rows], causal=causal, **options)
+                                                     _query_rows(lam, rows), lse[..., rows], causal=causal, **options,
+                                                     **_piece_documents(document_ids, block, rows, cols))
 
-    _ring_round(ring, (k, v), chunk, accumulate)  # round 2: K and V, each block's exact share of y
+    _ring_round(ring, _with_documents((k, v), document_ids), chunk, accumulate)  # round 2: each block's share of y
     return y, lse
 
 
-def _differential_ring_backward(ring, pieces, scale, shared_k, q, k, v, lam, y, lse, grad_y):
+def _differential_ring_backward(ring, pieces, scale, shared_k, q, k, v, lam, y, lse, grad_y, document_ids):
     chunk = k.shape[1] // 2
     options = dict(shared_k=shared_k, causal_offset=0, softmax_scale=scale)
     r2 = torch.zeros(q.shape[0], q.shape[2] // 2, q.shape[1], dtype=torch.float32, device=q.device)
 
     def gather_r2(step, rows, cols, causal, block):
         r2[..., rows] += pieces.diff_attn_chunk_r2(grad_y[:, rows], q[:, rows], block[0][:, cols], block[1][:, cols],
-                                                   lse[..., rows], causal=causal, **options)
+                                                   lse[..., rows], causal=causal, **options,
+                                                   **_piece_documents(document_ids, block, rows, cols))
 
-    _ring_round(ring, (k, v), chunk, gather_r2)  # round 1: r2 = rowsum(dy ∘ O2) over every key
+    _ring_round(ring, _with_documents((k, v), document_ids), chunk, gather_r2)  # round 1: r2 = rowsum(dy ∘ O2)
     delta = pieces.diff_attn_delta(grad_y, y, lam, r2)
     grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
 
@@ -513,6 +535,7 @@ def _differential_ring_backward(ring, pieces, scale, shared_k, q, k, v, lam, y, 
         dq, dk, dv = pieces.diff_attn_chunk_backward(
             grad_y[:, rows], q[:, rows], block[0][:, cols], block[1][:, cols], _query_rows(lam, rows),
             lse[..., rows], delta[..., rows], causal=causal, **options,
+            **_piece_documents(document_ids, block, rows, cols),
         )
         grad_q[:, rows] += dq
         grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
@@ -520,17 +543,19 @@ def _differential_ring_backward(ring, pieces, scale, shared_k, q, k, v, lam, y, 
         grad_k[:, cols], grad_v[:, cols] = dk, dv
         return grad_k, grad_v
 
-    grad_k, grad_v = _ring_round_with_gradients(ring, (k, v), chunk, gradients)  # round 2: dK, dV travel back
+    grad_k, grad_v = _ring_round_with_gradients(ring, _with_documents((k, v), document_ids), chunk,
+                                                gradients)  # round 2: dK, dV travel back
     grad_lam = (-r2.transpose(1, 2)).sum_to_size(lam.shape)  # y = O1 − λ·O2: dλ = −r2, summed as λ is shared
     return grad_q, grad_k, grad_v, grad_lam
 
 
 class _DifferentialRingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ring, scale, shared_k, q, k, v, lam):
+    def forward(ctx, ring, scale, shared_k, document_ids, q, k, v, lam):
         pieces = fused_kernel_package()
-        y, lse = _differential_ring_forward(ring, pieces, scale, shared_k, q, k, v, lam)
+        y, lse = _differential_ring_forward(ring, pieces, scale, shared_k, q, k, v, lam, document_ids)
         ctx.ring, ctx.scale, ctx.shared_k, ctx.pieces = ring, scale, shared_k, pieces
+        ctx.document_ids = document_ids
         ctx.save_for_backward(q, k, v, lam, y, lse)
         return y
 
@@ -540,21 +565,26 @@ class _DifferentialRingAttention(torch.autograd.Function):
         # the kernels' products take dy in the inputs' dtype (fp32 dy against bf16 V does not compile); δ reads the same
         grad_y = grad_y.to(q.dtype)
         grad_q, grad_k, grad_v, grad_lam = _differential_ring_backward(
-            ctx.ring, ctx.pieces, ctx.scale, ctx.shared_k, q, k, v, lam, y, lse, grad_y
+            ctx.ring, ctx.pieces, ctx.scale, ctx.shared_k, q, k, v, lam, y, lse, grad_y, ctx.document_ids
         )
-        return (None, None, None, grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype),
+        return (None, None, None, None, grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype),
                 grad_lam.to(lam.dtype))
 
 
 def differential_ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, scale: float, ring, shared_k: bool = False,
+    document_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """DIFF's causal attention over the whole sequence split across ``ring``, on the fused kernel's pieces:
     y = O1 − λ·O2 (B, local s, H, Dv) in fp32, before the epilogue; differentiable in q, k, v and λ.
 
     q (B, s, 2H, d), k, v and λ in the layouts of ``kernels.diff_flash_attn`` (V1: k (B, s, 2Hkv, d), v (B, s, Hkv,
     2d), λ 0-dim or (H,)) or, with ``shared_k``, of ``kernels.diff_flash_attn_v2`` (k, v (B, s, Hkv, d), λ (B, s, H));
-    the local sequence is this rank's two load-balanced chunks (:func:`context_parallel_chunks`)."""
+    the local sequence is this rank's two load-balanced chunks (:func:`context_parallel_chunks`). With
+    ``document_ids`` (B, local s) attention stays within each document: the keys' ids travel with K (and V), and the
+    kernels skip the tiles of a block whose queries and keys share no document."""
     if k.shape[1] % 2:
         raise ValueError(f"a context-parallel rank holds two equal chunks; its {k.shape[1]} positions are odd")
-    return _DifferentialRingAttention.apply(ring, scale, shared_k, q, k, v, lam)
+    if document_ids is not None:
+        document_ids = document_ids.to(torch.int32).contiguous()
+    return _DifferentialRingAttention.apply(ring, scale, shared_k, document_ids, q, k, v, lam)

@@ -14,6 +14,7 @@ import math
 import os
 import shutil
 import time
+from functools import partial
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -156,6 +157,8 @@ class Trainer:
             split=cfg.data.split,
             index_cache_dir=cfg.data.index_cache_dir,
             eod_mask_loss=cfg.data.eod_mask_loss,
+            document_mask=cfg.data.document_mask,
+            reset_position_ids=cfg.data.reset_position_ids,
         )
         self.prepared = prepared
         if cfg.model.attention == "dex":
@@ -538,7 +541,7 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         losses = get_forward_backward_func()(
-            forward_step_func=forward_step,
+            forward_step_func=partial(forward_step, reset_position_ids=self.cfg.data.reset_position_ids),
             data_iterator=data_iter,
             model=self.model,
             num_microbatches=self.num_microbatches,

@@ -1,0 +1,237 @@
+"""Document masking of packed samples (data.document_mask, data.reset_position_ids), against an independent
+reference: every document run alone as its own sequence.
+
+- Data: document ids and positions from the end-of-document tokens, against megatron-core's own reset masks and
+  positions; a document cut by the sample's start is the sample's first document.
+- Core attention, every kind and backend (fp64 for eager and sdpa): the masked output and every gradient (q, k, v,
+  λ, the norm weight, V2's λ logits, DEX's W_D, the signed mask's logits) equal the per-document runs; a sample that
+  is one document gives today's causal path bit for bit.
+- The fused kernel (Triton's interpreter, fp32, V1 and V2, GQA, odd lengths, one-token documents, every design, and
+  the launcher's GPU branch): against the fp32 reference run per document; one document bit for bit.
+- Context parallelism: a ring of two threads with the mask equals one rank with the mask (eager, sdpa, the fused
+  ring).
+- The model: a one-document sample with reset positions gives today's losses bit for bit; a document's per-token
+  losses at step 0 do not depend on which documents were packed before it.
+"""
+
+import math
+import queue
+import threading
+import zlib
+
+import pytest
+import torch
+
+from diff_transformer.compat import apply_cpu_patches
+
+apply_cpu_patches()
+
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from data.datasets import document_ids, document_positions  # noqa: E402
+from diff_transformer.models.attention import (  # noqa: E402
+    DexCoreAttention,
+    DiffV2CoreAttention,
+    DifferentialCoreAttention,
+    SignedMaskCoreAttention,
+    TopKCoreAttention,
+    VanillaCoreAttention,
+    VanillaSublnCoreAttention,
+    blockwise,
+)
+from diff_transformer.models.documents import PackedDocuments, document_segments  # noqa: E402
+from diff_transformer.models.ring_attention import context_parallel_chunks, load_balanced_indices  # noqa: E402
+from kernels import gpu_target  # noqa: E402
+from kernels.diff_attn import diff_attn_naive, diff_attn_v2_naive, diff_flash_attn, diff_flash_attn_v2  # noqa: E402
+from kernels.diff_attn import fused, tuning  # noqa: E402
+
+CAUSAL = AttnMaskType.causal
+EOD = 2
+FP64_TOLERANCE = 1e-10  # measured: ~1e-15
+FP32_ROUNDING = 1e-6  # where a kind computes in fp32 by design (measured: <= 6e-8)
+# Kinds that compute in fp32 whatever the inputs: V2's λ = sigmoid(logits) (torch's vectorised and scalar fp32
+# sigmoid can differ in the last bit, so a document alone may draw its λ an ulp away), the map controls' blockwise
+# softmax, DEX's O·(I − λ·W_D)
+FP32_BY_DESIGN = ("diff_v2", "topk", "signed_mask", "dex")
+FP32_TOLERANCE = 2e-5  # tests/test_diff_attn_kernel.py's, for the fused kernel against its fp32 reference
+
+
+@pytest.fixture(autouse=True)
+def seed_from_node_id(request):
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+def documents_from_lengths(*lengths_per_sample):
+    """(b, s) int32 document ids of samples made of documents of the given lengths."""
+    rows = [torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])
+            for lengths in lengths_per_sample]
+    return torch.stack(rows)
+
+
+# Odd length 37; sample 0: one-token documents at the start and in the middle; sample 1: one document.
+IDS = documents_from_lengths([1, 11, 1, 24], [37])
+ONE_DOCUMENT = torch.zeros(2, 37, dtype=torch.int32)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Data
+# ------------------------------------------------------------------------------------------------------------------
+def test_document_ids_and_positions_match_megatrons_reset_mask_and_positions():
+    """An EOD closes its document; the token after it starts the next. The mask same-document ∧ causal and the reset
+    positions are what megatron-core's GPTDataset builds with reset_attention_mask and reset_position_ids."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    tokens = torch.tensor([7, 8, EOD, 9, EOD, EOD, 5, 6, 6, EOD, 4])
+    ids = document_ids(tokens, EOD)
+    assert ids.tolist() == [0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 4]
+    mask, _, positions = _get_ltor_masks_and_position_ids(tokens, EOD, True, True, False, True)
+    ours = (ids[:, None] == ids[None, :]) & torch.ones(11, 11, dtype=torch.bool).tril()
+    assert torch.equal(~mask[0], ours)  # megatron: True where masked
+    assert torch.equal(document_positions(ids), positions)
+    batch = torch.stack([tokens, tokens.flip(0)])
+    assert torch.equal(document_ids(batch, EOD)[1], document_ids(tokens.flip(0), EOD))
+    assert document_segments(document_ids(batch, EOD))[0] == [(0, 3), (3, 5), (5, 6), (6, 10), (10, 11)]
+
+
+def test_packed_documents_dataset_adds_ids_and_resets_positions():
+    """The wrapper around a megatron dataset: the same samples, with `document_ids` and positions per document; a
+    document cut by the sample's start is its document 0, positions from 0."""
+    from data.datasets import PackedDocumentsDataset
+
+    samples = [{"tokens": torch.tensor([3, 3, EOD, 4, 4]), "position_ids": torch.arange(5),
+                "labels": torch.zeros(5), "loss_mask": torch.ones(5)}]
+    masked = PackedDocumentsDataset(samples, EOD, document_mask=True, reset_position_ids=True)
+    sample = masked[0]
+    assert len(masked) == 1 and sample["document_ids"].tolist() == [0, 0, 0, 1, 1]
+    assert sample["position_ids"].tolist() == [0, 1, 2, 0, 1]
+    positions_only = PackedDocumentsDataset(samples, EOD, document_mask=False, reset_position_ids=True)[0]
+    assert "document_ids" not in positions_only and positions_only["position_ids"].tolist() == [0, 1, 2, 0, 1]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Core attention of every kind: masked == every document alone (fp64)
+# ------------------------------------------------------------------------------------------------------------------
+def config(q_heads, kv_heads, d, hidden=None):
+    return TransformerConfig(num_layers=4, hidden_size=hidden or q_heads * d, num_attention_heads=q_heads,
+                             num_query_groups=kv_heads, kv_channels=d, use_cpu_initialization=True,
+                             add_bias_linear=False)
+
+
+def build(kind, backend):
+    """A core attention of ``kind`` in fp64 with parameters drawn away from their initial values, and its inputs'
+    head counts (query, key, value heads of d) and whether it takes V2's λ logits."""
+    d = 8
+    if kind == "diff":  # H = 4 differential heads over Hkv = 2 groups (GQA)
+        module = DifferentialCoreAttention(config(8, 4, d), 3, CAUSAL, backend=backend)
+        heads = (8, 4, 4)
+    elif kind == "diff_v2":
+        module = DiffV2CoreAttention(config(8, 2, d), 2, CAUSAL, backend=backend)
+        heads = (8, 2, 2)
+    elif kind == "vanilla":
+        module = VanillaCoreAttention(config(4, 2, d), 1, CAUSAL, backend=backend)
+        heads = (4, 2, 2)
+    elif kind == "vanilla_subln":
+        module = VanillaSublnCoreAttention(config(4, 2, d), 2, CAUSAL, backend=backend)
+        heads = (4, 2, 2)
+    elif kind == "topk":
+        module = TopKCoreAttention(config(4, 2, d), 1, CAUSAL, backend=backend, topk=3)
+        heads = (4, 2, 2)
+    elif kind == "signed_mask":
+        module = SignedMaskCoreAttention(config(4, 2, d), 1, CAUSAL, backend=backend, max_distance=64)
+        heads = (4, 2, 2)
+    else:  # dex: W_D on heads 0 and 2, half annealed
+        module = DexCoreAttention(config(4, 2, d), 1, CAUSAL, backend=backend, heads_per_layer=[[0, 2]] * 4)
+        module.set_anneal_fraction(0.5)
+        heads = (4, 2, 2)
+    module = module.double()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return module, heads, d, kind == "diff_v2"
+
+
+def core_attention_run(module, tensors, grad_out, ids=None):
+    """Output and the gradients of the inputs and of every parameter of one masked (or plain) call."""
+    inputs = [t.detach().clone().requires_grad_() for t in tensors]
+    module.zero_grad(set_to_none=True)
+    bias = inputs[3] if len(inputs) == 4 else None
+    packed = PackedDocuments(document_ids=ids) if ids is not None else None
+    out = module(*inputs[:3], None, attn_mask_type=CAUSAL, attention_bias=bias, packed_seq_params=packed)
+    out.backward(grad_out)
+    return out.detach(), [t.grad for t in inputs], {n: p.grad.clone() for n, p in module.named_parameters()
+                                                    if p.grad is not None}
+
+
+def per_document_run(module, tensors, grad_out, ids):
+    """The independent reference: each document of each sample through the module alone, unmasked; its pieces
+    placed back, the parameters' gradients summed over the documents."""
+    out = torch.zeros_like(grad_out)
+    grads = [torch.zeros_like(t) for t in tensors]
+    params = {}
+    for b, spans in enumerate(document_segments(ids)):
+        for a, e in spans:
+            piece = [t[a:e, b:b + 1] for t in tensors]
+            o, g, p = core_attention_run(module, piece, grad_out[a:e, b:b + 1])
+            out[a:e, b:b + 1] = o
+            for whole, part in zip(grads, g):
+                whole[a:e, b:b + 1] = part
+            for name, value in p.items():
+                params[name] = params.get(name, 0) + value
+    return out, grads, params
+
+
+def kind_inputs(heads, d, with_lambda, n_heads_v2=4, s=37, b=2):
+    tensors = [torch.randn(s, b, h, d, dtype=torch.float64) for h in heads]
+    if with_lambda:
+        tensors.append(torch.randn(s, b, n_heads_v2, dtype=torch.float64))
+    return tensors
+
+
+KIND_BACKENDS = [("diff", "eager"), ("diff", "sdpa"), ("diff_v2", "eager"), ("diff_v2", "sdpa"),
+                 ("vanilla", "eager"), ("vanilla", "sdpa"), ("vanilla_subln", "sdpa"), ("topk", "eager"),
+                 ("topk", "sdpa"), ("signed_mask", "sdpa"), ("dex", "sdpa")]
+
+
+@pytest.mark.parametrize("kind,backend", KIND_BACKENDS, ids=[f"{k}-{b}" for k, b in KIND_BACKENDS])
+def test_masked_core_attention_equals_every_document_alone(kind, backend, monkeypatch):
+    """fp64, two samples of 37 tokens (one with one-token documents, one a single document), GQA: output and every
+    gradient. The blockwise backend of the map controls runs blocks of 8 queries here, so that blocks start inside
+    documents and skip the keys before them."""
+    monkeypatch.setattr(blockwise, "BLOCK_QUERIES", 8)
+    module, heads, d, with_lambda = build(kind, backend)
+    tensors = kind_inputs(heads, d, with_lambda)
+    out_width = {"diff": 4 * 2 * d, "diff_v2": 4 * d}.get(kind, 4 * d)
+    grad_out = torch.randn(37, 2, out_width, dtype=torch.float64)
+    out, grads, params = core_attention_run(module, tensors, grad_out, IDS)
+    ref_out, ref_grads, ref_params = per_document_run(module, tensors, grad_out, IDS)
+    tolerance = FP32_ROUNDING if kind in FP32_BY_DESIGN else FP64_TOLERANCE
+    assert rel_err(out, ref_out) < tolerance
+    for name, got, want in zip(("q", "k", "v", "lambda logits"), grads, ref_grads):
+        assert rel_err(got, want) < tolerance, name
+    assert set(params) == set(ref_params) and (params or kind in ("vanilla", "topk", "diff_v2")), "parameter gradients"
+    for name in params:
+        # besides DIFF V1's λ (in the inputs' precision), the kinds' own parameters enter in fp32 by design (the
+        # subln weight's factor, the sign gate, DEX's λ and W_D): their gradients sum fp32 terms per document
+        limit = FP64_TOLERANCE if kind == "diff" else FP32_ROUNDING
+        assert rel_err(params[name], ref_params[name]) < limit, name
+
+
+@pytest.mark.parametrize("kind,backend", [("diff", "eager"), ("diff", "sdpa"), ("diff_v2", "sdpa"),
+                                          ("vanilla", "sdpa"), ("topk", "sdpa")])
+def test_one_document_is_todays_causal_path_bit_for_bit(kind, backend, monkeypatch):
+    monkeypatch.setattr(blockwise, "BLOCK_QUERIES", 8)
+    module, heads, d, with_lambda = build(kind, backend)
+    tensors = kind_inputs(heads, d, with_lambda)
+    out_width = {"diff": 4 * 2 * d, "diff_v2": 4 * d}.get(kind, 4 * d)
+    grad_out = torch.randn(37, 2, out_width, dtype=torch.float64)
+    masked = core_attention_run(module, tensors, grad_out, ONE_DOCUMENT)
+    plain = core_attention_run(module, tensors, grad_out)
+    assert torch.equal(masked[0], plain[0])
+    assert all(torch.equal(a, b) for a, b in zip(masked[1], plain[1]))
+    assert all(torch.equal(masked[2][n], plain[2][n]) for n in plain[2])
