@@ -235,3 +235,151 @@ def test_one_document_is_todays_causal_path_bit_for_bit(kind, backend, monkeypat
     assert torch.equal(masked[0], plain[0])
     assert all(torch.equal(a, b) for a, b in zip(masked[1], plain[1]))
     assert all(torch.equal(masked[2][n], plain[2][n]) for n in plain[2])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The fused kernel (Triton's interpreter, fp32): masked == every document alone through the fp32 reference
+# ------------------------------------------------------------------------------------------------------------------
+def kernel_inputs(version, batch, n, heads, groups, d, epilogue):
+    q = torch.randn(batch, n, 2 * heads, d)
+    if version == 1:
+        k, v = torch.randn(batch, n, 2 * groups, d), torch.randn(batch, n, groups, 2 * d)
+        lam = torch.rand(heads)
+    else:
+        k, v = torch.randn(batch, n, groups, d), torch.randn(batch, n, groups, d)
+        lam = torch.sigmoid(torch.randn(batch, n, heads))
+    tensors = [q, k, v, lam] + ([1.0 + 0.3 * torch.randn(2 * d)] if epilogue else [])
+    return [t.requires_grad_() for t in tensors]
+
+
+def kernel_call(version, tensors, plan=None, ids=None):
+    epilogue = dict(norm_weight=tensors[4], output_scale=0.7) if len(tensors) == 5 else {}
+    function = diff_flash_attn if version == 1 else diff_flash_attn_v2
+    return function(*tensors[:4], plan=plan, document_ids=ids, **epilogue)
+
+
+def reference_per_document(version, tensors, upstream, ids):
+    """The fp32 reference (kernels/diff_attn/naive.py) over each document alone: output and every gradient."""
+    reference = diff_attn_naive if version == 1 else diff_attn_v2_naive
+    out = torch.zeros_like(upstream)
+    grads = [torch.zeros_like(t) for t in tensors]
+    for b, spans in enumerate(document_segments(ids)):
+        for a, e in spans:
+            piece = [t.detach()[b:b + 1, a:e] if t.dim() >= 3 and i < 3 or (version == 2 and i == 3)
+                     else t.detach() for i, t in enumerate(tensors)]
+            piece = [t.clone().requires_grad_() for t in piece]
+            epilogue = dict(norm_weight=piece[4], output_scale=0.7) if len(piece) == 5 else {}
+            o = reference(*piece[:4], **epilogue)
+            g = torch.autograd.grad(o, piece, upstream[b:b + 1, a:e])
+            out[b:b + 1, a:e] = o.detach()
+            for i, (whole, part) in enumerate(zip(grads, g)):
+                if i < 3 or (version == 2 and i == 3):
+                    whole[b:b + 1, a:e] = part
+                else:
+                    whole += part
+    return out, grads
+
+
+D = tuning.Design
+KERNEL_CASES = [  # (version, heads, kv groups, head dim, epilogue, design)
+    (1, 2, 1, 16, True, D("twopass", "split")),
+    (1, 4, 2, 16, False, D("onepass", "fused")),  # GQA: the dK/dV programs' head loop
+    (2, 4, 2, 16, False, D("onepass", "atomic")),  # dQ by atomics inside the dK program
+]
+
+
+@pytest.mark.parametrize("version,heads,groups,d,epilogue,design", KERNEL_CASES,
+                         ids=[f"v{c[0]}-H{c[1]}-Hkv{c[2]}-{c[5].forward}-{c[5].backward}" for c in KERNEL_CASES])
+def test_fused_kernel_with_documents_equals_every_document_alone(version, heads, groups, d, epilogue, design):
+    """Odd length 45 with the interpreter's blocks of 16 and 32: one-token documents, documents starting inside a
+    block and spanning several, a sample that is one document; output and the gradients of q, k, v, λ and the norm
+    weight."""
+    ids = documents_from_lengths([1, 16, 1, 5, 22], [45])
+    tensors = kernel_inputs(version, 2, 45, heads, groups, d, epilogue)
+    out = kernel_call(version, tensors, tuning.Plan(design, fused._INTERPRET_CONFIGS), ids)
+    upstream = torch.randn_like(out)
+    grads = torch.autograd.grad(out, tensors, upstream)
+    ref_out, ref_grads = reference_per_document(version, tensors, upstream, ids)
+    errors = {"out": rel_err(out, ref_out)}
+    errors.update({name: rel_err(g, r) for name, g, r in zip(("dq", "dk", "dv", "dlam", "dw"), grads, ref_grads)})
+    assert all(e < FP32_TOLERANCE for e in errors.values()), errors
+
+
+def test_fused_kernel_with_one_document_is_todays_kernel_bit_for_bit():
+    tensors = kernel_inputs(1, 1, 40, 2, 1, 16, True)
+    masked = kernel_call(1, tensors, ids=torch.zeros(1, 40, dtype=torch.int32))
+    plain = kernel_call(1, tensors)
+    upstream = torch.randn_like(plain)
+    assert torch.equal(masked, plain)
+    for a, b in zip(torch.autograd.grad(masked, tensors, upstream), torch.autograd.grad(plain, tensors, upstream)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="simulates a GPU in the interpreter (CPU only)")
+def test_fused_kernel_with_documents_through_the_gpu_branch():
+    """The launcher as on an H100 (the table's design and 128-row configs for V1 at d = 64), documents inside and
+    across the big tiles; the backward on another thread, as autograd runs a CUDA backward."""
+    from tests.test_gpu_launch import on_another_thread
+
+    ids = documents_from_lengths([3, 70, 1, 56])
+    tensors = kernel_inputs(1, 1, 130, 2, 1, 64, True)
+    with gpu_target.simulate("sm_90"):
+        out = kernel_call(1, tensors, ids=ids)
+        upstream = torch.randn_like(out)
+        grads = on_another_thread(lambda: torch.autograd.grad(out, tensors, upstream))
+    ref_out, ref_grads = reference_per_document(1, tensors, upstream, ids)
+    errors = {"out": rel_err(out, ref_out)}
+    errors.update({name: rel_err(g, r) for name, g, r in zip(("dq", "dk", "dv", "dlam", "dw"), grads, ref_grads)})
+    assert all(e < FP32_TOLERANCE for e in errors.values()), errors
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Context parallelism: a ring of two threads with the mask equals one rank with the mask
+# ------------------------------------------------------------------------------------------------------------------
+# 32 tokens in four chunks of 8 (rank 0: chunks 0 and 3, rank 1: chunks 1 and 2); one-token documents, documents
+# across chunk edges, and in both samples rank 1's queries share no document with chunk 0, whose block is skipped.
+RING_IDS = documents_from_lengths([1, 6, 1, 9, 15], [5, 3, 24])
+RING_CASES = [("diff", "eager"), ("diff", "sdpa"), ("diff_v2", "sdpa"), ("vanilla", "sdpa"), ("diff", "triton"),
+              ("diff_v2", "triton")]
+
+
+@pytest.mark.parametrize("kind,backend", RING_CASES, ids=[f"{k}-{b}" for k, b in RING_CASES])
+def test_masked_ring_of_two_equals_one_rank(kind, backend):
+    """The document ids travel around the ring with K and V (and the fused ring's pieces skip tiles without a shared
+    document): every rank's output, the gradients of its q, k, v (V2: λ logits) and the sum of the ranks' parameter
+    gradients equal CP = 1 with the mask (fp64 for eager and sdpa; the fused kernel in the interpreter in fp32)."""
+    import copy
+
+    from tests.test_context_parallel import ThreadRing, run_threads
+
+    module, heads, d, with_lambda = build(kind, "sdpa" if backend == "triton" else backend)
+    s, ranks = 32, 2
+    batch = 1 if backend == "triton" else 2  # the interpreter's time: the first sample only
+    ring_ids = RING_IDS[:batch]
+    tensors = kind_inputs(heads, d, with_lambda, s=s, b=batch)
+    out_width = {"diff": 4 * 2 * d, "diff_v2": 4 * d}.get(kind, 4 * d)
+    grad_out = torch.randn(s, batch, out_width, dtype=torch.float64)
+    want = core_attention_run(module, tensors, grad_out, ring_ids)  # the fused ring: against sdpa's in fp64
+    if backend == "triton":
+        module = module.float()
+        module.backend = "triton"
+        tensors, grad_out = [t.float() for t in tensors], grad_out.float()
+    mailboxes, lock, results = [queue.Queue() for _ in range(ranks)], threading.Lock(), [None] * ranks
+
+    def rank_main(rank):
+        with lock:  # the ranks take turns (Triton's interpreter is not thread-safe), each until it waits
+            rank_module = copy.deepcopy(module)
+            rank_module.ring = ThreadRing(mailboxes, rank, lock)
+            chunks = [context_parallel_chunks(t, ranks, rank, dim=0) for t in (*tensors, grad_out)]
+            ids = context_parallel_chunks(ring_ids, ranks, rank, dim=1)
+            results[rank] = core_attention_run(rank_module, chunks[:-1], chunks[-1], ids)
+
+    run_threads(ranks, rank_main)
+    tolerance = FP32_TOLERANCE if backend == "triton" else (FP32_ROUNDING if kind == "diff_v2" else 1e-12)
+    for rank, (out, grads, params) in enumerate(results):
+        index = load_balanced_indices(s, ranks, rank)
+        assert rel_err(out, want[0][index]) < tolerance, rank
+        for name, got, full in zip(("q", "k", "v", "lambda logits"), grads, want[1]):
+            assert rel_err(got, full[index]) < tolerance, (name, rank)
+    for name in want[2]:
+        assert rel_err(sum(r[2][name] for r in results), want[2][name]) < tolerance, name
