@@ -383,3 +383,80 @@ def test_masked_ring_of_two_equals_one_rank(kind, backend):
             assert rel_err(got, full[index]) < tolerance, (name, rank)
     for name in want[2]:
         assert rel_err(sum(r[2][name] for r in results), want[2][name]) < tolerance, name
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The model: RoPE positions per document, packing order
+# ------------------------------------------------------------------------------------------------------------------
+def debug_model(kind, backend, seq_length):
+    from omegaconf import OmegaConf
+
+    from diff_transformer.config import Config
+    from diff_transformer.models.gpt import build_model_chunk
+
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), {
+        "model": {"name": "debug", "attention": kind, "attention_backend": backend, "num_layers": 2,
+                  "hidden_size": 64, "num_heads": 2, "ffn_hidden_size": 176, "seq_length": seq_length},
+        "trainer": {"max_steps": 1, "global_batch_size": 1},
+    }))
+    return build_model_chunk(cfg, vocab_size=128)
+
+
+def token_losses(model, tokens, labels, document_mask, reset_position_ids):
+    """Per-token losses and the parameters' gradients of their sum, through the trainer's own model inputs."""
+    from diff_transformer.training.steps import model_inputs
+
+    batch = {"tokens": tokens, "position_ids": torch.arange(tokens.shape[1]).expand_as(tokens)}
+    ids = document_ids(tokens, EOD)
+    if document_mask:
+        batch["document_ids"] = ids
+    if reset_position_ids:
+        batch["position_ids"] = document_positions(ids)
+    tokens, positions, documents = model_inputs(batch, "cpu", reset_position_ids)
+    model.zero_grad(set_to_none=True)
+    losses = model(tokens, positions, None, labels=labels, packed_seq_params=documents)
+    losses.sum().backward()
+    return losses.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", ["diff", "vanilla"])
+def test_model_with_one_document_is_todays_model_bit_for_bit(kind, megatron_single_process):
+    """A micro-batch without an EOD is one document a sample: with the mask and per-document positions the losses
+    and every gradient are today's, bit for bit."""
+    model = debug_model(kind, "sdpa", 24)
+    tokens = torch.randint(3, 128, (2, 24))
+    labels = torch.randint(3, 128, (2, 24))
+    masked = token_losses(model, tokens, labels, True, True)
+    plain = token_losses(model, tokens, labels, False, False)
+    assert torch.equal(masked[0], plain[0])
+    assert all(torch.equal(masked[1][n], plain[1][n]) for n in plain[1])
+    # per-token RoPE angles at positions 0..s-1 are megatron's own; restarted ones are the restarted rows of them
+    angles = model.rotary_pos_emb(24)  # [s, 1, 1, dim]
+    restarted = torch.tensor([list(range(24)), list(range(10)) + list(range(14))])
+    ours = model.rotary_positions(restarted)
+    assert torch.equal(ours[:, :1], angles[:, 0:1, 0:1].expand(24, 1, 1, -1))
+    assert torch.equal(ours[10:, 1], angles[:14, 0])
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_a_documents_losses_do_not_depend_on_what_was_packed_before_it(backend, megatron_single_process):
+    """Three documents packed in two orders: with the mask and per-document positions every token of a document
+    whose label lies in the same document has the same loss at step 0 (the label of an EOD is the next document's
+    first token, which the order decides); without the mask they differ."""
+    model = debug_model("diff", backend, 30)
+    documents = [torch.randint(3, 128, (n,)) for n in (7, 12, 9)]
+    orders = [(0, 1, 2), (2, 0, 1)]
+
+    def packed(order, mask):
+        stream = torch.cat([torch.cat([documents[i], torch.tensor([EOD])]) for i in order] + [torch.tensor([EOD])])
+        tokens, labels = stream[:-1][None], stream[1:][None]
+        losses = token_losses(model, tokens, labels, mask, mask)[0][0]
+        starts = torch.tensor([0] + [len(documents[i]) + 1 for i in order]).cumsum(0)
+        # per document: the losses of its tokens before the EOD (their labels are its own tokens and its EOD)
+        return {i: losses[a:a + len(documents[i])] for i, a in zip(order, starts.tolist())}
+
+    first, second = packed(orders[0], True), packed(orders[1], True)
+    for i in range(3):
+        assert rel_err(first[i], second[i]) < 1e-6, i
+    unmasked = packed(orders[0], False), packed(orders[1], False)
+    assert rel_err(unmasked[0][2], unmasked[1][2]) > 1e-3  # document 2 first in one order, last in the other
