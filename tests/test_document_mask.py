@@ -114,6 +114,23 @@ def test_packed_documents_dataset_adds_ids_and_resets_positions():
     assert "document_ids" not in positions_only and positions_only["position_ids"].tolist() == [0, 1, 2, 0, 1]
 
 
+def test_inspect_and_accounting_count_the_work_the_mask_leaves():
+    """Documents of 3 and 5 tokens in samples of 4: pieces 3 | 1 | 4, so the mask keeps (9 + 1 + 16)/(2·16) of the
+    causal work. data.inspect's share from the lengths and MFU's keys a token from the batch's ids agree."""
+    import numpy as np
+
+    from data.inspect import length_distribution, masked_attention_share
+    from diff_transformer.training.accounting import attention_keys_per_token
+
+    assert masked_attention_share(np.array([3, 5]), 4) == pytest.approx(1 - 26 / 32)
+    assert masked_attention_share(np.array([3]), 4) is None
+    assert masked_attention_share(np.array([8, 8]), 4) == 0.0  # every sample one document
+    ids = torch.tensor([[0, 0, 0, 1], [0, 0, 0, 0]])  # the same two samples, as the data loader gives them
+    assert attention_keys_per_token(ids) == pytest.approx(26 / 2 / 8)
+    assert attention_keys_per_token(torch.zeros(3, 64, dtype=torch.int32)) == 32  # the causal s/2
+    assert length_distribution(np.array([1, 2, 3, 4]))["p50"] == 2.5
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Core attention of every kind: masked == every document alone (fp64)
 # ------------------------------------------------------------------------------------------------------------------

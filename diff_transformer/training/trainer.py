@@ -43,6 +43,7 @@ from diff_transformer.models.attention.diff_v2 import record_lambda, recorded_la
 from diff_transformer.models.layer_specs import variant_label
 from diff_transformer import distributed
 from diff_transformer.training.accounting import (
+    attention_keys_per_token,
     check_memory_plan,
     choose_context_parallel,
     estimate_memory_per_gpu,
@@ -688,12 +689,28 @@ class Trainer:
         shards = [
             {"name": os.path.basename(p), "bytes": os.path.getsize(p + ".bin")} for p in self.prepared.prefixes
         ]
-        return {
+        description = {
             "tokenizer_sha256": tokenizer_hash(self.prepared.tokenizer_dir),
             "shards": shards,
             "weights": self.prepared.weights,
             "split": self.cfg.data.split,
         }
+        for switch in ("document_mask", "reset_position_ids"):  # recorded when on: earlier runs compare unchanged
+            if getattr(self.cfg.data, switch, False):
+                description[switch] = True
+        return description
+
+    def _masked_attention_keys(self, samples: int = 64) -> Optional[float]:
+        """Under document masking, the keys a token attends to on average over the first ``samples`` training
+        samples (accounting.attention_keys_per_token), which MFU counts instead of the causal s/2; None without."""
+        if not self.cfg.data.document_mask:
+            return None
+        n = min(samples, len(self.train_ds))
+        keys = attention_keys_per_token(torch.stack([self.train_ds[i]["document_ids"] for i in range(n)]))
+        logger.info("document masking: attention over %.1f keys a token on average (%.1f%% of the causal map's "
+                    "work, the first %d training samples); MFU counts only that", keys,
+                    100 * keys / (self.cfg.model.seq_length / 2), n)
+        return keys
 
     def fit(self) -> List[Dict[str, Any]]:
         """Train to ``trainer.max_steps``; returns early (after a checkpoint) when a preemption signal arrives, and
@@ -702,7 +719,8 @@ class Trainer:
         writer = self._open_metrics()
         signals = PreemptionSignals(self.cfg.failures.signals, grace_period_seconds(self.cfg.failures)).install()
         train_iter = self._loader(self.train_ds, self.consumed_samples)
-        self._flops_per_token = model_flops_per_token(self.cfg, self.num_non_embedding_parameters, self.padded_vocab)
+        self._flops_per_token = model_flops_per_token(self.cfg, self.num_non_embedding_parameters, self.padded_vocab,
+                                                      self._masked_attention_keys())
         self._peak_flops = peak_flops_per_device(self.cfg)
         self.diagnostics = self._attention_diagnostics()
         history = []
