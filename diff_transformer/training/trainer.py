@@ -207,13 +207,21 @@ class Trainer:
         if self.rank == 0:  # recorded in the run directory by _commit_start
             saved = read_trainer_state(resume)["config"] if resume else None
             decision = decide_attention_backend(
-                self.cfg, self.run_dir, self.dtype, epilogue_impl(self.cfg), saved, record=False
+                self.cfg, self.run_dir, self.dtype, epilogue_impl(self.cfg), saved, record=False,
+                document_ids=self._first_document_ids(),
             )
             self._backend_decision = decision
         decision = distributed.broadcast_object(decision, src=0)
         self.cfg.model.attention_backend = decision["backend"]
         if self.rank == 0:
             logger.info("model.attention_backend=auto: %s", describe(decision))
+
+    def _first_document_ids(self) -> Optional[torch.Tensor]:
+        """The document ids of the first training micro-batch (data.document_mask), None without the mask."""
+        if not self.cfg.data.document_mask:
+            return None
+        count = min(self.cfg.trainer.micro_batch_size, len(self.train_ds))
+        return torch.stack([self.train_ds[i]["document_ids"] for i in range(count)])
 
     def _agreed_resume_candidate(self) -> Optional[str]:
         """:meth:`_resume_candidate` of the run's checkpoint directory, decided by rank 0 for every rank
