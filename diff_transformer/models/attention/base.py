@@ -256,17 +256,19 @@ class CoreAttentionBase(MegatronModule):
             raise ValueError(f"{type(self).__name__} does not support attention bias")
         return packed_seq_params if documents_of(packed_seq_params) is not None else None
 
-    def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
-        """This layer's maps for the query positions ``rows`` (the protocol of ``models.attention_maps``)."""
+    def attention_maps(self, query, key, value, attention_bias=None, rows=None, document_ids=None) -> AttentionMaps:
+        """This layer's maps for the query positions ``rows`` (the protocol of ``models.attention_maps``), within each
+        document with ``document_ids``."""
         raise NotImplementedError(
             f"{type(self).__name__} does not expose its attention maps; implement attention_maps "
             "(diff_transformer/models/attention_maps.py) so that the analysis tools can read it"
         )
 
-    def _softmax_maps(self, query, key, rows, score_transform=None):
-        """(rows, logits, probs) of plain causal softmax heads, probs after ``score_transform`` of the logits."""
+    def _softmax_maps(self, query, key, rows, score_transform=None, document_ids=None):
+        """(rows, logits, probs) of plain causal softmax heads, probs after ``score_transform`` of the logits; with
+        ``document_ids`` (b, keys) a row sees only its own document."""
         q, k = heads_first(query, key)
         rows = query_rows(q.shape[-2], k.shape[-2], rows, q.device)
-        logits = causal_logits(q, k, self.softmax_scale, rows)
+        logits = causal_logits(q, k, self.softmax_scale, rows, document_ids)
         scores = score_transform(logits) if score_transform is not None else logits
         return rows, logits, torch.softmax(scores, dim=-1)

@@ -129,16 +129,16 @@ class DifferentialCoreAttention(CoreAttentionBase):
         difference = fused_lambda_difference if fused else lambda_difference
         return difference(*self.lambda_parameters()) + self.lambda_init
 
-    def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
+    def attention_maps(self, query, key, value, attention_bias=None, rows=None, document_ids=None) -> AttentionMaps:
         # the pairs are split before the key heads are repeated: query head 2h pairs with key head 2g, g its group
         maps = [
-            self._softmax_maps(query[:, :, i::2], key[:, :, i::2], rows) for i in (0, 1)
+            self._softmax_maps(query[:, :, i::2], key[:, :, i::2], rows, document_ids=document_ids) for i in (0, 1)
         ]
         (rows, logits1, a1), (_, logits2, a2) = maps
         lam = self.lambda_full().detach().to(a1.device)
         return AttentionMaps(
             components={"A1": a1, "A2": a2}, logits={"A1": logits1, "A2": logits2}, combined=a1 - lam * a2,
-            rows=rows, lam=lam,
+            rows=rows, lam=lam, document_ids=document_ids,
         )
 
     def forward(

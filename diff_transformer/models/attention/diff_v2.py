@@ -63,16 +63,16 @@ class DiffV2CoreAttention(CoreAttentionBase):
         impl = "unfused" if self.backend == "eager" else self.epilogue
         return diff_epilogue(halves, lam, None, 0.0, 1.0, impl=impl).to(query.dtype)
 
-    def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
+    def attention_maps(self, query, key, value, attention_bias=None, rows=None, document_ids=None) -> AttentionMaps:
         if attention_bias is None:
             raise ValueError("DiffV2CoreAttention needs the per-token λ logits from DiffV2SelfAttention (attention_bias)")
-        rows, logits, probs = self._softmax_maps(query, key, rows)
+        rows, logits, probs = self._softmax_maps(query, key, rows, document_ids=document_ids)
         # λ of head h at query position t: (b, H, rows, 1)
         lam = torch.sigmoid(attention_bias.float()).permute(1, 2, 0)[..., rows].unsqueeze(-1)
         a1, a2 = probs[:, 0::2], probs[:, 1::2]
         return AttentionMaps(
             components={"A1": a1, "A2": a2}, logits={"A1": logits[:, 0::2], "A2": logits[:, 1::2]},
-            combined=a1 - lam * a2, rows=rows, lam=lam,
+            combined=a1 - lam * a2, rows=rows, lam=lam, document_ids=document_ids,
         )
 
     def _forward_ring(self, q, k, v, documents):

@@ -29,9 +29,10 @@ class VanillaCoreAttention(CoreAttentionBase):
 
     supports_context_parallel = True
 
-    def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
-        rows, logits, probs = self._softmax_maps(query, key, rows)
-        return AttentionMaps(components={"A": probs}, logits={"A": logits}, combined=probs, rows=rows)
+    def attention_maps(self, query, key, value, attention_bias=None, rows=None, document_ids=None) -> AttentionMaps:
+        rows, logits, probs = self._softmax_maps(query, key, rows, document_ids=document_ids)
+        return AttentionMaps(components={"A": probs}, logits={"A": logits}, combined=probs, rows=rows,
+                             document_ids=document_ids)
 
     def forward(
         self,
