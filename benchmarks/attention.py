@@ -311,7 +311,9 @@ def parse_args():
                         help="default bf16 on GPU, fp32 in the CPU interpreter")
     parser.add_argument("--no-causal", action="store_true")
     parser.add_argument("--cpu-repeats", type=int, default=3)
-    parser.add_argument("--no-write", action="store_true", help="on GPU, print the table without writing results/")
+    parser.add_argument("--no-write", action="store_true", help="on GPU, print the table without writing it")
+    parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results"),
+                        help="directory of the report attention_<gpu>_<date>.md (on a lent GPU machine: $OUT)")
     return parser.parse_args()
 
 
@@ -358,7 +360,7 @@ def main():
     print(report)
     if on_gpu and not args.smoke and not args.no_write:
         slug = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name().lower()).strip("-")
-        path = REPO_ROOT / "benchmarks" / "results" / f"attention_{slug}_{today}.md"
+        path = Path(args.out) / f"attention_{slug}_{today}.md"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(report)
         print(f"wrote {path}", file=sys.stderr)

@@ -2,13 +2,15 @@
 
     GPU:  python benchmarks/core_attention.py                   # d=128, N=4096, B=4, H=8, bf16
     CPU:  python benchmarks/core_attention.py --smoke           # tiny sizes, Triton interpreter; prints only
+    CPU, the GPU's launch decisions: DIFF_ATTN_SIMULATE_GPU=sm_90 python benchmarks/core_attention.py --heads 2 \
+          --head-dim 128 --seq-len 64 --batch 1                 # the table's configs, interpreted; prints only
 
 Rows (each a ``models.attention`` module with megatron's [s, b, heads, d] inputs, so the layout work counts):
-    DIFF V1 ``sdpa`` (two library calls of the baseline's shape, equal head dims) with each DIFF epilogue
-    (unfused, the fused Triton kernel, torch.compile), DIFF V1 ``triton`` (the fused kernel), DIFF V2 ``sdpa`` with
-    each epilogue, and the baseline (2H heads of d, one ``sdpa`` call). Before timing, every DIFF row's output and
-    gradients are checked against ``eager`` in fp32 (bf16 inputs rounded once); a row that fails is reported, not
-    timed. Also the kernel torch's SDPA dispatcher picks for each call (``torch._fused_sdp_choice``) and the
+    DIFF V1 ``triton`` (the fused kernel, first), the baseline (2H heads of d, one ``sdpa`` call), DIFF V1 ``sdpa``
+    (two library calls of the baseline's shape, equal head dims) with each DIFF epilogue (the fused Triton kernel,
+    unfused, torch.compile), DIFF V2 ``sdpa`` with each epilogue. Before timing, every DIFF row's output and
+    gradients are checked against ``eager`` in fp32 (bf16 inputs rounded once) at the timed head dim; a row that
+    fails is reported, not timed. Also the kernel torch's SDPA dispatcher picks for each call (``torch._fused_sdp_choice``) and the
     epilogue alone at the same shape. Times are medians (``triton.testing.do_bench`` on a GPU); the ratio is each
     row's time over the baseline's (the issue's target: DIFF V1 at most 2.1x at d=128, N=4096).
 """
@@ -31,7 +33,7 @@ if not torch.cuda.is_available():
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.reports import machine_name, write_report  # noqa: E402
+from benchmarks.reports import machine_name  # noqa: E402
 
 
 def _config(heads: int, kv_heads: int, d: int, v2: bool, dtype):
@@ -94,7 +96,7 @@ def check_against_eager(kind, backend, epilogue, shape, dtype, device) -> float:
     return max(_rel(x, y) for x, y in zip([got_out] + got, [want_out] + want))
 
 
-def time_ms(fn, device, repeats=3) -> float:
+def time_ms(fn, device, repeats) -> float:
     if device == "cuda":
         import triton
 
@@ -108,6 +110,33 @@ def time_ms(fn, device, repeats=3) -> float:
     return statistics.median(times)
 
 
+def rows_to_time(epilogues, v2_epilogues):
+    """(kind, backend, epilogue) in the order they are timed: the fused kernel first (the row a short GPU window
+    must not lose), then the baseline every ratio divides by, then the library paths by epilogue."""
+    rows = [("diff", "triton", "unfused"), ("vanilla", "sdpa", "unfused")]
+    rows += [("diff", "sdpa", e) for e in epilogues]
+    rows += [("diff_v2", "sdpa", e) for e in v2_epilogues if e in epilogues]
+    return rows
+
+
+def render(results, kernels, heads, kv_heads, d, n, b, dtype, check_shape, command) -> str:
+    base = next((ms for label, ms, _ in results if label.startswith("vanilla")), None)
+    lines = [
+        f"# Core attention, one layer forward+backward: {machine_name()}, {datetime.date.today()}", "",
+        f"torch {torch.__version__}; {str(dtype).replace('torch.', '')}; H={heads} differential heads (baseline 2H="
+        f"{2 * heads}), Hkv={kv_heads}, d={d}, N={n}, B={b}, causal. Command: `{command}`. Each DIFF row is checked "
+        f"against eager (fp32) first at the timed head dim (H={check_shape[0]}, Hkv={check_shape[1]}, d={check_shape[2]}, "
+        f"N={check_shape[3]}, B={check_shape[4]}).", "",
+        "| module | fwd+bwd ms | / baseline | check |", "|---|---|---|---|",
+    ]
+    for label, ms, check in results:
+        ratio = f"{ms / base:.2f}x" if ms is not None and base else ""
+        lines.append(f"| {label} | {'' if ms is None else f'{ms:.3f}'} | {ratio} | {check} |")
+    lines += ["", "SDPA kernels of each kind's sdpa path (torch._fused_sdp_choice):", ""]
+    lines += [f"- {kind}: {'; '.join(calls)}" for kind, calls in kernels.items()]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU): prints only")
@@ -116,9 +145,15 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--epilogues", nargs="+", default=None, metavar="EPILOGUE",
+                        help="DIFF V1 sdpa rows: the epilogues to time it with, in order (default: triton, unfused, "
+                             "and compile on a GPU)")
     parser.add_argument("--v2-epilogues", nargs="+", default=["triton"], metavar="EPILOGUE",
                         help="DIFF V2 rows: the epilogues to time it with (unfused, triton, compile)")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per row on a CPU (median)")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"),
+                        help="directory of the report core_attention_d<d>_N<N>_<machine>_<date>.md, rewritten after "
+                             "every row (a run cut off keeps the rows it timed)")
     args = parser.parse_args()
 
     from diff_transformer.compat import apply_cpu_patches
@@ -131,11 +166,13 @@ def main() -> int:
         args.heads, args.head_dim, args.seq_len, args.batch = 2, 16, 64, 2
     heads, d, n, b = args.heads, args.head_dim, args.seq_len, args.batch
     kv_heads = args.kv_heads or heads
-    epilogues = ["unfused", "triton", "compile"] if device == "cuda" else ["unfused", "triton"]
-    rows = [("vanilla", "sdpa", "unfused")]
-    rows += [("diff", "sdpa", e) for e in epilogues] + [("diff", "triton", "unfused")]
-    rows += [("diff_v2", "sdpa", e) for e in args.v2_epilogues if e in epilogues]
-    check_shape = (2, min(kv_heads, 2) if kv_heads < heads else 2, min(d, 64), 257 if device == "cuda" else 40, 2)
+    epilogues = args.epilogues or (["triton", "unfused", "compile"] if device == "cuda" else ["triton", "unfused"])
+    rows = rows_to_time(epilogues, args.v2_epilogues)
+    # the timed head dim (the table entry and column blocks the timed rows use), few heads and tokens
+    check_shape = (2, min(kv_heads, 2) if kv_heads < heads else 2, d, 257 if device == "cuda" else 40, 2)
+    command = (f"python benchmarks/core_attention.py --heads {heads} --head-dim {d} --seq-len {n} --batch {b}"
+               f"{f' --kv-heads {kv_heads}' if args.kv_heads else ''} --epilogues {' '.join(epilogues)}")
+    write = not args.smoke and device == "cuda"
 
     results, kernels = [], {}
     for kind, backend, epilogue in rows:
@@ -151,30 +188,21 @@ def main() -> int:
                 with record_sdpa_kernels() as calls:
                     module(*tensors, None, attention_bias=bias)
                 kernels[kind] = calls
-            results.append((label, time_ms(lambda: _fwd_bwd(module, tensors, bias), device), f"{error:.1e}"))
+            results.append((label, time_ms(lambda: _fwd_bwd(module, tensors, bias), device, args.repeats),
+                            f"{error:.1e}"))
         except Exception as err:  # one failing row hides no other
             results.append((label, None, f"failed: {type(err).__name__}: {str(err)[:200]}"))
         print(results[-1], flush=True)
-
-    base = results[0][1]
-    lines = [
-        f"# Core attention, one layer forward+backward: {machine_name()}, {datetime.date.today()}", "",
-        f"torch {torch.__version__}; {str(dtype).replace('torch.', '')}; H={heads} differential heads (baseline 2H="
-        f"{2 * heads}), Hkv={kv_heads}, d={d}, N={n}, B={b}, causal. Command: `python benchmarks/core_attention.py "
-        f"--heads {heads} --head-dim {d} --seq-len {n} --batch {b}{f' --kv-heads {kv_heads}' if args.kv_heads else ''}`. "
-        "Each DIFF row is checked against eager (fp32) at a small shape before it is timed.", "",
-        "| module | fwd+bwd ms | / baseline | check |", "|---|---|---|---|",
-    ]
-    for label, ms, check in results:
-        ratio = f"{ms / base:.2f}x" if ms is not None and base else ""
-        lines.append(f"| {label} | {'' if ms is None else f'{ms:.3f}'} | {ratio} | {check} |")
-    lines += ["", "SDPA kernels of each kind's sdpa path (torch._fused_sdp_choice):", ""]
-    lines += [f"- {kind}: {'; '.join(calls)}" for kind, calls in kernels.items()]
-    report = "\n".join(lines) + "\n"
-    if args.smoke or device != "cuda":
-        print(report)
-    else:
-        write_report(report, args.out, "core_attention")
+        report = render(results, kernels, heads, kv_heads, d, n, b, dtype, check_shape, command)
+        if write:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"core_attention_d{d}_N{n}_{machine_name()}_{datetime.date.today()}.md").write_text(report)
+    print(report)
+    base = next((ms for label, ms, _ in results if label.startswith("vanilla")), None)
+    print(f"headline: d={d} N={n} B={b} H={heads}, fwd+bwd ms (/ baseline): " + "; ".join(
+        f"{label} {'failed' if ms is None else f'{ms:.3f}' + (f' ({ms / base:.2f}x)' if base else '')}"
+        for label, ms, _ in results))
     return 0 if all(ms is not None for _, ms, _ in results) else 1
 
 

@@ -6,7 +6,7 @@
 #
 #   bash benchmarks/gpu_wheels.sh [DIR]        # default DIR: .whl (add /.whl/ to .git/info/exclude)
 #
-# On the GPU machine, benchmarks/gpu_check.sh installs them with --no-index from DIR.
+# On the GPU machine, benchmarks/gpu_run.sh installs them with --no-index from DIR (benchmarks/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir="${1:-.whl}"

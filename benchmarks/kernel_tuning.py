@@ -77,9 +77,11 @@ def parse_args():
     parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 96],
                         help="the first is swept config by config first (d = 96 is the 830m size)")
     parser.add_argument("--versions", nargs="+", choices=["v1", "v2"], default=["v1", "v2"])
-    parser.add_argument("--budget-s", type=float, default=210.0, help="start no measurement after this many seconds")
-    parser.add_argument("--out", default=None, help="JSON lines (default: benchmarks/results/kernel_tuning_<gpu>_"
-                                                    "<date>.jsonl)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no measurement after this many seconds (default 210; with --smoke 900)")
+    parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results"),
+                        help="directory of the JSON lines and the report, kernel_tuning_<gpu>_<date>.{jsonl,md} "
+                             "(on a lent GPU machine: $OUT, the folder that comes back)")
     parser.add_argument("--smoke", action="store_true", help="toy sizes in the Triton interpreter; writes nothing "
                                                              "to benchmarks/results")
     return parser.parse_args()
@@ -97,7 +99,7 @@ class Sweep:
         else:
             self.device_info = tuning.DeviceInfo("interpreter", (9, 0), tuning.SHARED_MEMORY_BY_CAPABILITY[(9, 0)])
             self.name = "cpu-interpreter"
-        self.out = args.out
+        self.out = None  # the JSON lines, set by main
         self.records = []
 
     def time_left(self):
@@ -326,16 +328,18 @@ def phases(args):
 
 def main() -> int:
     args = parse_args()
+    if args.budget_s is None:
+        args.budget_s = 900.0 if args.smoke else 210.0
     sweep = Sweep(args)
     if args.smoke:
         args.head_dims = [16]
-        args.budget_s = max(args.budget_s, 900.0)
     elif not sweep.on_gpu:
         raise SystemExit("error: benchmarks/kernel_tuning.py times GPU kernels and no CUDA device is visible; "
                          "use --smoke for the CPU dry run")
     stamp = f"{sweep.name.replace(' ', '-')}_{datetime.date.today().isoformat()}"
-    if sweep.out is None and not args.smoke:
-        sweep.out = str(REPO_ROOT / "benchmarks" / "results" / f"kernel_tuning_{stamp}.jsonl")
+    if not args.smoke:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        sweep.out = str(Path(args.out) / f"kernel_tuning_{stamp}.jsonl")
     proposals, best = {}, {}
     for step, version, head_dim in phases(args):
         if sweep.time_left() <= 0:
@@ -351,7 +355,7 @@ def main() -> int:
             chosen = configs or proposals.get((version, head_dim), (None, found[1].configs))[1]
             proposals[(version, head_dim)] = (design, {k: chosen[k] for k in design.kernels})
     if not args.smoke:
-        write_report(sweep, proposals, REPO_ROOT / "benchmarks" / "results" / f"kernel_tuning_{stamp}.md")
+        write_report(sweep, proposals, Path(args.out) / f"kernel_tuning_{stamp}.md")
     print(f"done in {time.perf_counter() - sweep.start:.0f} s ({len(sweep.records)} records)")
     failures = [r for r in sweep.records if r["step"] == "correctness" and not r["ok"] and r["design"] == "table"]
     return 1 if failures else 0

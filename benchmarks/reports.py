@@ -15,12 +15,13 @@ def machine_name() -> str:
     return f"cpu-{os.cpu_count()}core"
 
 
-def write_report(report: str, out_dir: str | Path, what: str) -> Path:
-    """Print the markdown report and write it to ``out_dir``; returns its path."""
-    print(report)
+def write_report(report: str, out_dir: str | Path, what: str, quiet: bool = False) -> Path:
+    """Print the markdown report (``quiet``: not) and write it to ``out_dir``; returns its path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{what}_{machine_name()}_{datetime.date.today()}.md"
     path.write_text(report)
-    print(f"written: {path}")
+    if not quiet:
+        print(report)
+        print(f"written: {path}")
     return path

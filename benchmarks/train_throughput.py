@@ -147,63 +147,8 @@ def profile_table(rows) -> list[str]:
     return lines + [""]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step and data-parallel rank")
-    parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=None)
-    parser.add_argument("--tp", type=int, nargs="+", default=[1])
-    parser.add_argument("--kinds", nargs="+", default=["diff", "vanilla"], metavar="KIND[:BACKEND]",
-                        help="attention kinds, each optionally with its backend (default auto: diff:triton, diff:sdpa)")
-    parser.add_argument("--fit-gib", type=float, default=None,
-                        help="pick the cheapest trainer.recompute whose memory plan fits this many GiB per GPU")
-    parser.add_argument("--profile-step", type=int, default=None, help="step to profile (default: the last but one)")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
-    args = parser.parse_args()
-    if args.micro_batches < 8:
-        print(f"note: --micro-batches={args.micro_batches}: below 8, per-step fixed costs weigh more than in training")
-
-    profile_step = args.profile_step or max(1, args.steps - 1)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for tp in args.tp:
-            for spec in args.kinds:
-                kind, _, backend = spec.partition(":")
-                overrides = [
-                    f"model={args.model}", f"model.attention={kind}", f"parallel.tp={tp}",
-                    f"trainer.max_steps={args.steps}", f"trainer.micro_batch_size={args.micro_batch_size}",
-                    f"trainer.global_batch_size={args.micro_batch_size * args.micro_batches}",
-                    *([f"model.seq_length={args.seq_length}"] if args.seq_length else []),
-                    *([f"model.attention_backend={backend}"] if backend else []),
-                    "trainer.eval_interval=0", "trainer.log_interval=1000000", f"optim.warmup_steps={max(1, args.steps // 10)}",
-                    f"trainer.profile_step={profile_step}", "logging.wandb.mode=disabled", "checkpoint.interval=0",
-                    "checkpoint.save_at_end=false", "checkpoint.check_free_space=false", *args.overrides,
-                ]
-                recompute = None
-                if args.fit_gib:
-                    recompute, estimate = fitting_recompute(overrides, tp, args.fit_gib)
-                    overrides.append(f"trainer.recompute={recompute}")
-                    print(f"{kind}: trainer.recompute={recompute} fits {args.fit_gib:g} GiB (plan {estimate:.1f} GiB)")
-                try:
-                    kernels = sdpa_kernels(overrides)
-                except Exception as err:  # the attention kinds without an sdpa path (none today), or no memory left
-                    kernels = [f"not measured: {type(err).__name__}: {err}"]
-                print(f"{kind}: SDPA kernels per layer: {kernels}", flush=True)
-                result = run(overrides, tp, Path(tmp) / f"{kind}-{backend or 'auto'}-tp{tp}")
-                label = f"{kind} ({result.get('backend') or backend or 'auto'})"
-                rows.append({"kind": kind, "label": label, "tp": tp, "recompute": recompute, "kernels": kernels, **result})
-                r = rows[-1]
-                if "failed" in r:
-                    print(f"{label} tp={tp}: FAILED ({r['failed']})", flush=True)
-                    continue
-                mfu = f"  MFU {_percent(r['mfu'])}" if r["mfu"] is not None else ""
-                print(f"{label} tp={tp}: {r['step_time_s'] * 1e3:8.1f} ms/step  {r['tokens_per_s']:10,.0f} tok/s{mfu}  "
-                      f"peak {r['memory_gib']:.2f} GiB (plan {r['estimate_gib']:.2f})  "
-                      f"loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}", flush=True)
-
+def report(args, rows) -> str:
+    """The markdown report of the runs so far (rewritten after each, so that a run cut off keeps what it measured)."""
     failed = [r for r in rows if "failed" in r]
     rows = [r for r in rows if "failed" not in r]
     seq = args.seq_length or compose([f"model={args.model}"]).model.seq_length
@@ -246,8 +191,71 @@ def main() -> int:
                      f"{'; one layer fwd+bwd: ' + timings if timings else ''}); SDPA kernels of one layer's sdpa "
                      f"path: {'; '.join(r['kernels']) or 'none'}")
     lines += ["", *profile_table(rows)]
-    write_report("\n".join(lines) + "\n", args.out, f"train_throughput_{args.model}")
-    return 1 if failed else 0
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step and data-parallel rank")
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--seq-length", type=int, default=None)
+    parser.add_argument("--tp", type=int, nargs="+", default=[1])
+    parser.add_argument("--kinds", nargs="+", default=["diff", "vanilla"], metavar="KIND[:BACKEND]",
+                        help="attention kinds, each optionally with its backend (default auto: diff:triton, diff:sdpa)")
+    parser.add_argument("--fit-gib", type=float, default=None,
+                        help="pick the cheapest trainer.recompute whose memory plan fits this many GiB per GPU")
+    parser.add_argument("--profile-step", type=int, default=None, help="step to profile (default: the last but one)")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
+    args = parser.parse_intermixed_args()  # overrides may follow options (gpu_run.sh appends toy sizes)
+    if args.micro_batches < 8:
+        print(f"note: --micro-batches={args.micro_batches}: below 8, per-step fixed costs weigh more than in training")
+
+    profile_step = args.profile_step or max(1, args.steps - 1)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for tp in args.tp:
+            for spec in args.kinds:
+                kind, _, backend = spec.partition(":")
+                overrides = [
+                    f"model={args.model}", f"model.attention={kind}", f"parallel.tp={tp}",
+                    f"trainer.max_steps={args.steps}", f"trainer.micro_batch_size={args.micro_batch_size}",
+                    f"trainer.global_batch_size={args.micro_batch_size * args.micro_batches}",
+                    *([f"model.seq_length={args.seq_length}"] if args.seq_length else []),
+                    *([f"model.attention_backend={backend}"] if backend else []),
+                    "trainer.eval_interval=0", "trainer.log_interval=1000000", f"optim.warmup_steps={max(1, args.steps // 10)}",
+                    f"trainer.profile_step={profile_step}", "logging.wandb.mode=disabled", "checkpoint.interval=0",
+                    "checkpoint.save_at_end=false", "checkpoint.check_free_space=false",
+                    "failures.signals=[]",  # a time limit's SIGTERM ends the run; no checkpoint (45 GB at 3b) is saved
+                    *args.overrides,
+                ]
+                recompute = None
+                if args.fit_gib:
+                    recompute, estimate = fitting_recompute(overrides, tp, args.fit_gib)
+                    overrides.append(f"trainer.recompute={recompute}")
+                    print(f"{kind}: trainer.recompute={recompute} fits {args.fit_gib:g} GiB (plan {estimate:.1f} GiB)")
+                try:
+                    kernels = sdpa_kernels(overrides)
+                except Exception as err:  # the attention kinds without an sdpa path (none today), or no memory left
+                    kernels = [f"not measured: {type(err).__name__}: {err}"]
+                print(f"{kind}: SDPA kernels per layer: {kernels}", flush=True)
+                result = run(overrides, tp, Path(tmp) / f"{kind}-{backend or 'auto'}-tp{tp}")
+                label = f"{kind} ({result.get('backend') or backend or 'auto'})"
+                rows.append({"kind": kind, "label": label, "tp": tp, "recompute": recompute, "kernels": kernels, **result})
+                r = rows[-1]
+                write_report(report(args, rows), args.out, f"train_throughput_{args.model}", quiet=True)  # so far
+                if "failed" in r:
+                    print(f"{label} tp={tp}: FAILED ({r['failed']})", flush=True)
+                    continue
+                mfu = f"  MFU {_percent(r['mfu'])}" if r["mfu"] is not None else ""
+                print(f"{label} tp={tp}: {r['step_time_s'] * 1e3:8.1f} ms/step  {r['tokens_per_s']:10,.0f} tok/s{mfu}  "
+                      f"peak {r['memory_gib']:.2f} GiB (plan {r['estimate_gib']:.2f})  "
+                      f"loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}", flush=True)
+    write_report(report(args, rows), args.out, f"train_throughput_{args.model}")
+    return 1 if any("failed" in r for r in rows) else 0
+
 
 
 if __name__ == "__main__":

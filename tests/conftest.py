@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 # The files whose shared runs take longest (seconds on the 2-core CPU machine, two xdist workers), started first so
 # that the workers finish together rather than one waiting on a long file begun last. Others keep their order after.
 LONGEST_FILES = {
-    "test_deepspeed.py": 200, "test_memory_switches.py": 145, "test_parallel_kinds.py": 120,
+    "test_deepspeed.py": 200, "test_gpu_run.py": 120, "test_memory_switches.py": 145, "test_parallel_kinds.py": 120,
     "test_context_parallel.py": 105, "test_resume.py": 95, "test_parallel.py": 80, "test_hf.py": 80,
     "test_evaluate.py": 55, "test_slurm.py": 55, "test_checkpoint_faults.py": 40,
 }

@@ -295,3 +295,32 @@ def test_gpu_backends_in_bf16_match_eager_in_fp32(kind, backend):
     assert rel_err(out_o, out_e) < 2e-2
     for got, want in zip(grads_o, grads_e):
         assert rel_err(got, want) < 3e-2
+
+
+@pytest.mark.parametrize("kind,epilogue", [("diff", "unfused"), ("diff", "compile"), ("diff_v2", "unfused")])
+def test_sdpa_backward_receives_its_gradient_in_the_output_layout(kind, epilogue, monkeypatch):
+    """Every library attention call's backward gets dO in O's memory layout (O follows megatron's [s, b, heads, d]
+    order): the unfused and compiled DIFF epilogues hand it on in (b, s, heads, d) order, with which cuDNN's
+    backward computed wrong gradients on an H100 (benchmarks/results/core_attention_d128_NVIDIA-H100-80GB-HBM3_*)."""
+    import torch.nn.functional as F
+
+    from diff_transformer.models.attention import base
+    from tests.test_context_parallel import differential_core_attention
+
+    layouts = []
+    library_call = F.scaled_dot_product_attention
+
+    def recording(q, k, v, **kwargs):
+        out = library_call(q, k, v, **kwargs)
+        out.register_hook(lambda grad, stride=out.stride(): layouts.append((stride, grad.stride())))
+        return out
+
+    monkeypatch.setattr(base.F, "scaled_dot_product_attention", recording)
+    module = differential_core_attention(kind, "sdpa", epilogue)
+    s, b = 24, 2
+    heads = (4, 4, 4) if kind == "diff" else (4, 2, 2)
+    tensors = [torch.randn(s, b, h, 16, requires_grad=True) for h in heads]
+    bias = torch.randn(s, b, 2) if kind == "diff_v2" else None
+    out = module(*tensors, None, attention_bias=bias)
+    out.backward(torch.randn_like(out))
+    assert layouts and all(out_stride == grad_stride for out_stride, grad_stride in layouts), layouts

@@ -150,9 +150,9 @@ def test_ring_in_fp32_within_its_rounding():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_ring_on_cuda_sdpa_kernels(kind, dtype):
-    """The CUDA block primitive inside the ring (two threads sharing the GPU): flash for bf16 with equal head sizes,
-    the memory-efficient kernel otherwise (fp32, DIFF V1's 2d-wide V), against the fp64 reference; chunks of 100
-    positions, so that the efficient kernel's LSE is padded (to multiples of 32 rows)."""
+    """The CUDA block primitive inside the ring (two threads sharing the GPU): flash for bf16 (DIFF V1's 2d-wide V in
+    halves), the memory-efficient kernel for fp32, against the fp64 reference; chunks of 100 positions, so that the
+    efficient kernel's LSE is padded (to multiples of 32 rows)."""
     results, reference = run_thread_ring(kind, "sdpa", 2, dtype, device="cuda", chunk=100)  # not a multiple of 32
     assert_close_to_reference(results, reference, 2, 2e-2 if dtype == torch.bfloat16 else 1e-4)
 

@@ -4,6 +4,7 @@ On CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_IN
 elements here so that these shapes cross tile edges and the backward's loop over token blocks; on a GPU the compiled
 kernels run, and bf16 is checked there (the interpreter's bf16 is unreliable: platform facts)."""
 
+import math
 import zlib
 
 import pytest
@@ -134,3 +135,20 @@ def test_compiled_epilogue_matches_the_definition():
     reference = run(diff_epilogue_naive, halves, lam, weight, 0.7, seed)
     for got, want in zip(compiled, reference):
         assert rel_rms(got, want) < 1e-5
+
+
+def test_compiled_epilogue_compiles_once_for_every_layer(monkeypatch):
+    """Each layer calls the compiled epilogue with its own output factor (1 - λ_init): one graph serves them all
+    (a float argument would be a guard: a recompilation per layer, eager after dynamo's cache limit of 8)."""
+    from diff_transformer.models.attention import epilogue
+
+    compiled = torch.compile(diff_epilogue_naive, backend="eager", dynamic=False)
+    monkeypatch.setattr(epilogue, "_compiled_epilogue", lambda: compiled)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    halves, lam, weight = inputs(CASES["V1-B2-N40-H3-D16"], "cpu", torch.float32, 5)
+    for layer in range(12):
+        scale = 1 - (0.8 - 0.6 * math.exp(-0.3 * layer))
+        out = epilogue.diff_epilogue(halves, lam, weight, 1e-5, scale, impl="compile")
+        torch.testing.assert_close(out, diff_epilogue_naive(halves, lam, weight, 1e-5, scale), rtol=1e-6, atol=1e-6)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1

@@ -15,7 +15,6 @@ import torch
 
 from kernels import gpu_target
 from kernels.diff_attn import fused, tuning
-from kernels.diff_attn.tuning import Design
 from tests.test_diff_attn_kernel import (
     FP32_TOLERANCE,
     FUSED,

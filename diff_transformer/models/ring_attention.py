@@ -24,8 +24,9 @@ causal (square, aligned) or not; the forward returns the output and the LSE, the
 LSE. ``eager`` is plain PyTorch (the reference; fp32, or fp64 for fp64 inputs); ``sdpa`` calls PyTorch's
 LSE-returning attention ops: ``_scaled_dot_product_flash_attention_for_cpu`` on a CPU (equal head sizes only: a V
 twice as wide as Q and K, DIFF V1's, is attended in halves with the same LSE), and on CUDA
-``_scaled_dot_product_flash_attention`` (fp16/bf16, equal head sizes up to 256) or else
-``_scaled_dot_product_efficient_attention``, with their backward ops.
+``_scaled_dot_product_flash_attention`` (fp16/bf16, head sizes up to 256, V in pieces as on a CPU) or else
+``_scaled_dot_product_efficient_attention``, with their backward ops. (The efficient op's bf16 backward with DIFF V1's
+2d-wide V gave NaN in dQ on an H100, torch 2.11: tests/test_context_parallel.py's CUDA test.)
 
 Tensors here are ``(batch, heads, local sequence, head size)``; a map's key heads are a slice of K's heads (GQA: a
 query head i reads key and value head i // (query heads / key heads)).
@@ -125,64 +126,67 @@ def _value_pieces(q, v) -> Optional[int]:
     return dv // d if dv % d == 0 else None
 
 
-def _cpu_sdpa_forward(q, k, v, scale, causal):
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    pieces = _value_pieces(q, v)
-    if pieces is None:
-        return _eager_forward(q, k, v, scale, causal)
-    outs = []
-    for v_piece in v.chunk(pieces, dim=-1):  # the same scores, so the same LSE, for every piece
-        out, lse = op(q, k, v_piece, 0.0, causal, scale=scale)
-        outs.append(out)
-    return torch.cat(outs, dim=-1), lse
-
-
-def _cpu_sdpa_backward(grad_out, q, k, v, out, lse, scale, causal):
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    pieces = _value_pieces(q, v)
-    if pieces is None:
-        return _eager_backward(grad_out, q, k, v, out, lse, scale, causal)
-    dtype = q.dtype
-    lse = lse.to(dtype)
-    grad_q = grad_k = None
-    grad_v = []
-    # dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O)) is a sum over V's columns, so the pieces' dQ and dK add up
-    for g, o, v_piece in zip(grad_out.to(dtype).chunk(pieces, -1), out.to(dtype).chunk(pieces, -1),
-                             v.chunk(pieces, -1)):
-        dq, dk, dv = op(g.contiguous(), q, k, v_piece, o.contiguous(), lse, 0.0, causal, scale=scale)
-        grad_q = dq if grad_q is None else grad_q + dq
-        grad_k = dk if grad_k is None else grad_k + dk
-        grad_v.append(dv)
-    return grad_q, grad_k, torch.cat(grad_v, dim=-1)
-
-
-def _cuda_uses_flash(q, v) -> bool:
-    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == v.shape[-1] and q.shape[-1] <= 256
-
-
-def _lse_rows(q) -> int:
-    """Rows of the efficient kernel's LSE: the query length rounded up to 32 (ROCm: the query length)."""
-    sq = q.shape[-2]
-    return sq if torch.version.hip else math.ceil(sq / 32) * 32
-
-
-def _cuda_sdpa_forward(q, k, v, scale, causal):
-    if _cuda_uses_flash(q, v):
+def _flash_forward(q, k, v, scale, causal):
+    """The flash op of q's device: (out, lse) for equal head sizes."""
+    if q.is_cuda:
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return out, lse
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _flash_backward(grad_out, q, k, v, out, lse, scale, causal):
+    if q.is_cuda:
+        no_dropout = torch.empty((), dtype=torch.long, device=q.device)  # the RNG state is read only with dropout
+        sq, sk = q.shape[-2], k.shape[-2]
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse.float().contiguous(), None, None, sq, sk, 0.0, causal, no_dropout,
+            no_dropout, scale=scale,
+        )
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse.to(q.dtype), 0.0, causal, scale=scale)
+
+
+def _uses_flash(q, v) -> bool:
+    """Whether the flash ops compute this block: in pieces of V as wide as Q and K (DIFF V1's 2d-wide V in halves,
+    each with the same scores and LSE). On CUDA: fp16 and bf16, head sizes up to 256 (else the memory-efficient op,
+    which takes unequal head sizes); on a CPU any dtype (else the eager block)."""
+    if _value_pieces(q, v) is None:
+        return False
+    return not q.is_cuda or (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256)
+
+
+def _sdpa_forward(q, k, v, scale, causal):
+    if _uses_flash(q, v):
+        outs = []
+        for v_piece in v.chunk(_value_pieces(q, v), dim=-1):  # the same scores, so the same LSE, for every piece
+            out, lse = _flash_forward(q, k, v_piece, scale, causal)
+            outs.append(out)
+        return torch.cat(outs, dim=-1), lse
+    if not q.is_cuda:
+        return _eager_forward(q, k, v, scale, causal)
     out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
     return out, lse[..., : q.shape[-2]]
 
 
-def _cuda_sdpa_backward(grad_out, q, k, v, out, lse, scale, causal):
+def _sdpa_backward(grad_out, q, k, v, out, lse, scale, causal):
+    if _uses_flash(q, v):
+        dtype = q.dtype
+        grad_q = grad_k = None
+        grad_v = []
+        # dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O)) is a sum over V's columns, so the pieces' dQ and dK add up
+        pieces = _value_pieces(q, v)
+        for g, o, v_piece in zip(grad_out.to(dtype).chunk(pieces, -1), out.to(dtype).chunk(pieces, -1),
+                                 v.chunk(pieces, -1)):
+            dq, dk, dv = _flash_backward(g.contiguous(), q, k, v_piece, o.contiguous(), lse, scale, causal)
+            grad_q = dq if grad_q is None else grad_q + dq
+            grad_k = dk if grad_k is None else grad_k + dk
+            grad_v.append(dv)
+        return grad_q, grad_k, torch.cat(grad_v, dim=-1)
+    if not q.is_cuda:
+        return _eager_backward(grad_out, q, k, v, out, lse, scale, causal)
     out, grad_out = out.to(q.dtype).contiguous(), grad_out.to(q.dtype).contiguous()
-    no_dropout = torch.empty((), dtype=torch.long, device=q.device)  # the RNG state is read only with dropout
+    no_dropout = torch.empty((), dtype=torch.long, device=q.device)
     lse = lse.float().contiguous()
-    if _cuda_uses_flash(q, v):
-        sq, sk = q.shape[-2], k.shape[-2]
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad_out, q, k, v, out, lse, None, None, sq, sk, 0.0, causal, no_dropout, no_dropout, scale=scale
-        )
     padded = lse.new_zeros(*lse.shape[:-1], _lse_rows(q))
     padded[..., : lse.shape[-1]] = lse
     grad_q, grad_k, grad_v, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
@@ -192,10 +196,17 @@ def _cuda_sdpa_backward(grad_out, q, k, v, out, lse, scale, causal):
     return grad_q, grad_k, grad_v
 
 
+def _lse_rows(q) -> int:
+    """Rows of the efficient kernel's LSE: the query length rounded up to 32 (ROCm: the query length)."""
+    sq = q.shape[-2]
+    return sq if torch.version.hip else math.ceil(sq / 32) * 32
+
+
 def _shared_documents(q_ids, k_ids):
     """The sub-blocks of a block in which queries and keys share a document: (sample, query rows, key columns), each
     one document's contiguous rows and columns (ids are non-decreasing)."""
     blocks = []
+    q_ids, k_ids = q_ids.cpu(), k_ids.cpu()  # one host copy each
     for i, (q_spans, k_spans) in enumerate(zip(document_segments(q_ids), document_segments(k_ids))):
         k_by_document = {int(k_ids[i, a]): (a, e) for a, e in k_spans}
         for a, e in q_spans:
@@ -223,7 +234,7 @@ def block_forward(q, k, v, scale: float, causal: bool, impl: str, q_ids=None,
     if impl == "eager":
         mask = (q_ids[:, :, None] == k_ids[:, None, :]).unsqueeze(1) if q_ids is not None else None
         return _eager_forward(q, k, v, scale, causal, mask)
-    primitive = _cuda_sdpa_forward if q.is_cuda else _cpu_sdpa_forward
+    primitive = _sdpa_forward
     if q_ids is None or _one_document(q_ids, k_ids):
         return primitive(q, k, v, scale, causal)
     out = q.new_zeros(*q.shape[:-1], v.shape[-1])
@@ -240,7 +251,7 @@ def block_backward(grad_out, q, k, v, out, lse, scale: float, causal: bool, impl
     if impl == "eager":
         mask = (q_ids[:, :, None] == k_ids[:, None, :]).unsqueeze(1) if q_ids is not None else None
         return _eager_backward(grad_out, q, k, v, out, lse, scale, causal, mask)
-    primitive = _cuda_sdpa_backward if q.is_cuda else _cpu_sdpa_backward
+    primitive = _sdpa_backward
     if q_ids is None or _one_document(q_ids, k_ids):
         return primitive(grad_out, q, k, v, out, lse, scale, causal)
     dtype = _accumulation_dtype(q)

@@ -108,11 +108,32 @@ def record_sdpa_kernels() -> Iterator[List[str]]:
         _sdpa_choices = outer
 
 
+class _GradInOutputLayout(torch.autograd.Function):
+    """The identity, whose backward hands the gradient on in the output's own memory layout.
+
+    The library kernel's output follows the query's stride order (megatron's [s, b, heads, d]); a gradient that
+    arrives in another order (DIFF's unfused epilogue gives (b, s, heads, d)) made cuDNN's attention backward wrong on
+    an H100 (torch 2.11: 5.6e-1 relative error in DIFF's gradients, benchmarks/results/core_attention_d128_*). One copy,
+    only when the orders differ."""
+
+    @staticmethod
+    def forward(ctx, out):
+        ctx.layout = out.shape, out.stride()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, stride = ctx.layout
+        if grad.stride() == stride:
+            return grad
+        return torch.empty_strided(shape, stride, dtype=grad.dtype, device=grad.device).copy_(grad)
+
+
 def scaled_dot_product_attention(q, k, v, scale: float, enable_gqa: bool = False,
                                  documents: Optional[PackedDocuments] = None) -> torch.Tensor:
     """Causal ``F.scaled_dot_product_attention`` on (b, heads, s, d) inputs, the one call every kind's ``sdpa``
-    backend makes (so that :func:`record_sdpa_kernels` sees them all). With ``documents`` carrying ids, causal within
-    each document (:func:`document_attention`)."""
+    backend makes (so that :func:`record_sdpa_kernels` sees them all); its backward receives the gradient in the
+    output's layout. With ``documents`` carrying ids, causal within each document (:func:`document_attention`)."""
     if documents is not None and documents.document_ids is not None and not documents.single_document():
         return document_attention(q, k, v, scale, enable_gqa, documents)
     if _sdpa_choices is not None:
@@ -121,7 +142,8 @@ def scaled_dot_product_attention(q, k, v, scale: float, enable_gqa: bool = False
             f"{kernel}: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} {str(q.dtype).replace('torch.', '')}"
             f"{' gqa' if enable_gqa else ''}"
         )
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+    return _GradInOutputLayout.apply(out) if out.requires_grad else out
 
 
 def _varlen_flash_usable(q, k, v) -> bool:
@@ -151,6 +173,12 @@ class _VarlenFlashAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+def _document_call(q, k, v, scale: float, enable_gqa: bool) -> torch.Tensor:
+    """One document's causal library call, its backward handed the gradient in its output's layout."""
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+    return _GradInOutputLayout.apply(out) if out.requires_grad else out
+
+
 def document_attention(q, k, v, scale: float, enable_gqa: bool, documents: PackedDocuments) -> torch.Tensor:
     """Causal attention within each document of a packed micro-batch, on (b, heads, s, d) inputs. On a GPU in
     fp16/bf16 one variable-length FlashAttention launch over every document (:class:`_VarlenFlashAttention`);
@@ -171,8 +199,7 @@ def document_attention(q, k, v, scale: float, enable_gqa: bool, documents: Packe
         _sdpa_choices.append(f"{sdpa_kernel_choice(q, k, v, True, scale, enable_gqa)} per document: "
                              f"{sum(map(len, segments))} calls q {tuple(q.shape)} {str(q.dtype).replace('torch.', '')}")
     return torch.cat([
-        torch.cat([F.scaled_dot_product_attention(q[i:i + 1, :, a:e], k[i:i + 1, :, a:e], v[i:i + 1, :, a:e],
-                                                  is_causal=True, scale=scale, enable_gqa=enable_gqa)
+        torch.cat([_document_call(q[i:i + 1, :, a:e], k[i:i + 1, :, a:e], v[i:i + 1, :, a:e], scale, enable_gqa)
                    for a, e in spans], dim=2)
         for i, spans in enumerate(segments)
     ], dim=0)

@@ -52,7 +52,12 @@ def diff_epilogue(
 
             return fused_epilogue(halves, lam, weight, eps, scale)
         if impl == "compile":
-            return _compiled_epilogue()(list(halves), lam, weight, eps, scale)
+            # The output factor (1 - λ_init) differs per layer: as a Python float it is a guard of the compiled graph
+            # (one recompilation per layer, eager after torch._dynamo's cache limit); folded into the weight it is data.
+            if weight is not None:
+                return _compiled_epilogue()(list(halves), lam, weight * scale, eps, 1.0)
+            out = _compiled_epilogue()(list(halves), lam, None, eps, 1.0)
+            return out if scale == 1.0 else out * scale
     raise ValueError(f"trainer.diff_epilogue={impl!r} is unknown; use one of {', '.join(EPILOGUE_IMPLS)}")
 
 

@@ -1,0 +1,209 @@
+#!/usr/bin/env bash
+# The GPU measurements, in priority order under one deadline, from a bare GPU machine (benchmarks/README.md has the
+# recipe). Every result line goes to $OUT as soon as it exists: a step cut off by its limit, or a command cut off by
+# the machine's, keeps what it measured.
+#
+#   bash benchmarks/gpu_run.sh first [second long] [--deadline 570] [--wheels .whl]   # on the GPU machine
+#   bash benchmarks/gpu_run.sh --dry-run first second long                            # on a CPU: what CI runs
+#
+# Plans (steps in order; each step's limit is its cold-start time on one H100/H200 with some room, cut to what is
+# left of the deadline; a step with less than a third of its limit left is skipped and says so):
+#   first   core attention at d=128 (N=4096) and d=96 (the 830m shape), the fused kernel's row first; 830m throughput
+#           (DIFF and the baseline with auto's choice, sequence 2048) with one step's profile; the GPU tests of the
+#           kernels, the epilogue, the attention backends and the CUDA ring
+#   second  3b throughput at sequence 4096; the fused kernel's config sweep (benchmarks/kernel_tuning.py); evaluate
+#           and analyze on a run trained with the attention diagnostics
+#   long    long context: the fused kernel and the baselines at N = 8K-64K; evaluate (NIAH, perplexity) at 32K
+# A step already measured on this card by this code (the ledger, $GPU_RUN_LEDGER or .gpu_run/ledger.tsv: card, code
+# hash, step, exit status) is skipped; the ledger stays on the machine between commands, and gpu_run.md says what each step did.
+#
+# Files in $OUT (flat, at most 8 for all three plans): gpu_run.md (one line per step: status, seconds, the headline
+# numbers), gpu_run.log (every step's output: evaluate's and analyze's tables too), step_running.log while a step
+# runs, and the benchmarks' reports (core_attention_*.md, train_throughput_*.md, kernel_tuning_*.md, attention_*.md).
+#
+# --dry-run runs every step on the CPU at toy sizes: Triton's interpreter with the launchers planning as on an H100
+# (DIFF_ATTN_SIMULATE_GPU=sm_90, kernels/gpu_target.py), the same scripts, options and step order. CI runs it
+# (tests/test_gpu_run.py): on a GPU only the compiler differs from what CI ran.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+dry_run=0
+deadline=570
+wheels=".whl"
+plans=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) dry_run=1 ;;
+    --deadline) deadline="$2"; shift ;;
+    --wheels) wheels="$2"; shift ;;
+    first|second|long) plans+=("$1") ;;
+    *) echo "error: gpu_run.sh: unknown argument '$1'; expected plans (first, second, long), --dry-run, --deadline S, --wheels DIR" >&2
+       exit 2 ;;
+  esac
+  shift
+done
+if [ ${#plans[@]} -eq 0 ]; then
+  echo "error: gpu_run.sh: no plan given; name one or more of first, second, long" >&2
+  exit 2
+fi
+started=$SECONDS
+out="${OUT:-outputs/gpu_run}"
+ledger="${GPU_RUN_LEDGER:-.gpu_run/ledger.tsv}"
+mkdir -p "$out" "$(dirname "$ledger")"
+py="${PYTHON:-python3}"
+summary="$out/gpu_run.md"
+log="$out/gpu_run.log"
+export PYTHONUNBUFFERED=1 WANDB_MODE=disabled PYTHONWARNINGS=ignore
+# caches outside $OUT, kept on the machine between commands: the second command compiles nothing twice
+cache="${TMPDIR:-/tmp}/gpu_run_cache"
+export DIFF_ATTN_CACHE_DIR="$cache/diff_attn" DIFF_TRANSFORMER_CACHE_DIR="$cache/diff_transformer" \
+  TORCHINDUCTOR_CACHE_DIR="$cache/inductor" TRITON_CACHE_DIR="$cache/triton"
+
+if [ $dry_run -eq 1 ]; then
+  export TRITON_INTERPRET=1 DIFF_ATTN_SIMULATE_GPU=sm_90 TORCHDYNAMO_DISABLE=1 CUDA_VISIBLE_DEVICES=""
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+elif ! "$py" -c "import megatron.core, hydra" 2> /dev/null; then
+  if ! ls "$wheels"/*.whl > /dev/null 2>&1; then
+    echo "error: megatron-core and hydra are not importable and $wheels holds no wheels (benchmarks/gpu_wheels.sh)" >&2
+    exit 2
+  fi
+  "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu_run_site "$wheels"/*.whl || exit 1
+  export PYTHONPATH="/tmp/gpu_run_site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if ! "$py" -c "import torch, triton, megatron.core, hydra, omegaconf" > /dev/null; then
+  echo "error: gpu_run.sh: $py cannot import torch, triton, megatron-core and hydra; set PYTHON to the interpreter that has them" >&2
+  exit 2
+fi
+card=$("$py" -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-') if torch.cuda.is_available() else 'cpu-dry-run')")
+code=$(find train.py configs diff_transformer kernels benchmarks data launch tests -type f \
+         \( -name '*.py' -o -name '*.sh' -o -name '*.yaml' -o -name '*.json' \) -not -path '*/results/*' \
+         -not -path '*/__pycache__/*' -not -path 'data/cache/*' | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-12)
+versions=$("$py" -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}')" 2>&1)
+{
+  echo "# gpu_run.sh ${plans[*]}$( [ $dry_run -eq 1 ] && echo ' (dry run)'): $card, code $code, $(date -u +%FT%TZ)"
+  echo
+  echo "$versions; deadline ${deadline} s."
+  echo
+  echo "| step | status | s | result |"
+  echo "|---|---|---|---|"
+} >> "$summary"
+echo "card $card, code $code, $versions"
+status=0
+
+# step NAME LIMIT RESULT_PATTERN COMMAND...: run under min(LIMIT, what the deadline leaves), append its output to the
+# log and one line to the summary (the lines of its output matching RESULT_PATTERN); a failure stops nothing
+step() {
+  local name="$1" limit="$2" pattern="$3"
+  shift 3
+  if grep -q -P "^$card\t$code\t$name\t0\t" "$ledger" 2> /dev/null; then
+    echo "| $name | measured already on this card by this code | | |" >> "$summary"
+    echo "=== $name: measured already ($card, code $code)"
+    return 0
+  fi
+  local left=$((deadline - (SECONDS - started) - 5))
+  if [ $left -lt $((limit / 3)) ]; then
+    echo "| $name | skipped: ${left} s left of the deadline, limit ${limit} s | | |" >> "$summary"
+    echo "=== $name: skipped (${left} s left, limit ${limit} s)"
+    status=1
+    return 0
+  fi
+  [ $left -lt "$limit" ] && limit=$left
+  echo "=== $name (limit ${limit} s): $*"
+  echo "=== $name (limit ${limit} s): $*" >> "$log"
+  local start=$SECONDS part="$out/step_running.log"  # comes back even if the machine's limit cuts the command
+  timeout -k 10 "$limit" "$@" > "$part" 2>&1
+  local rc=$?
+  local took=$((SECONDS - start))
+  tail -c 2000000 "$part" >> "$log"  # a returned file holds at most 16 MiB, over every step
+  local result
+  result=$(grep -E "$pattern" "$part" | tail -n 12 | tr '\n' ' ' | sed 's/|/\\|/g' | cut -c1-1500)
+  rm -f "$part"
+  local what="ok"
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && what="TIMED OUT at ${limit} s"
+  [ $rc -ne 0 ] && [ "$what" = "ok" ] && what="FAILED (exit $rc)"
+  echo "| $name | $what | $took | $result |" >> "$summary"
+  printf '%s\t%s\t%s\t%s\t%s\n' "$card" "$code" "$name" "$rc" "$took" >> "$ledger"
+  echo "    $what after $took s: $result"
+  [ $rc -eq 0 ] || status=1
+}
+
+# The dry run runs each step's GPU command line with toy sizes appended (argparse keeps an option's last value).
+core_attention() {  # name, limit, core_attention.py arguments
+  local name="$1" limit="$2"
+  shift 2
+  local toy=()
+  [ $dry_run -eq 1 ] && toy=(--heads 1 --seq-len 32 --batch 1 --repeats 1 --epilogues triton unfused)
+  step "$name" "$limit" '^headline' "$py" benchmarks/core_attention.py --out "$out" "$@" "${toy[@]}"
+}
+
+throughput() {  # name, limit, train_throughput.py arguments
+  local name="$1" limit="$2"
+  shift 2
+  local toy=()
+  [ $dry_run -eq 1 ] && toy=(--model debug --steps 3 --micro-batch-size 1 --micro-batches 1 --seq-length 32)
+  step "$name" "$limit" '(tok/s|tokens/s at TP|FAILED)' "$py" benchmarks/train_throughput.py --out "$out" "$@" \
+    "${toy[@]}" trainer.init_on_gpu=true trainer.fusions=on
+}
+
+gpu_tests() {  # name, limit, pytest arguments
+  local name="$1" limit="$2"
+  shift 2
+  # the GPU tier; in the dry run the same command collects them and skips each (no CUDA)
+  step "$name" "$limit" '(passed|failed|skipped|error|FAILED)' "$py" -m pytest -q -p no:cacheprovider -m gpu \
+    --timeout 150 -rfE "$@"
+}
+
+plan_first() {
+  core_attention core_attention_d128 150 --heads 8 --head-dim 128 --seq-len 4096 --batch 4
+  core_attention core_attention_d96 120 --heads 8 --head-dim 96 --seq-len 2048 --batch 4
+  throughput throughput_830m 300 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 --steps 8
+  gpu_tests kernel_tests 240 tests/test_diff_attn_kernel.py tests/test_diff_epilogue.py tests/test_attention.py \
+    tests/test_context_parallel.py
+}
+
+plan_second() {
+  throughput throughput_3b 300 --model 3b --seq-length 4096 --micro-batch-size 1 --micro-batches 8 --steps 5 \
+    --fit-gib 75 optim=adamw_3b
+  if [ $dry_run -eq 1 ]; then
+    step kernel_sweep 300 '(^done in|^error)' "$py" benchmarks/kernel_tuning.py --smoke --versions v1 --budget-s 10
+  else
+    # its JSON lines stay on the machine (the log has them too); the report comes back
+    step kernel_sweep 300 '(^done in|^error)' bash -c "'$py' benchmarks/kernel_tuning.py --budget-s 240 \
+      --out '$cache/kernel_tuning'; rc=\$?; cp '$cache'/kernel_tuning/*.md '$out/' 2> /dev/null; exit \$rc"
+  fi
+  # evaluate and analyze on a run trained with the attention diagnostics (bf16 on the GPU)
+  local train="experiment=smoke trainer.max_steps=4 optim.warmup_steps=1 checkpoint.interval=4"
+  [ $dry_run -eq 1 ] || train="experiment=quickstart trainer.max_steps=40 trainer.eval_interval=20 checkpoint.interval=20"
+  step eval_analyze 240 '(NIAH accuracy|^error)' bash -c "'$py' train.py $train trainer.attention_diagnostics=on \
+    logging.wandb.mode=disabled hydra.run.dir='$cache/eval_run' overwrite_run=true && \
+    '$py' -m diff_transformer.evaluate '$cache/eval_run' --needles 2 --asked 1 --samples 2 --max-tokens 20000 \
+      --out '$cache/evaluate' && '$py' -m diff_transformer.analyze '$cache/eval_run' --out '$cache/analyze'"
+}
+
+plan_long() {
+  if [ $dry_run -eq 1 ]; then
+    step kernel_long 200 '(^\| V1|^\| baseline|error)' "$py" benchmarks/attention.py --smoke
+    step niah_long 300 '(accuracy|nll|error)' bash -c "'$py' train.py experiment=smoke trainer.max_steps=4 \
+      optim.warmup_steps=1 checkpoint.interval=4 logging.wandb.mode=disabled hydra.run.dir='$cache/long_run' overwrite_run=true && \
+      '$py' -m diff_transformer.evaluate '$cache/long_run' --tasks niah,ppl --seq-length 256 --lengths 256 \
+      --needles 2 --asked 1 --depths 0,1 --samples 1 --batch-size 1 --max-tokens 2000 --out '$cache/long_eval'"
+  else
+    step kernel_long 240 '(^\| V1|^\| baseline|error)' "$py" benchmarks/attention.py --seq-lens 8192 16384 32768 \
+      65536 --tokens 65536 --heads 12 --head-dim 128 --out "$out"
+    step niah_long 300 '(accuracy|nll|error)' bash -c "'$py' train.py experiment=quickstart trainer.max_steps=100 \
+      trainer.eval_interval=50 checkpoint.interval=100 logging.wandb.mode=disabled hydra.run.dir='$cache/long_run' \
+      overwrite_run=true && '$py' -m diff_transformer.evaluate '$cache/long_run' --tasks niah,ppl --seq-length 32768 \
+      --lengths 32768 --needles 6 --asked 2 --depths 0,0.25,0.5,0.75,1 --samples 2 --batch-size 1 \
+      --max-tokens 140000 --backend triton --out '$cache/long_eval'"
+  fi
+}
+
+for plan in "${plans[@]}"; do
+  "plan_$plan"
+done
+echo >> "$summary"
+echo
+cat "$summary"
+echo "gpu_run.sh: $((SECONDS - started)) s; files in $out: $(ls "$out" | tr '\n' ' ')"
+exit $status

@@ -1,0 +1,75 @@
+"""benchmarks/gpu_run.sh --dry-run: every step of every plan, end to end on the CPU (Triton's interpreter with the
+launchers planning as on an H100), so that a GPU window runs what CI ran but for the compiler; the ledger that skips
+what was measured, the deadline that skips what no longer fits, refusals."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.train_runs import REPO
+
+PLANS = ("first", "second", "long")
+STEPS = {
+    "first": ["core_attention_d128", "core_attention_d96", "throughput_830m", "kernel_tests"],
+    "second": ["throughput_3b", "kernel_sweep", "eval_analyze"],
+    "long": ["kernel_long", "niah_long"],
+}
+
+
+def gpu_run(out, *args, timeout=900):
+    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, TMPDIR=str(out.parent),
+               GPU_RUN_LEDGER=str(out.parent / "ledger.tsv"))
+    return subprocess.run(["bash", "benchmarks/gpu_run.sh", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_run") / "out"
+    return out, gpu_run(out, "--dry-run", *PLANS)
+
+
+def summary_rows(out):
+    rows = {}
+    for line in (out / "gpu_run.md").read_text().splitlines():
+        cells = [c.strip() for c in line.split(" | ")]
+        if line.startswith("| ") and len(cells) >= 3 and cells[0] != "| step" and not cells[0].startswith("|---"):
+            rows[cells[0].lstrip("| ")] = cells[1]
+    return rows
+
+
+def test_every_step_of_every_plan_runs_on_the_cpu(dry_run):
+    out, proc = dry_run
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    rows = summary_rows(out)
+    assert list(rows) == [step for plan in PLANS for step in STEPS[plan]], rows
+    assert set(rows.values()) == {"ok"}, rows
+    summary = (out / "gpu_run.md").read_text()
+    # the headline numbers reach the summary: the fused kernel's row first, the baseline's ratios
+    assert "headline: d=128" in summary and "diff triton" in summary and "tokens/s at TP=1" in summary
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8 and "step_running.log" not in files, files  # what a GPU machine sends back: 8 files
+    assert (out / "gpu_run.log").stat().st_size < 16 * 2**20
+
+
+def test_measured_steps_are_skipped_and_the_deadline_is_kept(dry_run):
+    out, _ = dry_run
+    again = gpu_run(out, "--dry-run", "first", timeout=120)
+    assert again.returncode == 0, again.stdout[-3000:]
+    skipped = [line for line in again.stdout.splitlines() if line.startswith("=== ") and "measured already" in line]
+    assert len(skipped) == len(STEPS["first"]), again.stdout[-3000:]
+    late = gpu_run(out.parent / "late", "--dry-run", "second", "--deadline", "30", timeout=120)
+    assert late.returncode == 1  # steps that did not run are not a success
+    rows = summary_rows(out.parent / "late")
+    assert all(status.startswith("skipped: ") for status in rows.values()), rows
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "no plan given; name one or more of first, second, long"),
+    (["fist"], "unknown argument 'fist'; expected plans (first, second, long)"),
+])
+def test_bad_arguments_are_refused(tmp_path, args, message):
+    proc = gpu_run(tmp_path / "out", *args, timeout=60)
+    assert proc.returncode == 2 and f"error: gpu_run.sh: {message}" in proc.stderr
