@@ -140,10 +140,9 @@ def config(q_heads, kv_heads, d, hidden=None):
                              add_bias_linear=False)
 
 
-def build(kind, backend):
+def build(kind, backend, d=8):
     """A core attention of ``kind`` in fp64 with parameters drawn away from their initial values, and its inputs'
     head counts (query, key, value heads of d) and whether it takes V2's λ logits."""
-    d = 8
     if kind == "diff":  # H = 4 differential heads over Hkv = 2 groups (GQA)
         module = DifferentialCoreAttention(config(8, 4, d), 3, CAUSAL, backend=backend)
         heads = (8, 4, 4)
@@ -477,3 +476,64 @@ def test_a_documents_losses_do_not_depend_on_what_was_packed_before_it(backend, 
         assert rel_err(first[i], second[i]) < 1e-6, i
     unmasked = packed(orders[0], False), packed(orders[1], False)
     assert rel_err(unmasked[0][2], unmasked[1][2]) > 1e-3  # document 2 first in one order, last in the other
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# GPU (skipped without CUDA): the compiled kernel with document ids in bf16, the sdpa path's variable-length flash
+# ------------------------------------------------------------------------------------------------------------------
+def exponential_documents(n, batch, mean, seed=0):
+    """(batch, n) ids of samples packed from documents of exponentially distributed lengths (mean ``mean``)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < n * batch:
+        lengths.append(max(1, int(torch.empty(1).exponential_(1.0 / mean, generator=generator))))
+    stream = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[: n * batch].view(batch, n)
+    return (stream - stream[:, :1]).to(torch.int32)
+
+
+GPU_KERNEL_CASES = [(1, 1, 2048, 8, 8, 128), (1, 2, 1024, 4, 2, 64), (2, 1, 2048, 8, 8, 128), (2, 2, 1024, 4, 2, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version,batch,n,heads,groups,d", GPU_KERNEL_CASES,
+                         ids=[f"v{c[0]}-B{c[1]}-N{c[2]}-H{c[3]}-Hkv{c[4]}-D{c[5]}" for c in GPU_KERNEL_CASES])
+def test_fused_kernel_with_documents_on_cuda_in_bf16(version, batch, n, heads, groups, d):
+    """The table's compiled kernels with document ids (mean document 300 tokens) against the fp32 reference run per
+    document on the same bf16 inputs, and one document bit for bit the kernel without ids."""
+    tensors = [t.detach().cuda().to(torch.bfloat16 if i < 3 or i == 4 else t.dtype).requires_grad_()
+               for i, t in enumerate(kernel_inputs(version, batch, n, heads, groups, d, version == 1))]
+    ids = exponential_documents(n, batch, 300).cuda()
+    out = kernel_call(version, tensors, ids=ids)
+    upstream = torch.randn_like(out, dtype=torch.float32)
+    grads = torch.autograd.grad(out, tensors, upstream.to(out.dtype))
+    reference = [t.detach().float().requires_grad_() for t in tensors]
+    ref_out, ref_grads = reference_per_document(version, reference, upstream, ids.cpu())
+    errors = {"out": rel_err(out, ref_out)}
+    errors.update({name: rel_err(g, r) for name, g, r in zip(("dq", "dk", "dv", "dlam", "dw"), grads, ref_grads)})
+    # tests/test_diff_attn_kernel.py's bf16 tolerance
+    assert all(e < 2e-2 for e in errors.values()), errors
+    one = kernel_call(version, tensors, ids=torch.zeros_like(ids))
+    assert torch.equal(one, kernel_call(version, tensors))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["diff", "diff_v2", "vanilla"])
+def test_sdpa_with_documents_on_cuda_in_bf16_is_one_variable_length_flash_call(kind):
+    """sdpa with documents on a GPU in bf16: PyTorch's variable-length FlashAttention (one launch for every
+    document), GQA included, against eager with the mask in fp32 on the same inputs."""
+    from diff_transformer.models.attention.base import record_sdpa_kernels
+
+    module, heads, d, with_lambda = build(kind, "sdpa", d=32)
+    eager = build(kind, "eager", d=32)[0].float().cuda()
+    module = module.to(torch.bfloat16).cuda()
+    eager.load_state_dict({k: v.float() for k, v in module.state_dict().items()})
+    tensors = [t.cuda() for t in kind_inputs(heads, d, with_lambda, s=512)]
+    ids = exponential_documents(512, 2, 60).cuda()
+    grad_out = torch.randn(512, 2, 8 * d if kind == "diff" else 4 * d, device="cuda")
+    with record_sdpa_kernels() as calls:
+        got = core_attention_run(module, [t.to(torch.bfloat16) for t in tensors], grad_out.to(torch.bfloat16), ids)
+    want = core_attention_run(eager, [t.to(torch.bfloat16).float() for t in tensors], grad_out, ids)
+    assert calls and all(c.startswith("flash varlen") for c in calls), calls
+    assert rel_err(got[0], want[0]) < 2e-2
+    for name, a, b in zip(("q", "k", "v"), got[1], want[1]):
+        assert rel_err(a, b) < 3e-2, name
