@@ -34,6 +34,13 @@ Causal masking is aligned to the bottom right by default (query i sees keys j <=
 given); key blocks a query block cannot see are skipped, only diagonal or ragged blocks pay for masking, and causal
 query blocks run heaviest first.
 
+Document masking (packed samples, DOCUMENTS): each query and key carries its document id (B, N) int32, non-decreasing
+along a sample, and a query sees only keys of its own document. A query-block program finds, by binary search over
+the key ids, the keys of its rows' first and last documents and skips every key block outside them; a key-block
+program (dK, dV) does the same over the query ids. Only the blocks a document boundary crosses pay for the id
+comparison; a key block inside the one document of a query block whose rows all lie in it runs unmasked, so a sample
+that is one document computes exactly what the kernels compute without ids.
+
 Two code-generation switches, per design: tensor descriptors (TMA loads on Hopper, built inside the kernel; pointer
 loads on older GPUs and where strides are not 16-byte aligned), and split head dims (a head dim that is not a power
 of two, 96, is two column blocks, 64 + 32, instead of one block padded to 128: every product runs on the real

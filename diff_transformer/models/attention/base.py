@@ -198,11 +198,14 @@ def document_attention(q, k, v, scale: float, enable_gqa: bool, documents: Packe
     if _sdpa_choices is not None:
         _sdpa_choices.append(f"{sdpa_kernel_choice(q, k, v, True, scale, enable_gqa)} per document: "
                              f"{sum(map(len, segments))} calls q {tuple(q.shape)} {str(q.dtype).replace('torch.', '')}")
-    return torch.cat([
-        torch.cat([_document_call(q[i:i + 1, :, a:e], k[i:i + 1, :, a:e], v[i:i + 1, :, a:e], scale, enable_gqa)
-                   for a, e in spans], dim=2)
-        for i, spans in enumerate(segments)
-    ], dim=0)
+    samples = []
+    # unbind and split (not slicing): their backward stacks and concatenates the pieces' gradients in one copy
+    for spans, qi, ki, vi in zip(segments, q.unbind(0), k.unbind(0), v.unbind(0)):
+        lengths = [e - a for a, e in spans]
+        pieces = zip(*(t.split(lengths, dim=1) for t in (qi, ki, vi)))
+        samples.append(torch.cat([_document_call(qd[None], kd[None], vd[None], scale, enable_gqa)[0]
+                                  for qd, kd, vd in pieces], dim=1))
+    return torch.stack(samples)
 
 
 def heads_first(query: torch.Tensor, key: torch.Tensor):
