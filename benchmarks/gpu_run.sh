@@ -178,8 +178,9 @@ plan_second() {
   gpu_tests document_mask_tests 150 tests/test_document_mask.py
   local toy=()
   [ $dry_run -eq 1 ] && toy=(--seq-lens 64 --heads 1 --head-dim 16 --mean-document 20 --repeats 1 --backends sdpa triton)
+  # its report is printed into the log ($OUT keeps to few files)
   step document_mask 180 '(masked:|^error|Traceback)' "$py" benchmarks/document_mask.py --skip-training \
-    --seq-lens 4096 32768 --out "$out" "${toy[@]}"
+    --seq-lens 4096 32768 --out "$cache/document_mask" "${toy[@]}"
   # evaluate and analyze on a run trained with the attention diagnostics (bf16 on the GPU)
   local train="experiment=smoke trainer.max_steps=4 optim.warmup_steps=1 checkpoint.interval=4"
   [ $dry_run -eq 1 ] || train="experiment=quickstart trainer.max_steps=40 trainer.eval_interval=20 checkpoint.interval=20"

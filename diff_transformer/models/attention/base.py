@@ -199,13 +199,15 @@ def document_attention(q, k, v, scale: float, enable_gqa: bool, documents: Packe
         _sdpa_choices.append(f"{sdpa_kernel_choice(q, k, v, True, scale, enable_gqa)} per document: "
                              f"{sum(map(len, segments))} calls q {tuple(q.shape)} {str(q.dtype).replace('torch.', '')}")
     samples = []
-    # unbind and split (not slicing): their backward stacks and concatenates the pieces' gradients in one copy
+    # unbind and split (not slicing): their backward stacks and concatenates the pieces' gradients in one copy; the
+    # pieces' outputs (kept in the query's (s, heads, d) order by the kernel) are joined along s and stacked along b
+    # as [s, b, heads, d], megatron's layout, so that the caller's permute back to it copies nothing
     for spans, qi, ki, vi in zip(segments, q.unbind(0), k.unbind(0), v.unbind(0)):
         lengths = [e - a for a, e in spans]
         pieces = zip(*(t.split(lengths, dim=1) for t in (qi, ki, vi)))
-        samples.append(torch.cat([_document_call(qd[None], kd[None], vd[None], scale, enable_gqa)[0]
-                                  for qd, kd, vd in pieces], dim=1))
-    return torch.stack(samples)
+        samples.append(torch.cat([_document_call(qd[None], kd[None], vd[None], scale, enable_gqa)[0].transpose(0, 1)
+                                  for qd, kd, vd in pieces], dim=0))
+    return torch.stack(samples, dim=1).permute(1, 2, 0, 3)
 
 
 def heads_first(query: torch.Tensor, key: torch.Tensor):
