@@ -14,6 +14,7 @@ reference: every document run alone as its own sequence.
   losses at step 0 do not depend on which documents were packed before it.
 """
 
+import json
 import math
 import queue
 import threading
@@ -129,6 +130,31 @@ def test_inspect_and_accounting_count_the_work_the_mask_leaves():
     assert attention_keys_per_token(ids) == pytest.approx(26 / 2 / 8)
     assert attention_keys_per_token(torch.zeros(3, 64, dtype=torch.int32)) == 32  # the causal s/2
     assert length_distribution(np.array([1, 2, 3, 4]))["p50"] == 2.5
+
+
+def test_auto_times_the_masked_candidates_on_the_first_micro_batch(tmp_path, monkeypatch):
+    """model.attention_backend=auto under data.document_mask: the timing key holds the documents a sample, and the
+    core attention it times (one CP rank's under context parallelism) runs with the micro-batch's documents."""
+    from diff_transformer.training import backend_choice
+    from tests.test_config import compose_cfg
+
+    monkeypatch.setenv("DIFF_TRANSFORMER_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = compose_cfg("model=debug", "parallel.cp=2", "data.document_mask=true")
+    ids = documents_from_lengths([10, 30, 24], [64], [1, 63], [32, 32])  # the debug model's 64 tokens, micro-batch 4
+    key = json.loads(backend_choice.problem_key(cfg, "NVIDIA H100", torch.bfloat16, "triton", ids))
+    assert key["documents_per_sample"] == 2.0
+    assert "documents_per_sample" not in json.loads(backend_choice.problem_key(cfg, "NVIDIA H100", torch.bfloat16,
+                                                                                "triton"))
+    calls = []
+    decision = backend_choice.decide_attention_backend(
+        cfg, str(tmp_path / "run"), torch.bfloat16, "triton", cuda=True, device_name="NVIDIA H100",
+        measure=lambda backend: calls.append(backend) or {"sdpa": 2.0, "triton": 1.0}[backend], document_ids=ids)
+    assert decision["backend"] == "triton" and "documents_per_sample" in decision["key"]
+    module, (q, k, v), _ = backend_choice.core_attention_problem(cfg, "sdpa", torch.float32, "unfused", device="cpu")
+    documents = backend_choice.timing_documents(cfg, ids, "cpu")
+    assert documents.document_ids.shape == (cfg.trainer.micro_batch_size, cfg.model.seq_length // 2)
+    module(q, k, v, None, packed_seq_params=documents).sum().backward()
+    assert q.grad is not None
 
 
 # ------------------------------------------------------------------------------------------------------------------
