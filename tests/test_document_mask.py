@@ -15,7 +15,6 @@ reference: every document run alone as its own sequence.
 """
 
 import json
-import math
 import queue
 import threading
 import zlib

@@ -23,7 +23,6 @@ from diff_transformer.models.attention import (
     DifferentialCoreAttention,
     dex_anneal_fraction,
 )
-from diff_transformer.models.documents import PackedDocuments
 from diff_transformer.models.layer_specs import head_dim  # noqa: F401  (re-exported: accounting reads it here)
 from diff_transformer.models.layer_specs import attention_heads, layer_spec_for, num_kv_heads, resolved_backend
 from diff_transformer.models.norms import RMSNorm
