@@ -23,7 +23,7 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 from diff_transformer.cli import EXIT_REFUSED, USER_ERRORS, ArgumentParser, print_error, quiet_library_notices
-from diff_transformer.evaluate import check_out, check_runs_exist
+from diff_transformer.evaluate import DOCUMENT_MASK_CHOICES, check_out, check_runs_exist
 
 COMMAND = "diff_transformer.analyze"  # the mark of its output directories: a rerun may replace them
 
@@ -41,6 +41,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--asked", type=int, default=2, help="--niah: needles asked (default 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-trajectory", action="store_true", help="skip λ over the run's checkpoints")
+    parser.add_argument("--document-mask", choices=DOCUMENT_MASK_CHOICES, default="run",
+                        help="maps within the documents the EOD tokens delimit (data.document_mask): as the run "
+                             "trained (default), on or off")
     parser.add_argument("--tokenizer", help="the tokenizer, when the run's is not where its config says")
     parser.add_argument("--out", help="output directory (default outputs/analyze/<time>)")
     parser.add_argument("--force", action="store_true",
@@ -84,7 +87,8 @@ def analyze(args: argparse.Namespace) -> int:
     results: Dict[str, Dict] = {}
     try:
         for run, label in zip(runs, labels):
-            model = load_for_inference(run, attention_backend="eager")
+            model = load_for_inference(run, attention_backend="eager",
+                                       document_mask=DOCUMENT_MASK_CHOICES[args.document_mask])
             results[label] = analyze_one(model, run, args, documents)
             del model
             gc.collect()
@@ -119,6 +123,8 @@ def probe_batch(model, run, args, documents) -> tuple:
     needed = args.sequences * length
     if args.niah:
         haystack, _ = validation_stream(run.config, max(needed, 4 * length), args.tokenizer)
+        if model.document_mask:  # a prompt is one document
+            haystack = haystack[haystack != model.eod]
         config = niah.NiahConfig(needles=args.needles, asked=args.asked, lengths=(length,),
                                  depths=tuple(float(d) for d in np.linspace(0, 1, args.sequences)), samples=1,
                                  seed=args.seed)

@@ -40,6 +40,8 @@ from diff_transformer.fileio import check_output
 
 TASKS = ("ppl", "niah")
 COMMAND = "diff_transformer.evaluate"  # the mark of its output directories: a rerun may replace them
+# --document-mask: the run's data.document_mask, or on or off whatever it trained with
+DOCUMENT_MASK_CHOICES = {"run": None, "on": True, "off": False}
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -56,6 +58,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--backend", help="attention backend to evaluate with (default: the trained one)")
     parser.add_argument("--seq-length", type=int, help="context length to evaluate at (default: the run's)")
+    parser.add_argument("--document-mask", choices=DOCUMENT_MASK_CHOICES, default="run",
+                        help="attention within the documents the EOD tokens delimit (data.document_mask): as the run "
+                             "trained (default), on or off; NIAH prompts stay one document")
     parser.add_argument("--cp", type=int, default=1,
                         help="context parallelism: ranks each sequence is split over (under torchrun; default 1)")
     parser.add_argument("--needles", type=int, default=6, help="N needles per context (default 6)")
@@ -140,7 +145,8 @@ def evaluate(args: argparse.Namespace) -> int:
     results: Dict[str, Dict] = {}
     try:
         for run, label, config in zip(runs, labels, configs):
-            model = load_for_inference(run, args.backend, args.seq_length, args.cp)
+            model = load_for_inference(run, args.backend, args.seq_length, args.cp,
+                                       DOCUMENT_MASK_CHOICES[args.document_mask])
             results[label] = evaluate_one(model, run, args, tasks, config)
             rank = model.global_rank
             del model

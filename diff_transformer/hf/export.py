@@ -109,6 +109,12 @@ def export_hf(checkpoint: str, out_dir: str, dtype: str = "float32", tokenizer_d
             },
             "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "transformers": transformers.__version__,
+            # transformers' models attend across EOD tokens: a run trained with data.document_mask computes as it
+            # trained on one document at a time (or under an attention mask that keeps each document to itself)
+            "documents": "attends across documents unless given one document at a time or an attention mask that "
+                         "keeps each document to itself" + (
+                             "; trained with document masking (data.document_mask)"
+                             if cfg.data.document_mask else ""),
         }
         with open(os.path.join(staging, "export_info.json"), "w") as f:
             json.dump(info, f, indent=2)

@@ -14,6 +14,7 @@ import math
 import os
 import shutil
 import time
+from functools import partial
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -42,6 +43,7 @@ from diff_transformer.models.attention.diff_v2 import record_lambda, recorded_la
 from diff_transformer.models.layer_specs import variant_label
 from diff_transformer import distributed
 from diff_transformer.training.accounting import (
+    attention_keys_per_token,
     check_memory_plan,
     choose_context_parallel,
     estimate_memory_per_gpu,
@@ -163,6 +165,8 @@ class Trainer:
             split=cfg.data.split,
             index_cache_dir=cfg.data.index_cache_dir,
             eod_mask_loss=cfg.data.eod_mask_loss,
+            document_mask=cfg.data.document_mask,
+            reset_position_ids=cfg.data.reset_position_ids,
         )
         self.prepared = prepared
         if cfg.model.attention == "dex":
@@ -210,13 +214,21 @@ class Trainer:
         if self.rank == 0:  # recorded in the run directory by _commit_start
             saved = read_trainer_state(resume)["config"] if resume else None
             decision = decide_attention_backend(
-                self.cfg, self.run_dir, self.dtype, epilogue_impl(self.cfg), saved, record=False
+                self.cfg, self.run_dir, self.dtype, epilogue_impl(self.cfg), saved, record=False,
+                document_ids=self._first_document_ids(),
             )
             self._backend_decision = decision
         decision = distributed.broadcast_object(decision, src=0)
         self.cfg.model.attention_backend = decision["backend"]
         if self.rank == 0:
             logger.info("model.attention_backend=auto: %s", describe(decision))
+
+    def _first_document_ids(self) -> Optional[torch.Tensor]:
+        """The document ids of the first training micro-batch (data.document_mask), None without the mask."""
+        if not self.cfg.data.document_mask:
+            return None
+        count = min(self.cfg.trainer.micro_batch_size, len(self.train_ds))
+        return torch.stack([self.train_ds[i]["document_ids"] for i in range(count)])
 
     def _agreed_resume_candidate(self) -> Optional[str]:
         """:meth:`_resume_candidate` of the run's checkpoint directory, decided by rank 0 for every rank
@@ -573,7 +585,7 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         losses = get_forward_backward_func()(
-            forward_step_func=forward_step,
+            forward_step_func=partial(forward_step, reset_position_ids=self.cfg.data.reset_position_ids),
             data_iterator=data_iter,
             model=self.model,
             num_microbatches=self.num_microbatches,
@@ -720,12 +732,28 @@ class Trainer:
         shards = [
             {"name": os.path.basename(p), "bytes": os.path.getsize(p + ".bin")} for p in self.prepared.prefixes
         ]
-        return {
+        description = {
             "tokenizer_sha256": tokenizer_hash(self.prepared.tokenizer_dir),
             "shards": shards,
             "weights": self.prepared.weights,
             "split": self.cfg.data.split,
         }
+        for switch in ("document_mask", "reset_position_ids"):  # recorded when on: earlier runs compare unchanged
+            if getattr(self.cfg.data, switch, False):
+                description[switch] = True
+        return description
+
+    def _masked_attention_keys(self, samples: int = 64) -> Optional[float]:
+        """Under document masking, the keys a token attends to on average over the first ``samples`` training
+        samples (accounting.attention_keys_per_token), which MFU counts instead of the causal s/2; None without."""
+        if not self.cfg.data.document_mask:
+            return None
+        n = min(samples, len(self.train_ds))
+        keys = attention_keys_per_token(torch.stack([self.train_ds[i]["document_ids"] for i in range(n)]))
+        logger.info("document masking: attention over %.1f keys a token on average (%.1f%% of the causal map's "
+                    "work, the first %d training samples); MFU counts only that", keys,
+                    100 * keys / (self.cfg.model.seq_length / 2), n)
+        return keys
 
     def fit(self) -> List[Dict[str, Any]]:
         """Train to ``trainer.max_steps``; returns early (after a checkpoint) when a preemption signal arrives, and
@@ -735,7 +763,8 @@ class Trainer:
         signals = PreemptionSignals(self.cfg.failures.signals, grace_period_seconds(self.cfg.failures),
                                     self.checkpoint_root).install()
         train_iter = self._loader(self.train_ds, self.consumed_samples)
-        self._flops_per_token = model_flops_per_token(self.cfg, self.num_non_embedding_parameters, self.padded_vocab)
+        self._flops_per_token = model_flops_per_token(self.cfg, self.num_non_embedding_parameters, self.padded_vocab,
+                                                      self._masked_attention_keys())
         self._peak_flops = peak_flops_per_device(self.cfg)
         self.diagnostics = self._attention_diagnostics()
         history = []
