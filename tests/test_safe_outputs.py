@@ -307,16 +307,17 @@ def test_a_latest_pointer_that_names_nothing(tmp_path, caplog):
                 resolve_checkpoint_path(str(given))
 
 
-def test_incomplete_checkpoints_are_skipped_to_be_moved_aside(tmp_path):
-    from diff_transformer.training.checkpoint import select_resume_checkpoint
+def test_incomplete_checkpoints_are_found_and_passed_over(tmp_path):
+    """A step directory without its trainer_state.json is listed as incomplete (resume=auto moves it aside: the
+    launch in test_checkpoint_faults.py), and a `latest` naming it is passed over for the newest complete one."""
+    from diff_transformer.training.checkpoint_files import incomplete_checkpoints, latest_checkpoint
 
     root = tmp_path / "checkpoints"
     good = fake_checkpoint(root, 2)
     (root / "step_00000004").mkdir()  # its trainer_state.json lost
     (root / "latest").write_text("step_00000004\n")
-    path, skipped = select_resume_checkpoint(str(root))
-    assert path == str(good)
-    assert skipped == [(str(root / "step_00000004"), "trainer_state.json is missing (an incomplete checkpoint)")]
+    assert incomplete_checkpoints(str(root)) == [str(root / "step_00000004")]
+    assert latest_checkpoint(str(root)) == str(good)
 
 
 def test_a_stopped_run_says_how_to_go_on_truthfully(tmp_path):
