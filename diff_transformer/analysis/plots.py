@@ -13,7 +13,7 @@ from typing import Dict, List
 import numpy as np
 
 from diff_transformer.analysis.runs import BASELINE, DIFF, RunRecord
-from diff_transformer.analysis.scaling import Comparison, PowerLawFit, RatioEstimate, FIT_METHOD
+from diff_transformer.analysis.scaling import FIT_METHOD, Comparison, PowerLawFit, RatioEstimate, format_ratio
 from diff_transformer.analysis.variants import VariantStats
 from diff_transformer.figure_style import human_number, kind_color, kind_of, log_ticks, variant_name
 
@@ -69,16 +69,18 @@ def _human_linear_axis(axis) -> None:
     axis.set_major_formatter(FuncFormatter(lambda value, _: human_number(value) if value else "0"))
 
 
-def _panel_note(ax, text: str) -> None:
+def _panel_note(ax, text: str, y: float = 0.5) -> None:
     """What a panel that cannot be drawn says instead, in the panel."""
-    ax.text(0.5, 0.5, "\n".join(textwrap.wrap(text, 48)), transform=ax.transAxes, ha="center", va="center",
+    ax.text(0.5, y, "\n".join(textwrap.wrap(text, 44)), transform=ax.transAxes, ha="center", va="center",
             fontsize=9, color="0.25", bbox=dict(boxstyle="round", facecolor="0.95", edgecolor="0.7"))
 
 
 def _ratio_label(estimate: RatioEstimate, unit: str) -> str:
-    text = f"{100 * estimate.ratio:.0f}% {unit}"
+    text = f"{format_ratio(estimate.ratio)} {unit}"
+    if estimate.unconstrained:
+        text += " (unconstrained)"
     if estimate.low is not None:
-        text += f"\n68%: {100 * estimate.low:.0f}-{100 * estimate.high:.0f}%"
+        text += f"\n68%: {format_ratio(estimate.low)} to {format_ratio(estimate.high)}"
     return text + ("\n(extrapolated)" if estimate.extrapolated else "")
 
 
@@ -133,7 +135,8 @@ def comparison_figure(comparison: Comparison, title: str | None = None):
     _draw_size_fit(axes[1], comparison, runs)
     _draw_token_fit(axes[2], comparison)
     sizes = len({r.model for r in runs})
-    variants = list(dict.fromkeys(variant_name(r.variant) for r in runs))
+    variants = list(dict.fromkeys(variant_name(v) for v in sorted({r.variant for r in runs},
+                                                                   key=lambda v: (v != DIFF, v != BASELINE, v))))
     default = (f"{' vs '.join(variants)}: {sizes} size{'s' if sizes != 1 else ''}, "
                f"{human_number(max(r.token_budget for r in runs))} tokens per run")
     fig.suptitle(with_data(title or default, data_label(runs)))
@@ -178,7 +181,9 @@ def _draw_size_fit(ax, comparison: Comparison, runs: List[RunRecord]) -> None:
     size whose match exists."""
     count = comparison.parameter_count
     all_n = np.array([r.parameters(count) for r in runs], dtype=np.float64)
-    low, high = all_n.min() / 1.5, all_n.max() * 1.5
+    trained = [e for e in comparison.parameter_ratios if e.ratio is not None and e.at <= all_n.max()]
+    shown = np.concatenate([all_n, [trained[-1].matched] if trained else []])  # an extrapolated match too
+    low, high = shown.min() / 1.5, shown.max() * 1.5
     variants = sorted({r.variant for r in runs})
     for kind in variants:
         of_kind = [r for r in runs if r.variant == kind]
@@ -188,7 +193,6 @@ def _draw_size_fit(ax, comparison: Comparison, runs: List[RunRecord]) -> None:
         if kind in comparison.size_fits:
             _draw_fit(ax, comparison.size_fits[kind], low, high, color, _style(kind, variants),
                       _fit_label(variant_name(kind), comparison.size_fits[kind], "α"))
-    trained = [e for e in comparison.parameter_ratios if e.ratio is not None and e.at <= all_n.max()]
     if trained:
         _annotate_ratio(ax, trained[-1], "params")
     # Frame the measured losses: a steep fit extrapolated past the smallest size would flatten them.
@@ -204,10 +208,13 @@ def _draw_size_fit(ax, comparison: Comparison, runs: List[RunRecord]) -> None:
         ax.set_title(f"scaling: {_law_title(list(comparison.size_fits.values()), 'N', 'A', 'α')}")
     else:
         ax.set_title("scaling: final loss by size (no fit)")
-    missing = [f"{variant_name(k)}: {reason}" for k, reason in comparison.size_fit_reasons.items()]
-    if missing:
-        _panel_note(ax, "no scaling fit: " + "; ".join(missing))
-    ax.legend(fontsize=8, loc="upper right")
+    by_reason: dict = {}
+    for kind, reason in comparison.size_fit_reasons.items():
+        by_reason.setdefault(reason, []).append(variant_name(kind))
+    if by_reason:  # below the points, which the limits keep in the upper part of the panel
+        _panel_note(ax, "no scaling fit: " + "; ".join(f"{', '.join(kinds)}: {reason}"
+                                                      for reason, kinds in by_reason.items()), y=0.13)
+    ax.legend(fontsize=8, loc="best")
     ax.grid(alpha=0.3, which="major")
 
 
@@ -215,14 +222,15 @@ def _draw_token_fit(ax, comparison: Comparison) -> None:
     """Validation loss against tokens along the first pair's runs, each run's L(D) fit, and the token ratio."""
     pair = comparison.primary
     if pair is None or pair.token_pair is None:
-        ax.set_title("data: validation loss along one run (not drawn)")
+        ax.set_title("data: loss along one run (not drawn)")
         ax.set_xticks([])
         ax.set_yticks([])
         reason = pair.token_note if pair is not None else "no variant with a reference to compare against"
         _panel_note(ax, f"no token fit: {reason}")
         return
     variants = sorted({r.variant for r in comparison.runs})
-    tokens_all = np.concatenate([run.val_tokens for run in pair.token_pair])
+    tokens_all = np.concatenate([run.val_tokens for run in pair.token_pair]
+                                + ([[pair.token_ratio.matched]] if pair.token_ratio and pair.token_ratio.ratio else []))
     low, high = max(tokens_all.min(), 1.0) / 1.3, tokens_all.max() * 1.5
     for run in pair.token_pair:
         color = kind_color(run.variant)

@@ -45,8 +45,11 @@ def label(variant: str) -> str:
     return LABELS.get(variant, variant)
 
 
-def finite_or_none(value) -> float | None:
-    return float(value) if value is not None and math.isfinite(float(value)) else None
+def format_ratio(ratio: float) -> str:
+    """62.2%, 1216.4%, or past 100x a multiple: a ratio that stays readable however wild the refits get."""
+    if ratio < 10:
+        return f"{100 * ratio:.1f}%"
+    return f"{ratio:.0f}x" if ratio < 1000 else "over 1000x"
 
 
 class FitRefused(ValueError):
@@ -350,18 +353,25 @@ class RatioEstimate:
     def matched(self) -> float | None:
         return self.at / self.ratio if self.ratio else None
 
+    @property
+    def unconstrained(self) -> bool:
+        """The refits disagree by more than a factor of 4 either side: the sizes do not pin the ratio down."""
+        return self.low is not None and (self.high > 4 * self.ratio or self.low < self.ratio / 4)
+
     def summary(self) -> dict:
         return {**dataclasses.asdict(self), "std": self.std, "matched": self.matched,
+                "unconstrained": self.unconstrained,
                 "interval_68": None if self.low is None else [self.low, self.high]}
 
     def describe(self, what: str, unit: str, variant: str = DIFF, reference: str = BASELINE) -> str:
         name, other = label(variant), label(reference)
         if self.ratio is None:
             return f"{name} at {human_number(self.at)} {unit} (loss {self.loss:.4f}): no {what} ratio: {self.reason}"
-        spread = (f", 68% bootstrap interval {100 * self.low:.1f}-{100 * self.high:.1f}%" if self.low is not None
+        spread = (f", 68% bootstrap interval {format_ratio(self.low)} to {format_ratio(self.high)}"
+                  + (" (unconstrained)" if self.unconstrained else "") if self.low is not None
                   else f" (no interval: {self.interval_reason})")
         text = (f"{name} at {human_number(self.at)} {unit} (loss {self.loss:.4f}) matches {other} at "
-                f"{human_number(self.matched)} {unit}: {what} ratio {100 * self.ratio:.1f}%{spread}")
+                f"{human_number(self.matched)} {unit}: {what} ratio {format_ratio(self.ratio)}{spread}")
         return text + (f" [extrapolated: {self.extrapolated}]" if self.extrapolated else "")
 
 
@@ -404,7 +414,8 @@ def matching_ratio(variant_fit: PowerLawFit, reference_fit: PowerLawFit, at: flo
             losses = v[:, 0] + v[:, 1] * (at / variant_fit.x_ref) ** (-v[:, 2])
         x_r = _inverse(losses, r[:, 0], r[:, 1], r[:, 2], reference_fit.x_ref)
         valid = np.isfinite(x_r) & (x_r > 0)
-        ratios = np.where(valid, at / np.where(valid, x_r, 1.0), 0.0)
+        with np.errstate(over="ignore"):
+            ratios = np.minimum(np.where(valid, at / np.where(valid, x_r, 1.0), 0.0), 1e12)
         low, high = (float(q) for q in np.percentile(ratios, INTERVAL_PERCENTILES))
         valid_fraction = float(valid.mean())
     return RatioEstimate(at, loss, at / matched, low, high, valid_fraction, None, interval_reason,
@@ -458,8 +469,10 @@ def convergence_summary(convergences: Sequence[Convergence]) -> str | None:
     short = min(budgets) < COMPUTE_OPTIMAL_TOKENS_PER_PARAMETER / 4
     if not falling and not short:
         return None
-    return (f"{len(falling)} of {len(convergences)} runs still falling at the end; "
-            f"{min(budgets):.2g}-{max(budgets):.2g} tokens per parameter "
+    spread = f"{min(budgets):.2g}" if f"{min(budgets):.2g}" == f"{max(budgets):.2g}" else \
+        f"{min(budgets):.2g}-{max(budgets):.2g}"
+    return (f"{len(falling)} of {len(convergences)} run{'s' if len(convergences) != 1 else ''} still falling at the "
+            f"end; {spread} tokens per parameter "
             f"(≈{COMPUTE_OPTIMAL_TOKENS_PER_PARAMETER} is compute-optimal): the fits describe these budgets, "
             "not converged models")
 

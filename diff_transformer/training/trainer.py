@@ -664,7 +664,7 @@ class Trainer:
             "global_batch_size": self.cfg.trainer.global_batch_size,
             "max_steps": self.cfg.trainer.max_steps,
             "data": self._data_description(),
-            "data_source": self._data_source(),
+            "data_source": self.cfg.data.describe(),
             "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "cp": self.cfg.parallel.cp,
                        "dp": self.dp_size},
             "engine": self.cfg.engine.name,
@@ -677,13 +677,6 @@ class Trainer:
         if self.cfg.model.attention == "diff_v2" and v2_baseline(self.cfg.model)[0] is not None:
             info["baseline_variant"] = variant_label(v2_baseline(self.cfg.model)[0])  # compare pairs V2 with it
         atomic_write_json(os.path.join(self.run_dir, "run.json"), info)
-
-    def _data_source(self) -> str:
-        """What the run trained on, as figure titles name it: the bundled corpus, or the blend's shard prefixes."""
-        if self.cfg.data.source == "bundled":
-            return "the bundled corpus (Shakespeare, King James Bible)"
-        names = ["/".join(str(p).rstrip("/").split("/")[-2:]) for p in self.cfg.data.blend]
-        return "shards " + ", ".join(names)
 
     def _data_description(self) -> Dict[str, Any]:
         """What was trained on, by content (tokenizer hash, shard names and sizes, weights, split), not by path, so
