@@ -114,16 +114,23 @@ def truncate_metrics(path: str, last_step: int) -> int:
     return dropped
 
 
+# What a W&B run's summary holds (its console footer and overview list the summary's keys sorted, first ten): the losses.
+WANDB_SUMMARY_KEYS = ("loss", "val_loss")
+
+
 class MetricsWriter:
-    """Appends one JSON object per step to ``metrics.jsonl`` on the logging rank, and mirrors it to W&B."""
+    """Appends one JSON object per step to ``metrics.jsonl`` on the logging rank, and mirrors it to W&B (whose summary
+    keeps the losses only: every other series is history)."""
 
     def __init__(self, run_dir: str, max_steps: int, enabled: bool, wandb_run=None, resume_step: Optional[int] = None):
+        self.run_dir = run_dir
         self.path = os.path.join(run_dir, METRICS_FILE)
         self.max_steps = max_steps
         self.enabled = enabled
         self.wandb_run = wandb_run
         self._start_time = time.time()
         self._start_step: Optional[int] = None
+        self._wandb_keys: set = set()
         if enabled and resume_step is not None:
             truncate_metrics(self.path, resume_step)
 
@@ -141,6 +148,10 @@ class MetricsWriter:
                     flat.update({f"{key}/layer_{i + 1:02d}": v for i, v in enumerate(value)})
                 else:
                     flat[key] = value
+            for key in flat.keys() - self._wandb_keys:
+                if key not in WANDB_SUMMARY_KEYS:
+                    self.wandb_run.define_metric(key, summary="none")
+                self._wandb_keys.add(key)
             self.wandb_run.log(flat, step=record["step"])
 
     def progress_line(self, record: Dict[str, Any]) -> str:
@@ -164,7 +175,36 @@ class MetricsWriter:
 
     def close(self) -> None:
         if self.wandb_run is not None:
+            offline = getattr(getattr(self.wandb_run, "settings", None), "mode", None) == "offline"
+            run_id = self.wandb_run.id
             self.wandb_run.finish()
+            if offline:
+                logger.info("%s", wandb_sync_line(self.run_dir, run_id))
+
+
+def wandb_segments(run_dir: str, run_id: str) -> list:
+    """The offline folders of one W&B run under a run directory: one per process start (a resume adds one)."""
+    import glob
+
+    return sorted(glob.glob(os.path.join(run_dir, "wandb", f"offline-run-*-{run_id}")))
+
+
+def wandb_sync_line(run_dir: str, run_id: str) -> str:
+    """The command that uploads every segment of the run, not only the last one wandb names."""
+    segments = wandb_segments(run_dir, run_id)
+    pattern = os.path.join(run_dir, "wandb", f"offline-run-*-{run_id}")
+    return (f"W&B run {run_id}: {len(segments)} offline segment{'s' if len(segments) != 1 else ''} (one per start); "
+            f"upload all with: wandb sync {pattern}")
+
+
+def wandb_run_name(cfg: Any) -> str:
+    """Model size, attention variant and seed (after the sweep's or experiment's name): what tells runs apart in
+    W&B's run list, where the run directory's timestamp would not."""
+    from diff_transformer.models.layer_specs import variant_label
+
+    parts = [] if cfg.name == "default" else [cfg.name]
+    parts += [cfg.model.name, variant_label(cfg.model).replace(" ", "_"), f"seed{cfg.seed}"]
+    return "-".join(parts)
 
 
 def init_wandb(cfg: Any, run_dir: str, resolved_config: Dict[str, Any], run_id: Optional[str] = None):
@@ -184,7 +224,7 @@ def init_wandb(cfg: Any, run_dir: str, resolved_config: Dict[str, Any], run_id: 
         project=wcfg.project,
         entity=wcfg.entity,
         group=cfg.name,
-        name=os.path.basename(os.path.normpath(run_dir)),
+        name=wandb_run_name(cfg),
         tags=tags,
         config=resolved_config,
         dir=run_dir,

@@ -695,7 +695,13 @@ class Trainer:
 
     def fit(self) -> List[Dict[str, Any]]:
         """Train to ``trainer.max_steps``; returns early (after a checkpoint) when a preemption signal arrives, and
-        raises TrainingDiverged (after a checkpoint) after too many bad steps in a row."""
+        raises TrainingDiverged (after a checkpoint) after too many bad steps in a row. A run resumed at max_steps
+        trains nothing and opens no W&B segment."""
+        if self.step >= self.cfg.trainer.max_steps:
+            if self.rank == 0:
+                logger.info("already at max_steps=%d (resumed from %s): nothing to train; raise trainer.max_steps to "
+                            "train on", self.cfg.trainer.max_steps, self.resumed_from)
+            return []
         self.write_run_info()
         writer = self._open_metrics()
         signals = PreemptionSignals(self.cfg.failures.signals, grace_period_seconds(self.cfg.failures)).install()
