@@ -118,9 +118,9 @@ def probe_batch(model, run, args, documents) -> tuple:
                                  seed=args.seed)
         config.validate(max_length=run.seq_length,
                         min_length=niah.NeedleFactory(tokenizer, config.value_digits).minimum_length(
-                            args.needles, args.asked))
+                            args.needles, args.asked), length_flag="--length")
         probes = []
-        for sample in niah.generate(config, tokenizer, haystack):
+        for sample in niah.generate(config, tokenizer, haystack, length_flag="--length"):
             relevant = torch.zeros(length, dtype=torch.bool)
             for needle in sample.needles:
                 if needle.asked:
