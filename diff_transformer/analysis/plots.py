@@ -278,7 +278,7 @@ def variant_spread_figure(stats: List[VariantStats], title: str | None = None, d
     if compared:
         ax.legend(fontsize=8)
     heading = title or f"final validation loss of {len(stats)} variant{'s' if len(stats) != 1 else ''} over seeds"
-    ax.set_title(with_data(heading, data) if data else heading, fontsize=10)
+    ax.set_title("\n".join(textwrap.wrap(with_data(heading, data) if data else heading, 75)), fontsize=10)
     fig.tight_layout()
     return fig
 
