@@ -6,6 +6,7 @@ from data.inspect import EPOCHS_WARNING, ShardSummary, epochs_lines
 from diff_transformer.training import metrics
 from diff_transformer.training.accounting import embedding_share_warning
 
+
 def test_progress_line_rate_and_eta_are_over_a_window(tmp_path, monkeypatch):
     """A shared machine: step times swing 30x and every 10th step evaluates for 3 s. The line's tok/s is the
     window's tokens over its training time, its ETA the window's wall-clock per step (evaluations included)."""
@@ -30,6 +31,7 @@ def test_progress_line_rate_and_eta_are_over_a_window(tmp_path, monkeypatch):
     # steady: the ETA at step 60 and step 100 agree with the time the remaining steps take at that pace
     assert lines[60].split("ETA ")[1] == metrics.format_duration(per_step * 140)
 
+
 def test_epochs_per_blend_entry_and_a_warning_past_a_few():
     small = ShardSummary("/data/wiki/train", 100, 1_000_000, [969_000, 30_000, 1_000], 0.5, {})
     large = ShardSummary("/data/web/train", 100, 100_000_000, [96_900_000, 3_000_000, 100_000], 0.5, {})
@@ -38,6 +40,7 @@ def test_epochs_per_blend_entry_and_a_warning_past_a_few():
     assert lines[1].startswith("web/train: 0.09 epochs")
     assert len(warnings) == 1 and warnings[0].startswith(f"/data/wiki/train is seen 9.3 times over training (above "
                                                          f"{EPOCHS_WARNING:g} epochs")
+
 
 def test_embeddings_that_dominate_the_model_are_named():
     # A 32,000-entry tokenizer on a tiny model: the embeddings hold 84% of it.
