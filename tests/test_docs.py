@@ -48,3 +48,57 @@ def test_every_recipe_flag_is_a_flag_of_its_command(index, monkeypatch):
         pytest.skip("train.py takes Hydra overrides (the test above)")
     flags = {a.split("=")[0] for a in command[2:] if a.startswith("--")}
     assert flags <= parser_flags(command[1], monkeypatch), command
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The README is a map of docs/: every link resolves, every page is on the map
+# ------------------------------------------------------------------------------------------------------------------
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def github_anchor(heading: str) -> str:
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def markdown_files():
+    return [REPO / "README.md"] + sorted((REPO / "docs").glob("*.md"))
+
+
+def links(path):
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    return LINK.findall(text)
+
+
+@pytest.mark.parametrize("path", markdown_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_link_resolves(path):
+    broken = []
+    for target in links(path):
+        if re.match(r"[a-z]+:", target):  # https: and the like
+            continue
+        file, _, anchor = target.partition("#")
+        resolved = (path.parent / file).resolve() if file else path
+        if not resolved.exists():
+            broken.append(target)
+        elif anchor and resolved.suffix == ".md":
+            headings = [line.lstrip("#") for line in resolved.read_text().splitlines() if line.startswith("#")]
+            if anchor not in {github_anchor(h) for h in headings}:
+                broken.append(target)
+    assert not broken, f"{path.name}: {broken}"
+
+
+def test_every_docs_page_is_on_the_readme_map():
+    mapped = {(REPO / target).resolve() for target in links(REPO / "README.md")}
+    pages = {p.resolve() for p in (REPO / "docs").glob("*.md")}
+    assert pages <= mapped, sorted(p.name for p in pages - mapped)
+
+
+def test_the_readme_reads_in_five_minutes():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, len(lines)
+    # the two commands, first and exactly as CI runs them (.ci/run: the README's setup, then its test command)
+    blocks = re.findall(r"```bash\n(.*?)```", "\n".join(lines), re.S)
+    assert blocks[0].strip() == ('python3 -m venv .venv && .venv/bin/pip install -c constraints.txt -e ".[dev]" && '
+                                 ".venv/bin/python -m diff_transformer.quickstart")
+    assert blocks[1].strip() == ".venv/bin/python -m pytest"
