@@ -106,7 +106,8 @@ def _draw_fit(ax, fit: PowerLawFit, low: float, high: float, color, style: str, 
 def _fit_label(name: str, fit: PowerLawFit, exponent: str) -> str:
     fixed = "" if fit.fixed_E is None else f" (E fixed at {fit.fixed_E:g})"
     asymptote = f"E={fit.E:.3f}, " if fit.fixed_E is None else ""
-    return f"{name} fit{fixed}: {asymptote}{exponent}={fit.alpha:.2f}"
+    flag = " (α at bound: unconstrained)" if fit.alpha_at_bound else ""
+    return f"{name} fit{fixed}: {asymptote}{exponent}={fit.alpha:.2f}{flag}"
 
 
 def _law_title(fits: List[PowerLawFit], unit: str, coefficient: str, exponent: str) -> str:

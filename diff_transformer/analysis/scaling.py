@@ -111,7 +111,9 @@ class PowerLawFit:
     def warnings(self) -> list[str]:
         found = []
         if self.alpha_at_bound:
-            found.append(f"{'α'} at its bound ({ALPHA_BOUNDS[1]:g}): the points do not constrain the law")
+            found.append(f"α at its bound ({ALPHA_BOUNDS[1]:g}): the points do not constrain the law")
+        if self.fixed_E is None and self.E < 1e-6:
+            found.append("E fitted to 0: the points show no floor (a pure power law fits them as well)")
         return found
 
     def __call__(self, x: np.ndarray | float) -> np.ndarray:
@@ -446,8 +448,21 @@ class Convergence:
         return dataclasses.asdict(self) | {"note": self.describe()}
 
 
+STILL_FALLING_NATS = 1e-3  # a validation loss that fell by more than this over the last quarter is still falling
+
+
 def convergence_of(run: RunRecord, parameter_count: str = "total") -> Convergence:
+    """From the validation losses of the last quarter of training where it has two evaluations or more (the same
+    held-out samples every time, so their change is not batch noise), else the train loss's last 10% of steps
+    against the 10% before (beyond twice their standard error)."""
     tokens_per_parameter = run.token_budget / max(1, run.parameters(parameter_count))
+    late = run.val_steps >= run.last_step - 0.25 * run.last_step
+    if np.count_nonzero(late) >= 2:
+        values = run.val_loss[late]
+        fall = float(values[0] - values[-1])
+        steps = int(run.val_steps[late][-1] - run.val_steps[late][0])
+        return Convergence(run.name, tokens_per_parameter, fall > STILL_FALLING_NATS, fall,
+                           f"in validation loss over the last {steps} steps")
     loss = run.train_loss
     window = len(loss) // 10
     if window >= 2:
