@@ -6,7 +6,8 @@
     torchrun --nproc_per_node=8 train.py model=3b engine=deepspeed engine.zero_stage=3 engine.offload_optimizer=cpu
 
 Exit status (diff_transformer.cli): 0 trained to the end; 75 stopped by a signal after saving (rerun to resume; 0
-when the job requeued itself under SLURM); 2 input refused before any expensive work; 1 failure.
+when the job requeued itself under SLURM); 2 input refused before any expensive work; 1 failure; 130 interrupted
+before training started, or by a second Ctrl-C during a save.
 """
 
 import os
@@ -18,13 +19,21 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from diff_transformer.cli import EXIT_FAILURE, EXIT_REFUSED, EXIT_STOPPED_RESUMABLE, USER_ERRORS, print_error
-from diff_transformer.config import (
-    config_error_message, register_configs, resolve_launch_paths, to_object, validate, validate_settings,
+from diff_transformer.cli import (
+    EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_REFUSED, EXIT_STOPPED_RESUMABLE, USER_ERRORS, error_text, print_error,
+    quiet_library_notices,
 )
-from diff_transformer.training.run_directory import check_start
+from diff_transformer.config import (
+    config_error_message, launch_record, register_configs, resolve_launch_paths, to_object, validate, validate_settings,
+)
+from diff_transformer.training.metrics import wandb_credentials_problem
+from diff_transformer.training.run_directory import (
+    check_disks, check_start, lock_run_directory, release_run_directory,
+)
 
 register_configs()
+quiet_library_notices()
+_started = []  # main was entered: Hydra made the run directory
 
 
 def first_process() -> bool:
@@ -40,11 +49,25 @@ def refuse(err: BaseException) -> None:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(dict_cfg: DictConfig) -> None:
+    _started.append(True)
+    try:
+        run(dict_cfg)
+    finally:
+        release_run_directory()
+
+
+def run(dict_cfg: DictConfig) -> None:
     try:
         cfg = to_object(dict_cfg)  # unknown keys, also those added with +, fail here
         resolve_launch_paths(cfg, os.getcwd())  # relative data/checkpoint paths: from where the user launched
         run_dir = HydraConfig.get().runtime.output_dir
         validate_settings(cfg)  # what needs neither torch nor the world size
+        credentials = wandb_credentials_problem(cfg)
+        if credentials:
+            raise ValueError(credentials)
+        if first_process():
+            check_disks(cfg, run_dir)
+            lock_run_directory(run_dir)  # held until the run ends: a second start here is refused
         check_start(cfg, run_dir)  # a fresh start where a run is: refused before torch is even imported
     except ValueError as err:
         refuse(err)
@@ -57,16 +80,18 @@ def main(dict_cfg: DictConfig) -> None:
         from diff_transformer.training.engines import create_trainer
 
         trainer = create_trainer(cfg, run_dir)
+        trainer.launch_record = launch_record(dict_cfg)
         trainer.setup()
     except USER_ERRORS as err:  # bad configuration, data or checkpoint: one clear line
         destroy_distributed()
         refuse(err)
     from diff_transformer.training.checkpoint import CheckpointSaveFailed
     from diff_transformer.training.failures import TrainingDiverged
+    from diff_transformer.training.metrics import RunLogFailed
 
     try:
         trainer.fit()
-    except (TrainingDiverged, CheckpointSaveFailed) as err:  # said in full by rank 0 (a checkpoint is on disk)
+    except (TrainingDiverged, CheckpointSaveFailed, RunLogFailed) as err:  # said in full by rank 0
         if trainer.rank == 0:
             print_error(err)
         sys.exit(EXIT_FAILURE)
@@ -82,3 +107,12 @@ if __name__ == "__main__":
         main()
     except (HydraException, OmegaConfBaseException) as error:
         refuse(ValueError(config_error_message(error)))
+    except OSError as error:
+        if _started:
+            raise
+        # Hydra could not make the run directory (read-only, under a file, a full disk)
+        refuse(ValueError(f"cannot create the run directory (hydra.run.dir): {error_text(error)}"))
+    except KeyboardInterrupt:
+        if first_process():
+            print_error("interrupted (SIGINT) before training started: nothing was saved; rerun the same command")
+        sys.exit(EXIT_INTERRUPTED)

@@ -11,7 +11,8 @@
 #   first   core attention at d=128 (N=4096) and d=96 (the 830m shape), the fused kernel's row first; 830m throughput
 #           (DIFF and the baseline with auto's choice, sequence 2048) with one step's profile; the GPU tests of the
 #           kernels, the epilogue, the attention backends and the CUDA ring
-#   second  3b throughput at sequence 4096; the fused kernel's config sweep (benchmarks/kernel_tuning.py); evaluate
+#   second  3b throughput at sequence 4096; the fused kernel's config sweep (benchmarks/kernel_tuning.py); document
+#           masking's gpu tests and core attention at 4K and 32K (benchmarks/document_mask.py); evaluate
 #           and analyze on a run trained with the attention diagnostics
 #   long    long context: the fused kernel and the baselines at N = 8K-64K; evaluate (NIAH, perplexity) at 32K
 # A step already measured on this card by this code (the ledger, $GPU_RUN_LEDGER or .gpu_run/ledger.tsv: card, code
@@ -172,6 +173,14 @@ plan_second() {
     step kernel_sweep 300 '(^done in|^error)' bash -c "'$py' benchmarks/kernel_tuning.py --budget-s 240 \
       --out '$cache/kernel_tuning'; rc=\$?; cp '$cache'/kernel_tuning/*.md '$out/' 2> /dev/null; exit \$rc"
   fi
+  # document masking: the gpu tests (the kernel with document ids in bf16, sdpa's variable-length flash), then the
+  # core attention masked against unmasked, sdpa and the fused kernel
+  gpu_tests document_mask_tests 150 tests/test_document_mask.py
+  local toy=()
+  [ $dry_run -eq 1 ] && toy=(--seq-lens 64 --heads 1 --head-dim 16 --mean-document 20 --repeats 1 --backends sdpa triton)
+  # its report is printed into the log ($OUT keeps to few files)
+  step document_mask 180 '(masked:|^error|Traceback)' "$py" benchmarks/document_mask.py --skip-training \
+    --seq-lens 4096 32768 --out "$cache/document_mask" "${toy[@]}"
   # evaluate and analyze on a run trained with the attention diagnostics (bf16 on the GPU)
   local train="experiment=smoke trainer.max_steps=4 optim.warmup_steps=1 checkpoint.interval=4"
   [ $dry_run -eq 1 ] || train="experiment=quickstart trainer.max_steps=40 trainer.eval_interval=20 checkpoint.interval=20"

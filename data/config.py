@@ -34,6 +34,11 @@ class DataConfig:
     split: train,valid,test proportions of each shard's documents, e.g. "969,30,1".
     index_cache_dir: where megatron-core caches its document/sample/shuffle indices (None: rebuilt in memory by every
         process each run, cheap for small corpora).
+    document_mask: attention stays within each document of a packed sample (a token attends to no token of the
+        documents before it). Off by default: the DIFF paper's runs and megatron's GPTDataset attend across documents,
+        so a run stays comparable with them and with earlier runs; the long-context preset turns it on.
+    reset_position_ids: RoPE positions restart at 0 with every document (off: positions count from the sample's
+        start). With document_mask on it changes only rounding (RoPE depends on the distance within a document).
     """
 
     source: str = "bundled"
@@ -47,6 +52,8 @@ class DataConfig:
     preprocess_workers: int = 1
     num_workers: Optional[int] = None  # DataLoader worker processes; None: 2 on a GPU, 0 on a CPU
     eod_mask_loss: bool = False
+    document_mask: bool = False
+    reset_position_ids: bool = False
 
     def validate(self) -> None:
         validate(self)

@@ -8,6 +8,13 @@
     loader = build_dataloader(train_ds, consumed_samples=..., micro_batch_size=..., data_parallel_rank=...,
                               data_parallel_size=...)
 
+Packed samples and their documents: a sample concatenates documents, each ended by the end-of-document token (EOD);
+with `document_mask` every sample also carries `document_ids` (int32, [seq_length]): token i belongs to document
+number (EODs among tokens 0..i-1), so an EOD closes its document and a document cut by the sample's start is the
+sample's document 0 (as megatron's reset_attention_mask draws it). Per-token ids, never an N×N mask; the model's
+attention kernels turn them into whatever they need. With `reset_position_ids` the `position_ids` restart at 0 with
+each document.
+
 torch and megatron-core are imported by the functions that need them, so that `prepare` stays cheap in data-only
 processes (CLIs, preprocessing workers).
 """
@@ -26,7 +33,8 @@ from data.locking import file_lock
 from data.tokenizer import CONFIG_FILE, MODEL_FILE, Tokenizer, file_sha256, load_tokenizer
 
 __all__ = ["PreparedData", "prepare", "load_tokenizer", "build_datasets", "build_dataloader", "verify_shards",
-           "check_vocab", "check_shard_tokenizer", "MegatronPretrainingSampler", "ShardError"]
+           "check_vocab", "check_shard_tokenizer", "MegatronPretrainingSampler", "ShardError", "document_ids",
+           "document_positions", "PackedDocumentsDataset"]
 
 
 @dataclass
@@ -122,10 +130,14 @@ def build_datasets(
     eod_mask_loss: bool = False,
     create_attention_mask: bool = False,
     is_built_on_rank: Optional[Callable[[], bool]] = None,
+    document_mask: bool = False,
+    reset_position_ids: bool = False,
 ):
     """Train, valid and test GPTDatasets (a BlendedDataset when the blend has several prefixes) with megatron-core's
     BlendedMegatronDatasetBuilder; each sample is a dict of `tokens`, `labels`, `loss_mask`, `position_ids` (and
     `attention_mask` if asked for), shuffled deterministically by `seed`. A split with 0 samples asked is None.
+    With `document_mask` or `reset_position_ids` each split is a :class:`PackedDocumentsDataset` over it (the same
+    samples in the same order, with `document_ids` and/or positions restarting per document).
 
     Works with or without a torch.distributed process group. With `index_cache_dir`, megatron builds the index cache
     on rank 0 first; a file lock makes concurrent independent runs sharing the cache safe too.
@@ -173,7 +185,59 @@ def build_datasets(
         lock = file_lock(os.path.join(resolve_path(index_cache_dir), ".build.lock"))
     with lock:
         datasets = builder.build()
+    if document_mask or reset_position_ids:
+        datasets = [PackedDocumentsDataset(d, tokenizer.eod, document_mask, reset_position_ids) if d is not None
+                    else None for d in datasets]
     return tuple(dataset if size > 0 else None for dataset, size in zip(datasets, sizes))
+
+
+def document_ids(tokens, eod: int):
+    """Each token's document within its packed sample (int32, the shape of ``tokens``, along the last dimension):
+    the number of EOD tokens before it, so an EOD belongs to the document it ends."""
+    import torch
+
+    ends = (tokens == eod).to(torch.int32)
+    return (torch.cumsum(ends, dim=-1, dtype=torch.int32) - ends).to(torch.int32)
+
+
+def document_positions(ids):
+    """Each token's position within its document (int64, along the last dimension) from :func:`document_ids`."""
+    import torch
+
+    index = torch.arange(ids.shape[-1], device=ids.device).expand(ids.shape)
+    first = torch.ones_like(ids, dtype=torch.bool)
+    first[..., 1:] = ids[..., 1:] != ids[..., :-1]
+    starts = torch.where(first, index, torch.zeros_like(index)).cummax(dim=-1).values
+    return index - starts
+
+
+class PackedDocumentsDataset:
+    """A dataset of packed samples with their documents: megatron's sample dict plus `document_ids` (with
+    ``document_mask``) and positions restarting per document (with ``reset_position_ids``). Everything else, order
+    and length included, is the wrapped dataset's."""
+
+    def __init__(self, dataset, eod: int, document_mask: bool, reset_position_ids: bool) -> None:
+        self.dataset = dataset
+        self.eod = eod
+        self.document_mask = document_mask
+        self.reset_position_ids = reset_position_ids
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name):
+        if name == "dataset" or name.startswith("__"):  # unpickling (DataLoader workers) asks before __init__ ran
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __getitem__(self, index):
+        sample = dict(self.dataset[index])
+        ids = document_ids(sample["tokens"], self.eod)
+        if self.document_mask:
+            sample["document_ids"] = ids
+        if self.reset_position_ids:
+            sample["position_ids"] = document_positions(ids)
+        return sample
 
 
 SPLIT_NAMES = ("train", "valid", "test")

@@ -1,6 +1,7 @@
 """Inspect a blend before training: tokens per shard and split, epochs the planned steps imply, the share of tokens in
 documents at least a sequence long (what long-context training learns long-range dependencies from: shorter
-documents are packed with their neighbours), decoded samples.
+documents are packed with their neighbours), the document-length distribution and the share of the causal attention
+work that document masking (data.document_mask) removes at the sequence length, decoded samples.
 
     python -m data.inspect --blend PREFIX [PREFIX ...] [--weights W ...] --tokenizer DIR \\
         --seq-length 2048 --global-batch-size 128 --train-steps 40000 [--split 969,30,1] [--samples 3]
@@ -33,6 +34,35 @@ class ShardSummary:
     weight: float  # normalised share of the blend
     skipped: dict
     long_share: Optional[float] = None  # share of the tokens in documents of at least the sequence length
+    lengths: Optional[dict] = None  # document lengths in tokens (with the EOD): mean and percentiles
+    masked_share: Optional[float] = None  # share of the causal attention work document masking removes
+
+
+# Documents read for the masked share: enough for a stable figure, bounded memory on any shard
+MASKED_SHARE_DOCUMENTS = 10_000_000
+
+
+def length_distribution(lengths: np.ndarray) -> Optional[dict]:
+    """Mean and 10th, 50th, 90th and 99th percentiles of document lengths (None without documents)."""
+    if not len(lengths):
+        return None
+    percentiles = np.percentile(lengths, [10, 50, 90, 99])
+    return {"mean": float(lengths.mean()), **{f"p{q}": float(v) for q, v in zip((10, 50, 90, 99), percentiles)}}
+
+
+def masked_attention_share(lengths: np.ndarray, seq_length: int) -> Optional[float]:
+    """The share of the causal attention work (s²/2 a sample) that document masking removes when documents of these
+    lengths are packed in this order into samples of ``seq_length`` tokens: 1 − Σ L²/(samples·s²) over the pieces L
+    the samples' edges and the documents' ends cut (None: not one whole sample)."""
+    lengths = lengths[:MASKED_SHARE_DOCUMENTS].astype(np.int64)
+    samples = int(lengths.sum()) // seq_length
+    if samples == 0:
+        return None
+    covered = samples * seq_length
+    ends = np.cumsum(lengths)
+    cuts = np.union1d(ends[ends < covered], np.arange(0, covered + 1, seq_length, dtype=np.int64))
+    pieces = np.diff(cuts).astype(np.float64)
+    return float(1.0 - (pieces ** 2).sum() / (samples * float(seq_length) ** 2))
 
 
 def summarise_blend(prefixes: Sequence[str], weights: Optional[Sequence[float]], split: str,
@@ -51,11 +81,13 @@ def summarise_blend(prefixes: Sequence[str], weights: Optional[Sequence[float]],
         edges = [int(round(b * documents)) for b in bookends]
         split_tokens = [int(per_document[edges[i]:edges[i + 1]].sum()) for i in range(3)]
         manifest = preprocess.read_manifest(prefix) or {}
-        long_share = None
+        long_share = masked_share = None
         if seq_length is not None and index.num_tokens:
             long_share = float(per_document[per_document >= seq_length].sum() / per_document.sum())
+            masked_share = masked_attention_share(per_document, seq_length)
         summaries.append(ShardSummary(prefix, documents, index.num_tokens, split_tokens, 0.0,
-                                      manifest.get("totals", {}).get("skipped", {}), long_share))
+                                      manifest.get("totals", {}).get("skipped", {}), long_share,
+                                      length_distribution(per_document), masked_share))
     if weights is None:  # megatron weights by size when none are given
         raw = np.array([s.tokens for s in summaries], dtype=np.float64)
     else:
@@ -99,8 +131,19 @@ def report(summaries: Sequence[ShardSummary], *, seq_length: int, global_batch_s
         lines.append(f"{name:<60} {summary.weight:>7.3f} {summary.documents:>10,} {summary.tokens:>14,} "
                      f"{summary.split_tokens[0]:>14,} {summary.split_tokens[1]:>12,} {summary.split_tokens[2]:>10,} "
                      f"{epochs:>7.2f} " + ("     -" if summary.long_share is None else f"{summary.long_share:>6.1%}"))
+        if summary.lengths is not None:
+            q = summary.lengths
+            masked = "-" if summary.masked_share is None else f"{summary.masked_share:.1%}"
+            lines.append(f"    document tokens: mean {q['mean']:,.0f}, p10 {q['p10']:,.0f}, p50 {q['p50']:,.0f}, "
+                         f"p90 {q['p90']:,.0f}, p99 {q['p99']:,.0f}; document masking removes {masked} of the "
+                         f"attention work at {seq_length} tokens")
         if summary.skipped:
             lines.append(f"    skipped at preprocessing: {summary.skipped}")
+    masked = [(s.weight, s.masked_share) for s in summaries if s.masked_share is not None]
+    if masked:
+        weight = sum(w for w, _ in masked)
+        lines.append(f"document masking (data.document_mask) removes {sum(w * m for w, m in masked) / weight:.1%} of "
+                     f"the causal attention work of the blend at {seq_length} tokens (by the weights)")
     total = sum(s.tokens for s in summaries)
     lines.append(f"total {total:,} tokens; planned {train_steps:,} steps x {global_batch_size} sequences x "
                  f"{seq_length} tokens = {train_tokens:,} train tokens; >=seq: the share of a shard's tokens in "
@@ -126,9 +169,9 @@ def _from_run_config(path: str, args: argparse.Namespace) -> None:
 
     cfg = OmegaConf.load(path)
     args.data_cfg = cfg.data
-    args.seq_length = args.seq_length or cfg.model.seq_length
-    args.global_batch_size = args.global_batch_size or cfg.trainer.global_batch_size
-    args.train_steps = args.train_steps or cfg.trainer.max_steps
+    args.seq_length = args.seq_length if args.seq_length is not None else cfg.model.seq_length
+    args.global_batch_size = args.global_batch_size if args.global_batch_size is not None else cfg.trainer.global_batch_size
+    args.train_steps = args.train_steps if args.train_steps is not None else cfg.trainer.max_steps
     args.seed = cfg.get("seed", args.seed)
 
 
@@ -150,6 +193,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--chars", type=int, default=400, help="print at most this many characters a sample")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = parser.parse_args(argv)
+    for option, value, least in (("--seq-length", args.seq_length, 1), ("--global-batch-size", args.global_batch_size, 1),
+                                 ("--train-steps", args.train_steps, 0), ("--samples", args.samples, 0),
+                                 ("--chars", args.chars, 1)):
+        if value is not None and value < least:  # 0 would silently mean the default
+            parser.error(f"{option} {value} must be at least {least}")
+    if args.weights is not None and not all(w >= 0 for w in args.weights):
+        parser.error(f"--weights {' '.join(map(str, args.weights))}: weights must be >= 0")
 
     from data.config import DataConfig
     from data.datasets import PreparedData, load_tokenizer, prepare
@@ -169,9 +219,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             parser.error(f"--weights has {len(args.weights)} values for {len(args.blend)} prefixes in --blend")
         prepared = PreparedData(os.path.abspath(args.tokenizer), [os.path.abspath(p) for p in args.blend], args.weights)
         split = args.split or "969,30,1"
-    seq_length = args.seq_length or 2048
-    global_batch_size = args.global_batch_size or 1
-    train_steps = args.train_steps or 0
+    seq_length = args.seq_length if args.seq_length is not None else 2048
+    global_batch_size = args.global_batch_size if args.global_batch_size is not None else 1
+    train_steps = args.train_steps if args.train_steps is not None else 0
     tokenizer = load_tokenizer(prepared.tokenizer_dir)
     summaries = summarise_blend(prepared.prefixes, prepared.weights, split, tokenizer.vocab_size, seq_length)
     samples = []

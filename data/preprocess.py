@@ -51,7 +51,7 @@ from data.config import blend_shards, partition_prefix
 from data.locking import file_lock
 from data.tokenizer import Tokenizer, file_sha256, load_tokenizer
 from diff_transformer.cli import ArgumentParser, run
-from diff_transformer.fileio import atomic_write_json
+from diff_transformer.fileio import atomic_write_json, move_aside, old_suffix
 
 MANIFEST_VERSION = 1
 MIB = 1 << 20
@@ -695,6 +695,32 @@ def _is_up_to_date(prefix: str, files: Sequence[str], options: Options, partitio
     return manifest
 
 
+def check_output_prefix(prefix: str, files: Sequence[str], force: bool = False) -> None:
+    """Refuse (ValueError naming the path) an output prefix whose files would replace what preprocessing did not
+    write: a prefix that is a directory or lies under a file, an output file that is one of the inputs, and a
+    `.bin`/`.idx` pair that no manifest or parts directory of an earlier run vouches for (with ``force`` those are
+    moved aside to `<file>.old-<time>` instead). Cheap: before the tokenizer loads."""
+    real = os.path.realpath(prefix)
+    if os.path.isdir(real):
+        raise ValueError(f"--out {prefix} is a directory; give a prefix inside it, e.g. {os.path.join(prefix, 'corpus')}")
+    probe = os.path.dirname(real)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ValueError(f"--out {prefix}: {probe} is a file, not a directory; give a prefix in a directory")
+    outputs = [indexed.bin_path(real), indexed.idx_path(real), manifest_path(real)]
+    for path in files:
+        if os.path.realpath(path) in outputs or os.path.realpath(path).startswith(real + ".parts" + os.sep):
+            raise ValueError(f"--out {prefix} would write over the input {path}; give another prefix")
+    ours = os.path.exists(manifest_path(real)) or os.path.isdir(real + ".parts")
+    foreign = [p for p in outputs[:2] if os.path.exists(p)] if not ours else []
+    if foreign and not force:
+        raise ValueError(f"--out {prefix}: {' and '.join(foreign)} exist and no manifest of an earlier preprocessing "
+                         "vouches for them; give another prefix, or add --force to move them aside")
+    for path in foreign:
+        print(f"moved {path} aside to {move_aside(path, old_suffix())}", file=sys.stderr)
+
+
 def _check_inputs(files: Sequence[str], text_field: str, txt_mode: str) -> None:
     """Refuse bad arguments before the tokenizer loads or a worker starts."""
     if not files:
@@ -925,6 +951,8 @@ def build_parser(parser_class: type = argparse.ArgumentParser) -> argparse.Argum
     parser.add_argument("--segment-mtok", type=float, default=64,
                         help="checkpoint a unit every this many million tokens (resume granularity)")
     parser.add_argument("--keep-parts", action="store_true", help="keep PREFIX.parts/ after merging")
+    parser.add_argument("--force", action="store_true",
+                        help="PREFIX.bin/.idx that no earlier preprocessing wrote are moved aside instead of refused")
     parser.add_argument("--partition", metavar="I/N",
                         help="tokenize only the I-th of N partitions of the work units into PREFIX-I-of-N "
                              "(blend entry PREFIX-*-of-N names all N)")
@@ -948,6 +976,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             partition_units(plan_units([os.path.abspath(f) for f in files], settings.unit_bytes), partition.count)
         except ValueError as err:
             parser.error(f"--partition {args.partition}: {err}")
+    check_output_prefix(partition.prefix(args.out) if partition else args.out, files, args.force)
     preprocess(files, args.tokenizer, args.out, text_field=text_field, txt_mode=args.txt_mode, partition=partition,
                **asdict(settings))
 

@@ -180,6 +180,9 @@ class _ZstdReader(io.RawIOBase):
         super().close()
 
 
+BYTE_ORDER_MARK = "\ufeff"  # UTF-8's optional signature at the start of a file (Windows editors write it): not text
+
+
 def iter_records(path: str | os.PathLike, text_field: str = "text", txt_mode: str = "file") -> Iterator[Record]:
     """Every record of one file in order: its text, or Skipped(reason) for a record that yields no document."""
     kind = file_format(path)
@@ -208,7 +211,7 @@ def iter_jsonl_lines(lines: Iterable[bytes], text_field: str) -> Iterator[Record
         if not raw_line.strip():
             continue  # blank lines separate nothing in JSON Lines; they are not records
         try:
-            line = raw_line.decode("utf-8")
+            line = raw_line.decode("utf-8").removeprefix(BYTE_ORDER_MARK)  # an editor's mark before the first record
         except UnicodeDecodeError:
             yield Skipped("non_utf8")
             continue
@@ -266,7 +269,7 @@ def _iter_txt(path, txt_mode: str) -> Iterator[Record]:
         if txt_mode == "file":
             data = stream.read()
             try:
-                yield _checked(data.decode("utf-8"))
+                yield _checked(data.decode("utf-8").removeprefix(BYTE_ORDER_MARK))
             except UnicodeDecodeError:
                 yield Skipped("non_utf8")
             return
@@ -283,7 +286,7 @@ def _iter_txt(path, txt_mode: str) -> Iterator[Record]:
 
 def _decode_block(lines: list[bytes]) -> Record:
     try:
-        return _checked(b"".join(lines).decode("utf-8").rstrip("\r\n"))
+        return _checked(b"".join(lines).decode("utf-8").removeprefix(BYTE_ORDER_MARK).rstrip("\r\n"))
     except UnicodeDecodeError:
         return Skipped("non_utf8")
 

@@ -22,15 +22,15 @@ import os
 import random
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
 from data import readers
 from diff_transformer.cli import ArgumentParser, run
-from diff_transformer.fileio import replace_directory
+from diff_transformer.fileio import check_output, replace_directory, staging_directory
 
+WRITER = "data.tokenizer"  # the mark of the tokenizer directories it writes: a rerun may replace them
 MODEL_FILE = "tokenizer.model"
 CONFIG_FILE = "tokenizer_config.json"
 # unk, bos, eos (the end-of-document token), pad: fixed ids so that shards from different runs agree on them.
@@ -386,13 +386,15 @@ def import_sentencepiece(model_path: str | os.PathLike, out_dir: str | os.PathLi
 
 
 def _write_tokenizer_dir(out_dir: str | os.PathLike, model: bytes, config: dict) -> None:
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    """``out_dir`` replaced atomically by the tokenizer (an earlier tokenizer written here replaced; anything else
+    there moved aside, never deleted)."""
+    staging = Path(staging_directory(str(out_dir)))
     try:
         (staging / MODEL_FILE).write_bytes(model)
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        replace_directory(staging, out_dir)
+        moved = replace_directory(staging, out_dir, WRITER)
+        if moved:
+            print(f"what {out_dir} held before is kept in {moved}", file=sys.stderr)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -405,7 +407,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     train = commands.add_parser("train", help="train a sentencepiece tokenizer on corpus files")
     train.add_argument("--input", nargs="+", required=True, help="files, globs or directories")
     train.add_argument("--vocab-size", type=int, required=True)
-    train.add_argument("--out", required=True, help="tokenizer directory to write")
+    train.add_argument("--out", required=True, help="tokenizer directory to write: new, empty, or an earlier tokenizer")
     train.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
     train.add_argument("--byte-fallback", action=argparse.BooleanOptionalAction, default=True,
                        help="encode characters outside the vocabulary as byte tokens (default: on)")
@@ -422,15 +424,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     imported = commands.add_parser("import", help="make a tokenizer directory from an existing sentencepiece model")
     imported.add_argument("--model", required=True)
     imported.add_argument("--out", required=True)
+    for command in (train, imported):
+        command.add_argument("--force", action="store_true",
+                             help="write to an --out that holds other files: they are moved aside to OUT.old-<time>")
     args = parser.parse_args(argv)
 
     if args.command == "import":
+        check_output(args.out, [args.model], WRITER, args.force)
         tokenizer = import_sentencepiece(args.model, args.out)
         print(f"imported {args.model} -> {args.out} (vocab {tokenizer.vocab_size}, eod {tokenizer.eod})")
         return
     preset = readers.PRESETS[args.preset] if args.preset else None
     text_field = args.text_field or (preset.text_field if preset else "text")
     files = readers.expand_inputs(args.input, preset.globs if preset else ())
+    check_output(args.out, [path for path in args.input if os.path.isdir(path)] + files, WRITER, args.force)
     tokenizer = train_tokenizer(
         files, args.out, args.vocab_size, model_type=args.model_type, byte_fallback=args.byte_fallback,
         special_tokens=args.special_tokens, max_sentences=args.max_sentences,

@@ -23,8 +23,10 @@ import logging
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from diff_transformer.cli import EXIT_REFUSED, USER_ERRORS, ArgumentParser, print_error
-from diff_transformer.evaluate import check_runs_exist, quiet_library_warnings
+from diff_transformer.cli import EXIT_REFUSED, USER_ERRORS, ArgumentParser, print_error, quiet_library_notices
+from diff_transformer.evaluate import DOCUMENT_MASK_CHOICES, check_out, check_runs_exist
+
+COMMAND = "diff_transformer.analyze"  # the mark of its output directories: a rerun may replace them
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -40,17 +42,23 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--asked", type=int, default=2, help="--niah: needles asked (default 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-trajectory", action="store_true", help="skip λ over training (metrics.jsonl or checkpoints)")
+    parser.add_argument("--document-mask", choices=DOCUMENT_MASK_CHOICES, default="run",
+                        help="maps within the documents the EOD tokens delimit (data.document_mask): as the run "
+                             "trained (default), on or off")
     parser.add_argument("--tokenizer", help="the tokenizer, when the run's is not where its config says")
     parser.add_argument("--out", help="output directory (default outputs/analyze/<time>)")
+    parser.add_argument("--force", action="store_true",
+                        help="write to an --out that holds other files: they are moved aside to OUT.old-<time>")
     return parser.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    quiet_library_warnings()
+    quiet_library_notices()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         check_runs_exist(args.runs)
+        check_out(args, COMMAND)
         return analyze(args)
     except USER_ERRORS as error:
         print_error(error)
@@ -80,20 +88,22 @@ def analyze(args: argparse.Namespace) -> int:
     results: Dict[str, Dict] = {}
     try:
         for run, label in zip(runs, labels):
-            model = load_for_inference(run, attention_backend="eager")
+            model = load_for_inference(run, attention_backend="eager",
+                                       document_mask=DOCUMENT_MASK_CHOICES[args.document_mask])
             results[label] = analyze_one(model, run, args, documents)
             del model
             gc.collect()
     finally:
         destroy_distributed()
-    if len(runs) == 1:
-        report.write_json(out / "analysis.json", results[labels[0]])
-    else:
-        for label in labels:
-            report.write_json(out / report.slug(label) / "analysis.json", results[label])
-    plots.plot_analysis(results, out / "analysis.png")
-    table = comparison_table(results)
-    (out / "comparison.md").write_text(table)
+    with report.writing_output(out, COMMAND) as staging:
+        if len(runs) == 1:
+            report.write_json(staging / "analysis.json", results[labels[0]])
+        else:
+            for label in labels:
+                report.write_json(staging / report.slug(label) / "analysis.json", results[label])
+        plots.plot_analysis(results, staging / "analysis.png")
+        table = comparison_table(results)
+        (staging / "comparison.md").write_text(table)
     print(table)
     print(f"results: {out}")
     return 0
@@ -114,6 +124,8 @@ def probe_batch(model, run, args, documents) -> tuple:
     needed = args.sequences * length
     if args.niah:
         haystack, _ = validation_stream(run.config, max(needed, 4 * length), args.tokenizer)
+        if model.document_mask:  # a prompt is one document
+            haystack = haystack[haystack != model.eod]
         config = niah.NiahConfig(needles=args.needles, asked=args.asked, lengths=(length,),
                                  depths=tuple(float(d) for d in np.linspace(0, 1, args.sequences)), samples=1,
                                  seed=args.seed)

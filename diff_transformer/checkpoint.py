@@ -19,7 +19,10 @@ import sys
 from typing import List, Optional
 
 from diff_transformer.cli import EXIT_REFUSED, ArgumentParser, print_error, run
+from diff_transformer.fileio import check_output
 from diff_transformer.training.checkpoint_files import describe, format_bytes, resolve_checkpoint_path, verify
+
+COMMAND = "diff_transformer.checkpoint"  # the mark of the checkpoint directories convert writes
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -43,14 +46,19 @@ def _command(argv: Optional[List[str]]) -> int:
         "--to", choices=("torch", "torch_dist"), default="torch",
         help="torch: one .pt file (default); torch_dist: a checkpoint directory engine=megatron loads (from DeepSpeed)",
     )
+    p_convert.add_argument("--force", action="store_true",
+                           help="replace an existing output file, or move aside what an output directory holds")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.command == "inspect":
         return inspect(args.path, args.json, checksums=not args.sizes_only)
+    # the output, checked before seconds of loading: never an input, a run, another checkpoint or someone's files
+    inputs = [args.path, resolve_checkpoint_path(args.path)]
+    check_output(args.output, inputs, COMMAND, args.force, directory=args.to == "torch_dist", option="output")
     from diff_transformer.training.checkpoint_tools import convert_to_torch, convert_to_torch_dist
 
     if args.to == "torch_dist":
-        out = convert_to_torch_dist(args.path, args.output)
+        out = convert_to_torch_dist(args.path, args.output, writer=COMMAND)
         print(
             f"wrote {out['path']}: torch_dist weights at tp={out['tp']} from ZeRO-{out['zero_stage']}; start from "
             f"them with checkpoint.load_weights_only={out['path']}"

@@ -8,7 +8,9 @@ refuses bad input before it imports torch or megatron-core.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import warnings
 from typing import Callable, NoReturn, Optional, Sequence
 
 EXIT_COMPLETED = 0
@@ -17,9 +19,31 @@ EXIT_REFUSED = 2  # bad input, refused before any expensive work; nothing writte
 # stopped by a signal after saving a checkpoint: rerunning the same command resumes (sysexits' EX_TEMPFAIL, "try
 # again later"); a job that requeued itself under SLURM exits 0 instead, so that SLURM does not count it as failed
 EXIT_STOPPED_RESUMABLE = 75
+EXIT_INTERRUPTED = 130  # Ctrl-C before training started, or a second one during a save (128 + SIGINT)
 
 # Errors that mean the input was wrong (a value, a path, a file's contents), not that the program failed.
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+# Third-party notices that tell a user nothing (optional packages not installed, deprecations inside the libraries'
+# own calls), by category and the start of the message; every other warning is shown.
+LIBRARY_NOTICES = (
+    (UserWarning, r"(Transformer Engine and )?Apex (is|are) not installed"),
+    (UserWarning, r"full scope is deprecated"),
+    (FutureWarning, r"`(load|save)_state_dict` is deprecated"),
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
+)
+# Loggers whose INFO lines are such notices too (megatron-core's FSDP saying which of its backends it found).
+LIBRARY_NOTICE_LOGGERS = ("megatron.core.distributed.fsdp", "megatron_fsdp")
+
+
+def quiet_library_notices() -> None:
+    """Hide :data:`LIBRARY_NOTICES` (also in every process started after, which inherits the filters when forked)
+    and the notice loggers' INFO lines, from the console and from train.log."""
+    for category, message in LIBRARY_NOTICES:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    for name in LIBRARY_NOTICE_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def error_text(err: BaseException) -> str:
@@ -52,4 +76,4 @@ def run(main: Callable[[Optional[Sequence[str]]], Optional[int]], argv: Optional
         print_error(err)
         return EXIT_REFUSED
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED

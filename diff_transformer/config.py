@@ -186,6 +186,7 @@ def validate_failure_config(f: FailureConfig) -> None:
 
 
 WANDB_MODES = ("offline", "online", "disabled")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 @dataclass
@@ -343,6 +344,13 @@ def validate_settings(cfg: Any) -> None:
     validate_failure_config(cfg.failures)
     if t.max_steps < 1:
         raise ValueError(f"trainer.max_steps={t.max_steps} must be at least 1")
+    if t.eval_interval < 0:
+        raise ValueError(f"trainer.eval_interval={t.eval_interval} must be >= 0 (0: no validation)")
+    if t.eval_interval > 0 and t.eval_iters < 1:
+        raise ValueError(f"trainer.eval_iters={t.eval_iters} must be at least 1 when validating every "
+                         f"trainer.eval_interval={t.eval_interval} steps (or set trainer.eval_interval=0: no validation)")
+    if t.log_interval < 1:
+        raise ValueError(f"trainer.log_interval={t.log_interval} must be at least 1 (the progress line every N steps)")
     if t.precision not in PRECISIONS:
         raise ValueError(f"trainer.precision={t.precision!r} is unknown; use one of {', '.join(PRECISIONS)}")
     if t.attention_diagnostics not in ATTENTION_DIAGNOSTICS_MODES:
@@ -358,6 +366,15 @@ def validate_settings(cfg: Any) -> None:
         raise ValueError(f"optim.decay={o.decay!r} is unknown; use one of {', '.join(DECAYS)}")
     if not (o.lr > 0 and 0 <= o.min_lr <= o.lr):
         raise ValueError(f"optim.lr={o.lr} must be positive and optim.min_lr={o.min_lr} within [0, lr]")
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(o, key) < 1:
+            raise ValueError(f"optim.{key}={getattr(o, key)} must lie in [0, 1)")
+    if not o.eps > 0:
+        raise ValueError(f"optim.eps={o.eps} must be positive")
+    if not o.weight_decay >= 0:
+        raise ValueError(f"optim.weight_decay={o.weight_decay} must be >= 0")
+    if not o.clip_grad >= 0:
+        raise ValueError(f"optim.clip_grad={o.clip_grad} must be >= 0 (0: no clipping)")
     if o.warmup_steps < 0 or o.warmup_steps >= t.max_steps:
         raise ValueError(
             f"optim.warmup_steps={o.warmup_steps} must lie in [0, trainer.max_steps={t.max_steps}) so that the "
@@ -365,6 +382,8 @@ def validate_settings(cfg: Any) -> None:
         )
     if p.backend not in ("auto", "nccl", "gloo"):
         raise ValueError(f"parallel.backend={p.backend!r} is unknown; use auto, nccl or gloo")
+    if cfg.logging.level not in LOG_LEVELS:
+        raise ValueError(f"logging.level={cfg.logging.level!r} is unknown; use one of {', '.join(LOG_LEVELS)}")
     if cfg.logging.wandb.mode not in WANDB_MODES:
         raise ValueError(
             f"logging.wandb.mode={cfg.logging.wandb.mode!r} is unknown; use one of {', '.join(WANDB_MODES)}"
@@ -372,21 +391,10 @@ def validate_settings(cfg: Any) -> None:
 
 
 def validate(cfg: Any, world_size: int) -> None:
-    """Raise ValueError naming the first invalid value. Cheap: runs before any process group starts."""
+    """Raise ValueError naming the first invalid value. Cheap: runs before any process group starts; the shapes and
+    the layout are checked before megatron-core is imported (seconds), the attention kinds' own rules after."""
     m, p, t = cfg.model, cfg.parallel, cfg.trainer
     validate_settings(cfg)
-    # the attention kinds are megatron-core ModuleSpecs: imported here, after the checks that need none of them
-    from diff_transformer.models.attention import BACKENDS, EPILOGUE_IMPLS
-    from diff_transformer.models.layer_specs import ATTENTION_KINDS, num_kv_heads
-
-    backend_choices = ("auto",) + BACKENDS
-
-    if m.attention not in ATTENTION_KINDS:
-        raise ValueError(f"model.attention={m.attention!r} is unknown; use one of {', '.join(ATTENTION_KINDS)}")
-    if m.attention_backend not in backend_choices:
-        raise ValueError(
-            f"model.attention_backend={m.attention_backend!r} is unknown; use one of {', '.join(backend_choices)}"
-        )
     for key in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "seq_length"):
         if getattr(m, key) < 1:
             raise ValueError(f"model.{key}={getattr(m, key)} must be a positive integer")
@@ -395,7 +403,7 @@ def validate(cfg: Any, world_size: int) -> None:
             f"model.hidden_size={m.hidden_size} is not divisible by 2*model.num_heads={2 * m.num_heads}; "
             "set model.head_dim explicitly"
         )
-    kv = num_kv_heads(m)
+    kv = m.num_kv_heads if m.num_kv_heads is not None else m.num_heads  # layer_specs.num_kv_heads, without megatron
     if kv < 1 or m.num_heads % kv:
         why = (
             " (DIFF V2 subtracts query heads 2h and 2h+1, which must share one KV head)"
@@ -404,7 +412,6 @@ def validate(cfg: Any, world_size: int) -> None:
         raise ValueError(
             f"model.num_kv_heads={kv} must divide model.num_heads={m.num_heads}{why}; use {_divisors(m.num_heads)}"
         )
-    validate_attention_kind(m)
     validate_engine(cfg)  # before the layout: engine=deepspeed refuses PP whatever the world size
     if p.tp < 1 or p.pp < 1 or (p.cp is not None and p.cp < 1):
         raise ValueError(
@@ -441,10 +448,22 @@ def validate(cfg: Any, world_size: int) -> None:
             f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}"
         )
     validate_recompute(t, m.num_layers // p.pp)
+    validate_parallel_switches(p, m.seq_length, dp)
+    # the attention kinds are megatron-core ModuleSpecs: imported here, after the checks that need none of them
+    from diff_transformer.models.attention import BACKENDS, EPILOGUE_IMPLS
+    from diff_transformer.models.layer_specs import ATTENTION_KINDS
+
+    backend_choices = ("auto",) + BACKENDS
+    if m.attention not in ATTENTION_KINDS:
+        raise ValueError(f"model.attention={m.attention!r} is unknown; use one of {', '.join(ATTENTION_KINDS)}")
+    if m.attention_backend not in backend_choices:
+        raise ValueError(
+            f"model.attention_backend={m.attention_backend!r} is unknown; use one of {', '.join(backend_choices)}"
+        )
+    validate_attention_kind(m)
     fused_epilogues = tuple(e for e in EPILOGUE_IMPLS if e != "unfused")
     if t.diff_epilogue not in fused_epilogues:
         raise ValueError(f"trainer.diff_epilogue={t.diff_epilogue!r} is unknown; use one of {', '.join(fused_epilogues)}")
-    validate_parallel_switches(p, m.seq_length, dp)
     validate_context_parallel(cfg)
 
 
@@ -669,6 +688,20 @@ def resolve_launch_paths(cfg: Any, base_dir: str) -> List[str]:
     return changed
 
 
+def launch_record(dict_cfg: DictConfig) -> Dict[str, str]:
+    """Hydra's record of this launch (``.hydra/``: the composed config, Hydra's own, the overrides), written by the
+    run with config.yaml once its start is committed (``hydra.output_subdir`` is null), so that a refused start
+    leaves the run directory as it was."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    return {
+        "config.yaml": OmegaConf.to_yaml(dict_cfg),
+        "hydra.yaml": OmegaConf.to_yaml({"hydra": hydra_cfg}),
+        "overrides.yaml": OmegaConf.to_yaml(list(hydra_cfg.overrides.task)),
+    }
+
+
 def to_object(cfg: DictConfig) -> Config:
     """The typed Config object of a composed DictConfig. A key the schema does not know (added with ``+``, which
     Hydra accepts and the conversion would drop) and a missing ``???`` value raise ValueError naming the key."""
@@ -748,6 +781,11 @@ def config_error_message(err: BaseException) -> str:
         return f"no config {missing!r} ({_first_line(text)})"
     if isinstance(err, OverrideParseException):
         return f"cannot parse the command line: {_first_line(text)}"
+    ambiguous = re.search(r"Ambiguous value for argument '([^=']+)=([^']*)'", text)
+    if ambiguous:  # a comma makes Hydra read several values (a sweep) unless the value is quoted or a list
+        key, value = ambiguous.groups()
+        return (f"{key}={value}: Hydra reads a comma as several values to sweep over; quote the value to give one "
+                f"string: '{key}=\"{value}\"' (the outer quotes keep the inner ones from the shell)")
     existing = re.search(r"An item is already at '([^']+)'", text)
     if existing:
         key = existing.group(1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 from typing import Any, List, Optional, Sequence
 
 import torch
@@ -80,10 +81,11 @@ def init_distributed(backend: str, tp: int = 1, pp: int = 1, seed: int = 0, cp: 
 
 
 def destroy_distributed() -> None:
-    from megatron.core import parallel_state
+    if "megatron.core.parallel_state" in sys.modules:  # never imported (a start refused early): nothing to tear down
+        from megatron.core import parallel_state
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -33,12 +33,15 @@ import logging
 import os
 import sys
 import time
-import warnings
 from typing import Dict, List, Optional, Sequence
 
-from diff_transformer.cli import EXIT_REFUSED, USER_ERRORS, ArgumentParser, print_error
+from diff_transformer.cli import EXIT_REFUSED, USER_ERRORS, ArgumentParser, print_error, quiet_library_notices
+from diff_transformer.fileio import check_output
 
 TASKS = ("ppl", "niah")
+COMMAND = "diff_transformer.evaluate"  # the mark of its output directories: a rerun may replace them
+# --document-mask: the run's data.document_mask, or on or off whatever it trained with
+DOCUMENT_MASK_CHOICES = {"run": None, "on": True, "off": False}
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -47,12 +50,17 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--tasks", default="ppl,niah", help="comma-separated: ppl, niah (default both)")
     parser.add_argument("--text", action="append", default=[], metavar="FILE", help="also the perplexity of this file")
     parser.add_argument("--out", help="output directory (default outputs/evaluate/<time>)")
+    parser.add_argument("--force", action="store_true",
+                        help="write to an --out that holds other files: they are moved aside to OUT.old-<time>")
     parser.add_argument("--tokenizer", help="the tokenizer, when the run's is not where its config says")
     parser.add_argument("--max-tokens", type=int, default=1_000_000, help="tokens of each perplexity stream")
     parser.add_argument("--stride", type=int, help="window stride (default half the sequence length)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--backend", help="attention backend to evaluate with (default: the trained one)")
     parser.add_argument("--seq-length", type=int, help="context length to evaluate at (default: the run's)")
+    parser.add_argument("--document-mask", choices=DOCUMENT_MASK_CHOICES, default="run",
+                        help="attention within the documents the EOD tokens delimit (data.document_mask): as the run "
+                             "trained (default), on or off; NIAH prompts stay one document")
     parser.add_argument("--cp", type=int, default=1,
                         help="context parallelism: ranks each sequence is split over (under torchrun; default 1)")
     parser.add_argument("--needles", type=int, default=6, help="N needles per context (default 6)")
@@ -85,12 +93,6 @@ def niah_config(args, run):
     return config
 
 
-def quiet_library_warnings() -> None:
-    """megatron-core's notes about missing optional packages and torch's deprecations of what megatron calls."""
-    warnings.filterwarnings("ignore", module=r"megatron\..*")
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\..*")
-
-
 def check_runs_exist(runs: Sequence[str]) -> None:
     """Before torch is imported: every run or checkpoint named exists."""
     for run in runs:
@@ -98,12 +100,20 @@ def check_runs_exist(runs: Sequence[str]) -> None:
             raise FileNotFoundError(f"{run} does not exist")
 
 
+def check_out(args: argparse.Namespace, command: str) -> None:
+    """Before torch is imported: ``--out`` may take the results (never a run, a checkpoint, an input, or a directory
+    of other files without --force)."""
+    if args.out:
+        check_output(args.out, list(args.runs) + list(getattr(args, "text", [])), command, args.force)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    quiet_library_warnings()
+    quiet_library_notices()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         check_runs_exist(args.runs)
+        check_out(args, COMMAND)
         return evaluate(args)
     except USER_ERRORS as error:
         print_error(error)
@@ -135,7 +145,8 @@ def evaluate(args: argparse.Namespace) -> int:
     results: Dict[str, Dict] = {}
     try:
         for run, label, config in zip(runs, labels, configs):
-            model = load_for_inference(run, args.backend, args.seq_length, args.cp)
+            model = load_for_inference(run, args.backend, args.seq_length, args.cp,
+                                       DOCUMENT_MASK_CHOICES[args.document_mask])
             results[label] = evaluate_one(model, run, args, tasks, config)
             rank = model.global_rank
             del model
@@ -144,22 +155,22 @@ def evaluate(args: argparse.Namespace) -> int:
         destroy_distributed()
     if rank != 0:
         return 0
-    if len(runs) == 1:
-        report.write_json(out / "eval.json", results[labels[0]])
-    else:
-        for label in labels:
-            report.write_json(out / report.slug(label) / "eval.json", results[label])
-    written = []
-    if "ppl" in tasks:
-        written.append(plots.plot_position_loss({k: v["ppl"] for k, v in results.items()}, out / "ppl_by_position.png",
-                                                {k: v["run"] for k, v in results.items()}))
-    if "niah" in tasks:
-        niah_results = {k: v["niah"] for k, v in results.items()}
-        written.append(plots.plot_niah_heatmaps(niah_results, out / "niah_accuracy.png"))
-        if any(r["attention_allocation"] for r in niah_results.values()):  # none under context parallelism
-            written.append(plots.plot_attention_allocation(niah_results, out / "niah_attention.png"))
-    table = comparison_table(results, tasks)
-    (out / "comparison.md").write_text(table)
+    with report.writing_output(out, COMMAND) as staging:
+        if len(runs) == 1:
+            report.write_json(staging / "eval.json", results[labels[0]])
+        else:
+            for label in labels:
+                report.write_json(staging / report.slug(label) / "eval.json", results[label])
+        if "ppl" in tasks:
+            plots.plot_position_loss({k: v["ppl"] for k, v in results.items()}, staging / "ppl_by_position.png",
+                                     {k: v["run"] for k, v in results.items()})
+        if "niah" in tasks:
+            niah_results = {k: v["niah"] for k, v in results.items()}
+            plots.plot_niah_heatmaps(niah_results, staging / "niah_accuracy.png")
+            if any(r["attention_allocation"] for r in niah_results.values()):  # none under context parallelism
+                plots.plot_attention_allocation(niah_results, staging / "niah_attention.png")
+        table = comparison_table(results, tasks)
+        (staging / "comparison.md").write_text(table)
     print(table)
     print(f"results: {out}")
     return 0

@@ -6,7 +6,8 @@ start, mostly importing megatron-core, costs more than all of its checks):
   world's ring of four, both block implementations, against full causal attention: outputs and the gradients of q,
   k and v;
 - ``model``: the debug model at CP=4 against the same model at CP=1, fp32, for every kind with a ring path: every
-  token's loss and every parameter's gradient (summed over the CP group, as DDP does);
+  token's loss and every parameter's gradient (summed over the CP group, as DDP does); DIFF V1, V2 and the baseline
+  also with document masking and per-document positions (documents across the chunks' edges);
 - ``training``: ten trainer steps of diff, diff_v2 and vanilla at CP=2 (DP=2) and at CP=1 (DP=4, the same global
   batches); DIFF at CP=2 x TP=2 (sequence parallelism, the distributed optimizer), at CP=2 x PP=2 (selective
   recomputation), and at CP=2 resumed from the CP=1 run's checkpoint of step 5: losses, gradient norms, validation
@@ -37,6 +38,8 @@ from tests.ring_reference import KINDS, SCALE, full_attention, ring_inputs  # no
 from tests.test_config import compose_cfg as compose  # noqa: E402
 
 KIND_NAMES = ("diff", "diff_v2", "vanilla", "vanilla_wide", "vanilla_subln")
+DOCUMENT_KINDS = ("diff", "diff_v2", "vanilla")  # also checked with document masking ("<kind>+documents")
+EOD = 2  # the bundled tokenizer's end-of-document token
 TRAINING_OVERRIDES = ["experiment=smoke", "trainer.max_steps=10", "trainer.eval_interval=5", "optim.warmup_steps=2",
                       "trainer.micro_batch_size=2", "checkpoint.interval=0", "checkpoint.save_at_end=false"]
 SAVES = ["checkpoint.interval=5", "checkpoint.save_at_end=true"]
@@ -90,20 +93,26 @@ def set_layout(cp: int) -> None:
     distributed.init_distributed("gloo", tp=1, pp=1, seed=0, cp=cp)
 
 
-def model_loss_and_grads(kind: str, cp: int, tokens: torch.Tensor):
-    """(per-token losses of this rank's positions, gradients of the sequence's mean loss) of the debug model."""
+def model_loss_and_grads(kind: str, cp: int, tokens: torch.Tensor, documents: bool = False):
+    """(per-token losses of this rank's positions, gradients of the sequence's mean loss) of the debug model; with
+    ``documents``, masked by the documents the EOD tokens delimit, positions restarting per document."""
     from megatron.core import parallel_state
 
+    from data.datasets import document_ids, document_positions
     from diff_transformer.models.gpt import build_model_chunk
-    from diff_transformer.training.steps import context_parallel_batch, loss_func
+    from diff_transformer.training.steps import context_parallel_batch, loss_func, model_inputs
 
     set_layout(cp)
     cfg = compose("experiment=smoke", f"model.attention={kind}", f"parallel.cp={cp}")
     model = build_model_chunk(cfg, 4096)
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones_like(tokens[:, 1:]),
              "position_ids": torch.arange(tokens.shape[1] - 1).expand(tokens.shape[0], -1)}
+    if documents:
+        batch["document_ids"] = document_ids(batch["tokens"], EOD)
+        batch["position_ids"] = document_positions(batch["document_ids"])
     local, cp_group = context_parallel_batch(batch)
-    losses = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
+    inputs, positions, packed = model_inputs(local, "cpu", reset_position_ids=documents, cp=cp)
+    losses = model(inputs, positions, None, labels=local["labels"], packed_seq_params=packed)
     loss, _ = loss_func(local["loss_mask"], losses, cp_group=cp_group)
     loss.backward()
     grads = {}
@@ -118,13 +127,16 @@ def model_loss_and_grads(kind: str, cp: int, tokens: torch.Tensor):
 def model_checks(rank: int, size: int):
     """Per kind: the largest error of the per-token losses, and the largest relative error of any gradient."""
     generator = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, 4000, (2, 65), generator=generator)
+    tokens = torch.randint(3, 4000, (2, 65), generator=generator)
+    tokens[0, [0, 5, 6, 19, 44]] = EOD  # one-token documents, documents across the edges of the chunks of 8
+    tokens[1, [30]] = EOD
     index = load_balanced_indices(64, size, rank)  # CP = the world: the CP rank is the rank
     out = {}
-    for kind in KIND_NAMES:
-        split_losses, split_grads = model_loss_and_grads(kind, size, tokens)
-        whole_losses, whole_grads = model_loss_and_grads(kind, 1, tokens)
-        out[kind] = {
+    for name in KIND_NAMES + tuple(f"{kind}+documents" for kind in DOCUMENT_KINDS):
+        kind, documents = name.split("+")[0], name.endswith("+documents")
+        split_losses, split_grads = model_loss_and_grads(kind, size, tokens, documents)
+        whole_losses, whole_grads = model_loss_and_grads(kind, 1, tokens, documents)
+        out[name] = {
             "loss": max_error(split_losses, whole_losses[:, index]),
             "grad": max(relative_error(split_grads[n], whole_grads[n]) for n in whole_grads if "lambda_" not in n),
             # λ's gradient sums dO·O2 over every token and head, with cancellation: its fp32 floor is higher

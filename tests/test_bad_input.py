@@ -38,6 +38,19 @@ TABLE = [
     ("empty path", train("data.tokenizer_dir="), r"data\.tokenizer_dir is empty: give a path"),
     ("unknown choice", train("checkpoint.on_disk_full=maybe"), r"checkpoint\.on_disk_full='maybe' is unknown; use skip .* or stop"),
     ("missing checkpoint", train("checkpoint.resume=/nonexistent/ckpt"), r"checkpoint\.resume='/nonexistent/ckpt' is neither auto, none"),
+    ("resume whose latest names a missing step", train(f"checkpoint.resume={ROOT}/missing_step", run="resume_missing"),
+     r"checkpoint\.resume=.*/missing_step: .*/latest names step_00000099, which is missing: give the step_\* "
+     r"checkpoint to load \(the newest complete one is .*/step_00000010\)"),
+    ("no evaluation batches", train("trainer.eval_iters=0"),
+     r"trainer\.eval_iters=0 must be at least 1 when validating every trainer\.eval_interval=10 steps"),
+    ("split as data/README.md once wrote it", train("data.split=969,30,1"),
+     r"data\.split=969,30,1: Hydra reads a comma as several values .*quote the value .*'data\.split=\"969,30,1\"'"),
+    ("W&B online without a key", train("logging.wandb.mode=online"),
+     r"logging\.wandb\.mode=online needs a W&B API key .*wandb login.*logging\.wandb\.mode=offline"),
+    ("run directory under a file", train(run="docs.jsonl/run"),
+     r"cannot create the run directory \(hydra\.run\.dir\): .*docs\.jsonl"),
+    ("checkpoint directory under a file", train(f"checkpoint.dir={ROOT}/docs.jsonl/ckpt"),
+     r"checkpoint\.dir=.*/docs\.jsonl/ckpt lies under .*/docs\.jsonl, a file, not a directory"),
     ("unknown signal", train("failures.signals=[SIGFOO]"), r"failures\.signals has 'SIGFOO'; use names from SIGTERM"),
     # ... the cross-field rules (these need the attention kinds: megatron-core is imported, no process group starts)
     ("indivisible layout", train("parallel.tp=3"), r"parallel\.tp=3 does not divide model\.num_heads=2 .*; use 1, 2"),
@@ -54,6 +67,11 @@ TABLE = [
      r"checkpoint .*/step_00000020 is damaged: __0_0\.distcp: crc32 [0-9a-f]{8}, the manifest records [0-9a-f]{8} \(contents changed\)"),
     ("convert bad format", module("diff_transformer.checkpoint", "convert", "a", "b", "--to", "onnx"),
      r"argument --to: invalid choice: 'onnx'"),
+    ("convert into a directory", module("diff_transformer.checkpoint", "convert", f"{ROOT}/used", f"{ROOT}/unrelated"),
+     r"output .*/unrelated is a directory; give the path of the file to write"),
+    ("inspect a garbage latest", module("diff_transformer.checkpoint", "inspect", f"{ROOT}/garbage_latest"),
+     r".*/latest holds no checkpoint name \(step_NNNNNNNN\): give the step_\* checkpoint to load \(the newest "
+     r"complete one is .*/step_00000010\)"),
     # data
     ("preprocess glob matches nothing", module("data.preprocess", "--input", f"{ROOT}/none*.jsonl", "--tokenizer", "t", "--out", f"{ROOT}/x"),
      r"input '.*/none\*\.jsonl' matches no file"),
@@ -63,7 +81,12 @@ TABLE = [
      r"workers"),
     ("tokenizer input missing", module("data.tokenizer", "train", "--input", f"{ROOT}/none.txt", "--vocab-size", "100", "--out", f"{ROOT}/tok"),
      r"input '.*/none\.txt' matches no file"),
+    ("tokenizer written over its corpus", module("data.tokenizer", "train", "--input", f"{ROOT}/corpus", "--vocab-size", "400", "--out", f"{ROOT}/corpus"),
+     r"--out .*/corpus is the input .*/corpus: writing it would destroy what it reads"),
+    ("preprocess over files it did not write", module("data.preprocess", "--input", f"{ROOT}/docs.jsonl", "--tokenizer", "t", "--out", f"{ROOT}/foreign"),
+     r"--out .*/foreign: .*/foreign\.bin exist and no manifest of an earlier preprocessing vouches for them.*--force"),
     ("inspect blend without tokenizer", module("data.inspect", "--blend", f"{ROOT}/x"), r"--blend needs --tokenizer"),
+    ("inspect zero sequence length", module("data.inspect", "--bundled", "--seq-length", "0"), r"--seq-length 0 must be at least 1"),
     # evaluation, export, import, comparison, SLURM
     ("evaluate missing run", module("diff_transformer.evaluate", f"{ROOT}/nothing"), r".*/nothing does not exist"),
     ("analyze missing run", module("diff_transformer.analyze", f"{ROOT}/nothing"), r".*/nothing does not exist"),
@@ -72,8 +95,19 @@ TABLE = [
      r"is not a checkpoint"),
     ("export unknown format", module("diff_transformer.export", f"{ROOT}/used", "--format", "onnx", "--out", f"{ROOT}/hf"),
      r"--format 'onnx' is unknown; use one of hf"),
+    ("export over its run", module("diff_transformer.export", f"{ROOT}/used", "--format", "hf", "--out", f"{ROOT}/used"),
+     r"--out .*/used is the input .*/used: writing it would destroy what it reads"),
+    ("export over files it did not write", module("diff_transformer.export", f"{ROOT}/used", "--format", "hf", "--out", f"{ROOT}/unrelated"),
+     r"--out .*/unrelated holds files this command did not write \(notes\.txt\); give a new or empty directory, or "
+     r"add --force"),
     ("import_hf missing directory", module("diff_transformer.import_hf", f"{ROOT}/nothing", "--out", f"{ROOT}/ckpt"),
      r".*/nothing is not a directory"),
+    ("import_hf over files it did not write", module("diff_transformer.import_hf", f"{ROOT}/corpus", "--out", f"{ROOT}/unrelated"),
+     r"--out .*/unrelated holds files this command did not write \(notes\.txt\)"),
+    ("import_hf into a run", module("diff_transformer.import_hf", f"{ROOT}/corpus", "--out", f"{ROOT}/used/imported"),
+     r"--out .*/used/imported lies inside .*/used, a run directory"),
+    ("evaluate into its run", module("diff_transformer.evaluate", f"{ROOT}/used", "--out", f"{ROOT}/used/eval"),
+     r"--out .*/used/eval lies inside the input .*/used"),
     ("compare missing run", module("diff_transformer.compare", f"{ROOT}/nothing"), r".*/nothing does not exist"),
     ("slurm key typo", module("launch.slurm", "submit", "--dry-run", "model.attenton=vanilla"),
      r"model\.attenton is not a config key; did you mean model\.attention\?"),
@@ -83,11 +117,14 @@ TABLE = [
 
 
 def make_inputs(tmp: Path) -> None:
-    """A run directory that holds a run (30 steps logged, one checkpoint, damaged), a small corpus file."""
+    """A run directory that holds a run (30 steps logged, one checkpoint, damaged), a small corpus file, a corpus
+    directory, a directory of someone's files, checkpoint directories whose `latest` names a missing step or holds
+    garbage, shard files no preprocessing wrote."""
     from diff_transformer.training.checkpoint_files import checkpoint_name, write_checkpoint_state
 
     used = tmp / "used"
     (used / ".hydra").mkdir(parents=True)
+    (used / ".hydra" / "config.yaml").write_text("# the record of the launch that trained this run\n")
     (used / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 31)))
     ckpt = used / "checkpoints" / checkpoint_name(20)
     ckpt.mkdir(parents=True)
@@ -95,17 +132,28 @@ def make_inputs(tmp: Path) -> None:
     write_checkpoint_state(str(ckpt), {"format_version": 2, "step": 20})
     (ckpt / "__0_0.distcp").write_bytes(bytes(range(1, 256)) + b"\0" + bytes(range(256)) * 15)  # one byte changed
     (tmp / "docs.jsonl").write_text(json.dumps({"text": "a document"}) + "\n")
+    (tmp / "corpus").mkdir()
+    (tmp / "corpus" / "a.jsonl").write_text(json.dumps({"text": "a document of the corpus"}) + "\n")
+    (tmp / "unrelated").mkdir()
+    (tmp / "unrelated" / "notes.txt").write_text("someone's notes\n")
+    (tmp / "foreign.bin").write_bytes(b"someone's tokens")
+    for name, pointer in (("missing_step", b"step_00000099\n"), ("garbage_latest", bytes(range(200, 256)))):
+        good = tmp / name / "checkpoints" / checkpoint_name(10)
+        good.mkdir(parents=True)
+        write_checkpoint_state(str(good), {"format_version": 2, "step": 10})
+        (tmp / name / "checkpoints" / "latest").write_bytes(pointer)
 
 
 def run_files(run: Path):
-    """(name, size, mtime) of the run's own files; Hydra records every launch in .hydra, whatever the run does."""
-    return sorted((str(p.relative_to(run)), p.stat().st_size, p.stat().st_mtime_ns)
-                  for p in run.rglob("*") if p.is_file() and ".hydra" not in p.parts)
+    """(name, size, mtime) of every file of the run, Hydra's record of its launch (.hydra) included."""
+    return sorted((str(p.relative_to(run)), p.stat().st_size, p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file())
 
 
 def run_case(args, tmp: Path):
     args = [a.replace(ROOT, str(tmp)) for a in args]
-    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=train_env(), capture_output=True, text=True,
+    env = {k: v for k, v in train_env().items() if k != "WANDB_API_KEY"}
+    env["NETRC"] = str(tmp / "no-netrc")  # no W&B credentials, whatever this machine has
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     return proc.returncode, proc.stdout, proc.stderr
 
@@ -121,6 +169,9 @@ def outcomes(tmp_path_factory):
         results = {name: future.result() for name, future in futures.items()}
     results["used run directory after"] = run_files(tmp / "used")
     results["used run directory before"] = before
+    results["left behind"] = {name: sorted(p.name for p in (tmp / name).iterdir())
+                              for name in ("corpus", "unrelated")}
+    results["foreign.bin"] = (tmp / "foreign.bin").read_bytes()
     return results
 
 
@@ -144,5 +195,10 @@ def test_one_error_line_and_status_2(outcomes, name, args, expected):
 
 
 def test_a_refused_start_changes_nothing_in_the_run_directory(outcomes):
-    # Hydra records each launch in .hydra; the run's own files (config.yaml, train.log, metrics) stay as they were
+    # the run's files (config.yaml, train.log, metrics) and Hydra's record of its launch stay as they were
     assert outcomes["used run directory after"] == outcomes["used run directory before"]
+
+
+def test_refused_outputs_keep_what_was_there(outcomes):
+    assert outcomes["left behind"] == {"corpus": ["a.jsonl"], "unrelated": ["notes.txt"]}
+    assert outcomes["foreign.bin"] == b"someone's tokens"

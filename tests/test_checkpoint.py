@@ -154,15 +154,22 @@ def test_preemption_signal_only_sets_a_flag_until_the_ranks_agree():
 
     from diff_transformer.training.failures import PreemptionSignals
 
-    previous = signal.getsignal(signal.SIGUSR1)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGINT)}
+    quiet = PreemptionSignals(["SIGUSR1"], grace_period_s=60).install()
+    assert signal.getsignal(signal.SIGINT) == quiet._handle, "Ctrl-C saves too, whatever failures.signals says"
+    quiet.uninstall()
+    assert {s: signal.getsignal(s) for s in previous} == previous, "no signal came: the handlers are restored"
     signals = PreemptionSignals(["SIGUSR1"], grace_period_s=60).install()
     try:
         assert not signals.agreed()
         os.kill(os.getpid(), signal.SIGUSR1)
         assert signals.received == "SIGUSR1" and signals.agreed()
-    finally:
         signals.uninstall()
-    assert signal.getsignal(signal.SIGUSR1) == previous
+        # the run is on its way out: a repeated signal cannot kill it half-way through its exit
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN == signal.getsignal(signal.SIGINT)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -286,7 +293,14 @@ def test_overwrite_run_moves_the_old_run_aside(tmp_path):
     cfg.overwrite_run = True
     state = check_start(cfg, str(run))
     assert state is not None and not any(tmp_path.glob("run.old-*")), "nothing moves before the start is committed"
-    [(old, new)] = move_old_run_aside(state)
-    assert old == str(run) and os.path.basename(new).startswith("run.old-")
-    assert sorted(os.listdir(new)) == [".hydra", "checkpoints", "metrics.jsonl"]
-    assert os.listdir(run) == [".hydra"], "the new run keeps this launch's Hydra record, nothing else"
+    from diff_transformer.training.run_directory import LOCK_FILE, lock_run_directory, release_run_directory
+
+    lock_run_directory(str(run))
+    try:
+        [(old, new)] = move_old_run_aside(state)
+        assert old == str(run) and os.path.basename(new).startswith("run.old-")
+        assert sorted(os.listdir(new)) == [".hydra", "checkpoints", "metrics.jsonl"], "the old run as it was"
+        assert os.listdir(run) == [LOCK_FILE], "a new, empty run directory, locked by the run that moved the old one"
+    finally:
+        release_run_directory()
+    assert os.listdir(run) == []

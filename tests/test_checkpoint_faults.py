@@ -30,11 +30,48 @@ RUN = [
 EXIT_STOPPED_RESUMABLE = 75
 
 # train.py with faults: "enospc@N" makes the torch_dist writer fail with ENOSPC on the files of step N's save, after
-# writing part of them (also in the background process of an async save); "sigterm@N" sends SIGTERM after step N.
+# writing part of them (also in the background process of an async save); "sigterm@N" and "sigint@N" send SIGTERM or
+# SIGINT after step N; "sigint_in_save@N" SIGINT at once and again 1.2 s later as the save of step N begins (a Ctrl-C
+# delivered twice, then pressed again); "enospc_metrics@N" a full disk
+# half-way through metrics.jsonl's record of step N; "sigterm_at_exit@PATH" SIGTERM once more as the process exits
+# after a signal's save (the first thing it does on the way out), and the process ids of its children into PATH.
 FAULTY_TRAIN = r"""
-import errno, functools, os, runpy, signal, sys
+import atexit, errno, functools, json, multiprocessing, os, runpy, signal, sys, time
 faults = dict(f.split("@") for f in sys.argv[1].split(","))
 sys.argv = sys.argv[2:]
+if "enospc_metrics" in faults:
+    full_at, real_write, disk = f'{{"step": {faults["enospc_metrics"]},', os.write, {"full": False}
+    def write_until_full(fd, data):
+        try:
+            metrics = os.readlink(f"/proc/self/fd/{fd}").endswith("metrics.jsonl")
+        except OSError:
+            metrics = False
+        if metrics and (disk["full"] or bytes(data[:20]).decode(errors="ignore").startswith(full_at)):
+            if not disk["full"]:
+                disk["full"] = True
+                return real_write(fd, bytes(data[: len(data) // 2]))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+    os.write = write_until_full
+if "sigint_in_save" in faults:
+    from diff_transformer.training.checkpoint import CheckpointManager
+    save_at, write = int(faults["sigint_in_save"]), CheckpointManager._write
+    def write_interrupted(self, tmp):
+        if self.trainer.step == save_at:
+            os.kill(os.getpid(), signal.SIGINT)  # the same Ctrl-C, forwarded (torchrun): the save goes on
+            time.sleep(1.2)
+            os.kill(os.getpid(), signal.SIGINT)
+        return write(self, tmp)
+    CheckpointManager._write = write_interrupted
+if "sigterm_at_exit" in faults:
+    from diff_transformer.training.trainer import Trainer
+    save_on_signal = Trainer._save_and_exit_on_signal
+    def save_then_signal_again_at_exit(self, signals):
+        save_on_signal(self, signals)
+        with open(faults["sigterm_at_exit"], "w") as f:
+            json.dump([child.pid for child in multiprocessing.active_children()], f)
+        atexit.register(os.kill, os.getpid(), signal.SIGTERM)  # runs before the clean-up registered earlier
+    Trainer._save_and_exit_on_signal = save_then_signal_again_at_exit
 if "enospc" in faults:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     full_at = f"step_{int(faults['enospc']):08d}"
@@ -47,24 +84,25 @@ if "enospc" in faults:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return write_item(*args, **kwargs)
     filesystem_async._write_item = write_item_until_full
-if "sigterm" in faults:
-    from diff_transformer.training.trainer import Trainer
-    at, measure = int(faults["sigterm"]), Trainer._train_and_measure
-    def measure_then_signal(self, data):
-        record = measure(self, data)
-        if self.step == at:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return record
-    Trainer._train_and_measure = measure_then_signal
+for name in ("sigterm", "sigint"):
+    if name in faults:
+        from diff_transformer.training.trainer import Trainer
+        def measure_then_signal(self, data, at=int(faults[name]), measure=Trainer._train_and_measure,
+                                signum=getattr(signal, name.upper())):
+            record = measure(self, data)
+            if self.step == at:
+                os.kill(os.getpid(), signum)
+            return record
+        Trainer._train_and_measure = measure_then_signal
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def run_with_faults(run_dir, overrides, faults: str, expect_rc: int):
+def run_with_faults(run_dir, overrides, faults: str, expect_rc: int, env=None):
     command = train_command(run_dir, overrides)  # [python, train.py, overrides...]
     proc = subprocess.run(
-        [sys.executable, "-c", FAULTY_TRAIN, faults, *command[1:]], cwd=REPO, env=train_env(), capture_output=True,
-        text=True, timeout=300,
+        [sys.executable, "-c", FAULTY_TRAIN, faults, *command[1:]], cwd=REPO, env=env or train_env(),
+        capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == expect_rc, f"exit {proc.returncode}, expected {expect_rc}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
@@ -229,3 +267,140 @@ def test_deepspeed_checkpoints_are_verified_and_fall_back(deepspeed_run, tmp_pat
     assert f"checkpoint {ckpt(run, 4)} is damaged ({optim.name}: crc32" in log
     assert f"resumed from {ckpt(run, 2)} at step 2" in log
     assert losses(run) == losses(deepspeed_run)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Extending a run, Ctrl-C, a full disk under metrics.jsonl, an incomplete checkpoint, another tokenizer
+# ------------------------------------------------------------------------------------------------------------------
+EXTENDED = [RUN[0], "trainer.max_steps=12", "optim.lr=2e-3"] + RUN[2:]  # the 8-step run, 4 steps more at another lr
+
+
+def linear_lr(step, peak=2e-3, warmup=1, steps=12):
+    """The rate step ``step`` trains at under megatron-core's linear schedule (after step - 1 scheduler steps)."""
+    done = step - 1
+    return peak * done / warmup if done <= warmup else peak * (1 - (done - warmup) / (steps - warmup))
+
+
+def pids_alive(pids, wait_s=10.0):
+    """Those of ``pids`` still running after up to ``wait_s`` seconds (zombies count as ended)."""
+    import time
+
+    deadline = time.time() + wait_s
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().split(") ")[-1].split()[0] != "Z":
+                        alive.append(pid)
+            except OSError:
+                pass
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def extended(uninterrupted, tmp_path_factory):
+    """The finished 8-step run extended to 12 steps at another peak learning rate; Ctrl-C after step 10, and SIGTERM
+    once more as the process exits: (run directory, the process, the ids of its child processes)."""
+    run = tmp_path_factory.mktemp("extended") / "run"
+    shutil.copytree(uninterrupted, run)
+    children = run.parent / "children.json"
+    proc = run_with_faults(run, EXTENDED, f"sigint@10,sigterm_at_exit@{children}", expect_rc=EXIT_STOPPED_RESUMABLE)
+    return run, proc, json.loads(children.read_text())
+
+
+def test_extending_a_finished_run_trains_on_the_new_schedule(extended, uninterrupted):
+    """Megatron rebuilds the schedule from the config and keeps the step: steps 9-10 train at the new linear decay
+    over 12 steps from the new peak, not at the finished schedule's end (lr 0); the changed keys are logged."""
+    run, _, _ = extended
+    rates = {r["step"]: r["lr"] for r in read_metrics(run)}
+    assert {s: rates[s] for s in range(1, 9)} == {r["step"]: r["lr"] for r in read_metrics(uninterrupted)}
+    assert rates[9] == pytest.approx(linear_lr(9)) and rates[10] == pytest.approx(linear_lr(10)) and rates[10] > 0
+    log = (run / "train.log").read_text()
+    assert f"resumed from {ckpt(run, 8)} at step 8" in log
+    assert "resuming with settings changed since the checkpoint" in log
+    assert "optim.lr: 0.003 -> 0.002" in log and "trainer.max_steps: 8 -> 12" in log
+    assert "max_steps: 12" in (run / "config.yaml").read_text()
+
+
+def test_ctrl_c_saves_and_the_rerun_resumes(extended):
+    """SIGINT saves the step as SIGTERM does (exit 75, no traceback); a signal repeated as the process exits neither
+    changes its status (143) nor leaves a child process behind; the same command then resumes and finishes."""
+    run, proc, children = extended
+    log = (run / "train.log").read_text()
+    assert "SIGINT: saving step 10 before exiting" in log
+    assert "Traceback" not in proc.stderr and "error:" not in proc.stderr
+    assert (run / "checkpoints" / LATEST_FILE).read_text().strip() == checkpoint_name(10)
+    assert children and pids_alive(children) == [], "the run's child processes ended with it"
+    rerun = run_train(run, EXTENDED, env={"PYTHONWARNINGS": ""})  # every warning a user would see
+    log = (run / "train.log").read_text()
+    assert f"resumed from {ckpt(run, 10)} at step 10" in log
+    # third-party notices that tell a user nothing (Apex missing, deprecations inside the libraries) are filtered
+    for notice in ("Apex", "Megatron-FSDP", "deprecated", "DTensor"):
+        assert notice not in rerun.stderr + rerun.stdout + log, notice
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == list(range(1, 13)), "every step once"
+    assert records[-1]["lr"] == pytest.approx(linear_lr(12))
+
+
+def test_a_second_ctrl_c_during_the_save_exits_at_once(uninterrupted, tmp_path):
+    """Ctrl-C after step 10, again as its save begins: exit 130 with one error line, no traceback, and the last good
+    checkpoint (step 8) untouched and named by `latest`."""
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    proc = run_with_faults(run, EXTENDED, "sigint@10,sigint_in_save@10", expect_rc=130)
+    error = one_error_line(proc)
+    assert error.startswith("error: a second SIGINT: exiting now without saving")
+    assert f"rerun the same command (it resumes from {checkpoint_name(8)})" in error
+    assert (run / "checkpoints" / LATEST_FILE).read_text().strip() == checkpoint_name(8)
+    assert not ckpt(run, 10).exists() and verify_checkpoint(str(ckpt(run, 8))).ok
+
+
+def test_a_full_disk_under_metrics_jsonl_stops_the_run_with_one_error_line(uninterrupted, tmp_path):
+    """The disk fills up half-way through step 10's record: exit 1, one error line that says what to do, and
+    metrics.jsonl ends with the complete record of step 9 (no torn line)."""
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    error = one_error_line(run_with_faults(run, EXTENDED, "enospc_metrics@10", expect_rc=1))
+    assert f"cannot write {run / 'metrics.jsonl'} at step 10 (No space left on device)" in error
+    assert f"free space there and rerun the same command (it resumes from {checkpoint_name(8)})" in error
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, 10))
+
+
+def test_an_incomplete_checkpoint_is_moved_aside_not_saved_over(uninterrupted, tmp_path):
+    """step 8 without its trainer_state.json: resumed from step 6, step 8 kept aside as damaged, retrained and saved
+    again (with the uninterrupted run's losses), where the save used to fail on the directory in its way."""
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    (ckpt(run, 8) / STATE_FILE).unlink()
+    run_train(run, RUN)
+    log = (run / "train.log").read_text()
+    assert f"checkpoint {ckpt(run, 8)} is damaged ({STATE_FILE} is missing" in log
+    assert f"resumed from {ckpt(run, 6)} at step 6" in log
+    assert (run / "checkpoints" / f"{checkpoint_name(8)}.damaged").is_dir()
+    assert verify_checkpoint(str(ckpt(run, 8))).ok
+    assert losses(run) == losses(uninterrupted)
+
+
+def test_resuming_with_another_tokenizer_is_refused(uninterrupted, tmp_path):
+    """Checkpoints record the tokenizer's sha256; a resume whose tokenizer differs (of any size) is refused, naming
+    both, and the run directory stays as it was."""
+    from diff_transformer.training.checkpoint_files import record_files
+
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    state = json.loads((ckpt(run, 8) / STATE_FILE).read_text())
+    assert state["tokenizer_sha256"] == json.loads((run / "run.json").read_text())["data"]["tokenizer_sha256"]
+    state["tokenizer_sha256"] = "0" * 64  # as if the run had trained with another tokenizer
+    (ckpt(run, 8) / STATE_FILE).write_text(json.dumps(state))
+    manifest = json.loads((ckpt(run, 8) / MANIFEST_FILE).read_text())
+    manifest["files"].update(record_files([str(ckpt(run, 8) / STATE_FILE)], str(ckpt(run, 8))))
+    (ckpt(run, 8) / MANIFEST_FILE).write_text(json.dumps(manifest))
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    proc = run_train(run, RUN, expect_rc=2)
+    assert f"checkpoint {ckpt(run, 8)} was trained with the tokenizer of sha256 000000000000" in one_error_line(proc)
+    assert "a run cannot change its tokenizer" in proc.stderr
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before

@@ -257,13 +257,14 @@ def test_imported_checkpoint_adapts_with_dex_at_tp2(imported, tmp_path, megatron
     assert w_d == sorted(f"layer_{layer}.head_{h}" for layer, hs in enumerate(heads, 1) for h in hs)
     assert all(r["loss"] == r["loss"] for r in read_metrics(tmp_path))
 
-    cli("diff_transformer.export", tmp_path, "--format", "hf", "--out", tmp_path / "hf")
+    exported = tmp_path.parent / f"{tmp_path.name}-hf"  # beside the run: an export never writes inside its input
+    cli("diff_transformer.export", tmp_path, "--format", "hf", "--out", exported)
     chunk, cfg, _ = framework_model(tmp_path)
     assert any(p.abs().max() > 0 for name, p in chunk.named_parameters() if ".w_d." in name)  # adapted, not the base
     tokens = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ours = chunk(tokens, torch.arange(64)[None].expand_as(tokens), None)
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)(tokens).logits
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)(tokens).logits
     assert (ours - theirs).abs().max().item() < 1e-4
 
 
@@ -310,3 +311,29 @@ def test_dex_refuses_an_already_differential_checkpoint(exported, tmp_path):
     proc = run_train(tmp_path, SMOKE + ["model.attention=dex",
                                         f"checkpoint.load_weights_only={exported / 'diff'}"], expect_rc=2)
     assert "already differential (model.attention=diff)" in single_error_line(proc)
+
+
+@pytest.mark.multiproc
+def test_document_masked_scoring_equals_the_export_fed_one_document_at_a_time(exported, megatron_single_process):
+    """evaluate's inference model with document masking (--document-mask on) scores a stream of two documents as the
+    exported DiffLlama scores each document alone (transformers attends across documents unless fed one at a time:
+    export_info.json says so); without the mask the second document's logits differ."""
+    from diff_transformer.evaluation.inference import load_for_inference, resolve_run
+
+    run = resolve_run(str(exported / "diff"))
+    tokenizer = framework_tokenizer(run.typed_config())
+    text = corpus_text(3000)
+    first, second = tokenizer.encode(text[:700])[:20], tokenizer.encode(text[1500:2200])
+    second = second[:run.seq_length - len(first) - 1]  # one sample of the model's length
+    stream = torch.tensor(first + [tokenizer.eod] + second)[None]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported / "diff_hf", dtype=torch.float32)
+    masked = load_for_inference(run, document_mask=True)
+    with torch.no_grad():
+        ours = masked.logits(stream)[0]
+        alone = [hf(torch.tensor(doc)[None]).logits[0] for doc in (first + [tokenizer.eod], second)]
+    assert (ours - torch.cat(alone)).abs().max().item() < 1e-4
+    masked.document_mask = False
+    with torch.no_grad():
+        across = masked.logits(stream)[0]
+    assert (across[len(first) + 1:] - alone[1]).abs().max().item() > 1e-2
+    assert "attends across documents" in json.loads((exported / "diff_hf" / "export_info.json").read_text())["documents"]

@@ -48,15 +48,18 @@ ALLOWED = {
         "diff_transformer.compat", "diff_transformer.distributed", "diff_transformer.fileio", "data",
     ),
     # command-line entry points over the libraries
-    "diff_transformer.checkpoint": ("diff_transformer.training", "diff_transformer.cli"),
+    # (every entry point may check its output with the torch-free fileio before it imports a library)
+    "diff_transformer.checkpoint": ("diff_transformer.training", "diff_transformer.cli", "diff_transformer.fileio"),
     "diff_transformer.compare": ("diff_transformer.analysis", "diff_transformer.cli"),
     "diff_transformer.quickstart": ("diff_transformer.analysis", "diff_transformer.fileio"),
     # export refuses a path that is no checkpoint before it imports torch: the torch-free checkpoint layout
-    "diff_transformer.export": ("diff_transformer.hf", "diff_transformer.training.checkpoint_files", "diff_transformer.cli"),
-    "diff_transformer.import_hf": ("diff_transformer.hf", "diff_transformer.cli"),
+    "diff_transformer.export": ("diff_transformer.hf", "diff_transformer.training.checkpoint_files", "diff_transformer.cli",
+                                "diff_transformer.fileio"),
+    "diff_transformer.import_hf": ("diff_transformer.hf", "diff_transformer.cli", "diff_transformer.fileio"),
     # evaluate reports each checkpoint's peak memory with the trainer's measurement (training.accounting)
     "diff_transformer.evaluate": ("diff_transformer.evaluation", "diff_transformer.distributed",
-                                  "diff_transformer.training.accounting", "diff_transformer.cli"),
+                                  "diff_transformer.training.accounting", "diff_transformer.cli",
+                                  "diff_transformer.fileio"),
     "diff_transformer.analyze": ("diff_transformer.evaluation", "diff_transformer.distributed",
                                  "diff_transformer.evaluate", "diff_transformer.cli"),
     # the job's config, the memory plan train.py runs (refused at submission), data.preprocess's command line and

@@ -1,13 +1,14 @@
 """TP=2 equals TP=1 and PP=2 equals PP=1 (same seed, same data), for DIFF and the vanilla baseline, over gloo; the
 same launches check trainer.fusions: the TP=2 and PP=2 runs have every fusion on (fused RoPE, SwiGLU, cross-entropy,
 the Triton DIFF epilogue in Triton's interpreter), the single-process references none, and DIFF also runs fused in
-one process (with a profiled step)."""
+one process (with a profiled step). DIFF's runs train on short documents with document masking and per-document
+positions (several documents a sample), so the document ids also cross the pipeline stages and the TP ranks."""
 
 import json
 
 import pytest
 
-from tests.train_runs import read_metrics, run_train
+from tests.train_runs import read_metrics, run_train, short_document_shards
 
 STEPS = 20
 COMMON = ["experiment=smoke", f"trainer.max_steps={STEPS}", "trainer.eval_interval=0", "optim.warmup_steps=2"]
@@ -19,13 +20,15 @@ PROFILED_STEP = STEPS - 1
 
 @pytest.fixture(scope="module")
 def single_process_runs(tmp_path_factory):
-    runs = {}
+    runs = {"data": {"vanilla": [], "diff": short_document_shards(tmp_path_factory.mktemp("short_documents")) + [
+        "data.document_mask=true", "data.reset_position_ids=true"]}}
     for kind in ("diff", "vanilla"):
         run_dir = tmp_path_factory.mktemp(f"{kind}-tp1")
-        run_train(run_dir, COMMON + [f"model.attention={kind}"])
+        run_train(run_dir, COMMON + runs["data"][kind] + [f"model.attention={kind}"])
         runs[kind] = read_metrics(run_dir)
     fused = tmp_path_factory.mktemp("diff-tp1-fused")
-    run_train(fused, COMMON + FUSED + ["model.attention=diff", f"trainer.profile_step={PROFILED_STEP}"], env=FUSED_ENV)
+    run_train(fused, COMMON + FUSED + runs["data"]["diff"] + ["model.attention=diff",
+                                                            f"trainer.profile_step={PROFILED_STEP}"], env=FUSED_ENV)
     runs["diff-fused"] = read_metrics(fused)
     runs["diff-fused-dir"] = fused
     return runs
@@ -47,7 +50,8 @@ def assert_same_losses(got_run, reference, kind, loss_tol, grad_norm_rel):
 @pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2"], ids=["tp2", "pp2"])
 @pytest.mark.parametrize("kind", ["diff", "vanilla"])
 def test_two_way_model_parallel_with_fusions_matches_single_process_without(kind, layout, single_process_runs, tmp_path):
-    run_train(tmp_path, COMMON + FUSED + [f"model.attention={kind}", layout], nproc=2, env=FUSED_ENV)
+    run_train(tmp_path, COMMON + FUSED + single_process_runs["data"][kind] + [f"model.attention={kind}", layout],
+              nproc=2, env=FUSED_ENV)
     parallel, reference = read_metrics(tmp_path), single_process_runs[kind]
     # TP's reductions add in another order (1e-6 relative in DIFF's first gradient norm); a norm near a spike
     # amplifies that over 20 steps (DIFF at TP=2, step 15: 3.2e-4 relative, the loss within 2e-6)

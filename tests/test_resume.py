@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from diff_transformer.training.checkpoint import LATEST_FILE, checkpoint_name, is_complete, read_trainer_state
-from tests.train_runs import REPO, read_metrics, run_train, train_command, train_env
+from tests.train_runs import REPO, read_metrics, run_train, short_document_shards, train_command, train_env
 
 STEPS = 4  # 2N: the resumed runs start from the checkpoint at step N = 2
 SHORT_RUN = [
@@ -41,9 +41,11 @@ def ckpt(run_dir, step):
 # ------------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def diff_tp2(tmp_path_factory):
-    """DIFF at TP=2 with the distributed optimizer: uninterrupted, resumed at TP=2, resumed at TP=1."""
+    """DIFF at TP=2 with the distributed optimizer: uninterrupted, resumed at TP=2, resumed at TP=1; on short documents
+    with document masking and per-document positions (a resume must continue the same masked samples)."""
     root = tmp_path_factory.mktemp("diff_tp2")
-    overrides = SHORT_RUN + ["model.attention=diff", "parallel.distributed_optimizer=true"]
+    documents = short_document_shards(root / "data") + ["data.document_mask=true", "data.reset_position_ids=true"]
+    overrides = SHORT_RUN + documents + ["model.attention=diff", "parallel.distributed_optimizer=true"]
     run_train(root / "full", overrides + ["parallel.tp=2"], nproc=2)
     run_train(root / "resumed_tp2", overrides + ["parallel.tp=2", f"checkpoint.resume={ckpt(root / 'full', 2)}"], nproc=2)
     run_train(root / "resumed_tp1", overrides + [f"checkpoint.resume={ckpt(root / 'full', 2)}"])

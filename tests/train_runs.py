@@ -50,3 +50,20 @@ def run_train(run_dir, overrides, nproc: int = 1, expect_rc: int = 0, timeout: i
 def read_metrics(run_dir):
     with open(Path(run_dir) / "metrics.jsonl") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def short_document_shards(root) -> list:
+    """train.py overrides for a shard of the bundled corpus cut into short documents (data/short_documents.py, mean
+    200 characters: about 60 tokens, several documents in each sample of the debug model), tokenized with the bundled
+    corpus's tokenizer, under ``root``."""
+    from data.config import DataConfig
+    from data.datasets import prepare
+    from data.preprocess import preprocess
+    from data.short_documents import write_short_documents
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tokenizer_dir = prepare(DataConfig()).tokenizer_dir
+    write_short_documents(str(root / "short.jsonl"), mean_chars=200, max_chars=400_000)
+    preprocess([str(root / "short.jsonl")], tokenizer_dir, str(root / "short"))
+    return ["data.source=shards", f"data.tokenizer_dir={tokenizer_dir}", f"data.blend=[{root / 'short'}]"]

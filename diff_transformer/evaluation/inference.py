@@ -34,6 +34,7 @@ from omegaconf import OmegaConf
 
 from diff_transformer.config import Config, ModelConfig, padded_vocab_size
 from diff_transformer.distributed import all_gather_tensor, init_distributed, world_size_from_env
+from diff_transformer.models.documents import packed_documents
 from diff_transformer.models.gpt import build_model_chunk, lambda_values, resolve_precision, set_dex_anneal
 from diff_transformer.models.layer_specs import variant_label
 from diff_transformer.models.ring_attention import context_parallel_chunks, load_balanced_indices
@@ -163,6 +164,12 @@ class InferenceModel:
         self.cp = parallel_state.get_context_parallel_world_size()
         self.cp_rank = parallel_state.get_context_parallel_rank()
         self.cp_group = parallel_state.get_context_parallel_group()
+        # document masking (the run's data.document_mask, or evaluate's --document-mask) needs the EOD token's id
+        self.document_mask = bool(cfg.data.document_mask)
+        self.reset_position_ids = bool(cfg.data.reset_position_ids)
+        self.eod: Optional[int] = None
+        if self.document_mask or self.reset_position_ids:
+            self.eod = load_run_tokenizer(run).eod
 
     @property
     def seq_length(self) -> int:
@@ -209,17 +216,34 @@ class InferenceModel:
         s = tokens.shape[-1]
         if self.cp == 1:
             positions = torch.arange(s, device=self.device)
-            return score(self.model(tokens, positions.expand_as(tokens), None), positions)
+            documents = self._documents(tokens)
+            return score(self.model(tokens, positions.expand_as(tokens), None, packed_seq_params=documents),
+                         positions)
         padded = -(-s // (2 * self.cp)) * 2 * self.cp
         tokens = F.pad(tokens, (0, padded - s))
         positions = load_balanced_indices(padded, self.cp, self.cp_rank).to(self.device)
         local = context_parallel_chunks(tokens, self.cp, self.cp_rank, dim=1)
-        scores = score(self.model(local, positions.expand_as(local), None), positions.clamp(max=s - 1))
+        documents = self._documents(tokens, local=lambda t: context_parallel_chunks(t, self.cp, self.cp_rank, dim=1))
+        scores = score(self.model(local, positions.expand_as(local), None, packed_seq_params=documents),
+                       positions.clamp(max=s - 1))
         gathered = all_gather_tensor(scores, self.cp_group)
         order = torch.cat([load_balanced_indices(padded, self.cp, r) for r in range(self.cp)]).to(self.device)
         out = torch.empty_like(torch.cat(gathered, dim=1))
         out[:, order] = torch.cat(gathered, dim=1)
         return out[:, :s]
+
+    def _documents(self, tokens: torch.Tensor, local=None):
+        """The packed documents of (b, s) inputs under document masking or per-document positions (None without):
+        ids from the EOD tokens, as training draws them; ``local`` takes a context-parallel rank's chunks."""
+        if self.eod is None:
+            return None
+        from data.datasets import document_ids, document_positions
+
+        ids = document_ids(tokens, self.eod)
+        positions = document_positions(ids) if self.reset_position_ids else None
+        local = local or (lambda t: t)
+        return packed_documents(local(ids) if self.document_mask else None,
+                                local(positions) if positions is not None else None, tokens.shape[-1])
 
     def lambdas(self) -> List[float]:
         """DIFF V1's per-layer λ (empty for other kinds)."""
@@ -240,14 +264,17 @@ def _saved_padded_vocab(run: RunInfo, cfg: Config) -> int:
 
 
 def inference_config(run: RunInfo, attention_backend: Optional[str] = None, seq_length: Optional[int] = None,
-                     cp: int = 1) -> Config:
+                     cp: int = 1, document_mask: Optional[bool] = None) -> Config:
     """The run's config laid out for inference: TP=PP=1, no sequence parallelism or recomputation, the sequence split
-    over ``cp`` ranks (context parallelism), the context ``seq_length`` (default: the run's)."""
+    over ``cp`` ranks (context parallelism), the context ``seq_length`` (default: the run's), document masking as
+    the run trained (``document_mask``: on or off instead)."""
     from diff_transformer.config import validate_attention_kind, validate_ring_attention
 
     cfg = run.typed_config()
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.sequence_parallel = 1, 1, cp, False
     cfg.trainer.recompute, cfg.trainer.recompute_layers = "none", None
+    if document_mask is not None:
+        cfg.data.document_mask = document_mask
     if attention_backend is not None:
         cfg.model.attention_backend = attention_backend
         validate_attention_kind(cfg.model)
@@ -285,14 +312,15 @@ def load_weights(model: torch.nn.Module, run: RunInfo, cfg: Config) -> None:
 
 
 def load_for_inference(run: RunInfo, attention_backend: Optional[str] = None, seq_length: Optional[int] = None,
-                       cp: int = 1) -> InferenceModel:
+                       cp: int = 1, document_mask: Optional[bool] = None) -> InferenceModel:
     """Build the run's model at TP=1/PP=1 on this process's device and load its weights.
 
     Starts the process group if none is (a world of one, or torchrun's world: every rank then holds the whole model);
     an existing one must have TP=PP=1. ``attention_backend`` overrides the trained one (``eager`` materialises maps);
-    ``seq_length`` the context length; ``cp`` splits each sequence over that many ranks (the world must be a multiple).
+    ``seq_length`` the context length; ``cp`` splits each sequence over that many ranks (the world must be a multiple);
+    ``document_mask`` (None: as the run trained) keeps attention within the documents the EOD tokens delimit.
     """
-    cfg = inference_config(run, attention_backend, seq_length, cp)
+    cfg = inference_config(run, attention_backend, seq_length, cp, document_mask)
     if world_size_from_env() % cp:
         raise ValueError(f"--cp {cp} does not divide the world of {world_size_from_env()} processes; launch a "
                          f"multiple of {cp} processes (torchrun --nproc_per_node)")

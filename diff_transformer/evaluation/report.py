@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
-from diff_transformer.fileio import atomic_write_text
+from diff_transformer.fileio import atomic_write_text, replace_directory, staging_directory
 
 
 class Progress:
@@ -79,6 +81,21 @@ REPO = Path(__file__).resolve().parent.parent.parent
 def output_dir(out: Optional[str], tool: str) -> Path:
     """``--out``, or outputs/<tool>/<time> under the repository."""
     return Path(out).resolve() if out else REPO / "outputs" / tool / time.strftime("%Y-%m-%d_%H-%M-%S")
+
+
+@contextlib.contextmanager
+def writing_output(final: Path, command: str) -> Iterator[Path]:
+    """A staging directory beside ``final`` to write the results in; on success it replaces ``final`` (an earlier
+    output of ``command`` replaced, anything else moved aside), on failure it is removed."""
+    staging = Path(staging_directory(str(final)))
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    moved = replace_directory(staging, final, command)
+    if moved:
+        print(f"what {final} held before is kept in {moved}")
 
 
 def unique_labels(labels: Sequence[str]) -> List[str]:

@@ -109,6 +109,7 @@ def _query_masks(sample: niah.Sample, row: int) -> List[torch.Tensor]:
 
 
 def haystack_stream(model, max_tokens: int, tokenizer_override: Optional[str] = None) -> np.ndarray:
-    """The run's validation split: the default haystack corpus."""
+    """The run's validation split: the default haystack corpus (under document masking without its EOD tokens, so
+    that a prompt is one document)."""
     stream, _ = validation_stream(model.run.config, max_tokens, tokenizer_override)
-    return stream
+    return stream[stream != model.eod] if model.document_mask else stream

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from typing import Any, Dict, Optional
 
@@ -28,7 +27,7 @@ import torch
 from data.datasets import prepare
 from data.tokenizer import Tokenizer, load_tokenizer
 from diff_transformer.distributed import destroy_distributed, init_distributed
-from diff_transformer.fileio import replace_directory
+from diff_transformer.fileio import replace_directory, staging_directory
 from diff_transformer.hf.convert import architecture, export_refusal, hf_config_kwargs, to_hf_state_dict
 from diff_transformer.training.checkpoint import resolve_checkpoint_path
 from diff_transformer.training.checkpoint_tools import load_single_rank_model, saved_config
@@ -57,8 +56,10 @@ def import_transformers():
     return transformers
 
 
-def export_hf(checkpoint: str, out_dir: str, dtype: str = "float32", tokenizer_dir: Optional[str] = None) -> Dict[str, Any]:
-    """Write checkpoint ``checkpoint`` as a transformers directory ``out_dir`` (replaced atomically if it exists).
+def export_hf(checkpoint: str, out_dir: str, dtype: str = "float32", tokenizer_dir: Optional[str] = None, *,
+              writer: str) -> Dict[str, Any]:
+    """Write checkpoint ``checkpoint`` as a transformers directory ``out_dir``, marked as ``writer``'s output (its
+    earlier output replaced atomically; anything else there moved aside: ``fileio.replace_directory``).
     ``tokenizer_dir``: None for the tokenizer the run trained with, ``"none"`` for no tokenizer files. ValueError
     for what cannot be exported (an attention kind with no transformers architecture, a tokenizer that does not fit
     the model)."""
@@ -90,9 +91,7 @@ def export_hf(checkpoint: str, out_dir: str, dtype: str = "float32", tokenizer_d
         special = {"bos": tokenizer.eod, "eos": tokenizer.eod, "pad": getattr(tokenizer, "_pad", None)}
 
     out_dir = os.path.abspath(out_dir)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", dir=parent)
+    staging = staging_directory(out_dir)
     try:
         _save_model(transformers, cfg.model, hf_sd, vocab, special, DTYPES[dtype], staging)
         if tokenizer is not None:
@@ -110,19 +109,25 @@ def export_hf(checkpoint: str, out_dir: str, dtype: str = "float32", tokenizer_d
             },
             "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "transformers": transformers.__version__,
+            # transformers' models attend across EOD tokens: a run trained with data.document_mask computes as it
+            # trained on one document at a time (or under an attention mask that keeps each document to itself)
+            "documents": "attends across documents unless given one document at a time or an attention mask that "
+                         "keeps each document to itself" + (
+                             "; trained with document masking (data.document_mask)"
+                             if cfg.data.document_mask else ""),
         }
         with open(os.path.join(staging, "export_info.json"), "w") as f:
             json.dump(info, f, indent=2)
         os.chmod(staging, 0o755)  # mkdtemp's 0700 and temporary files' 0600: a model directory others may read
         for name in os.listdir(staging):
             os.chmod(os.path.join(staging, name), 0o644)
-        replace_directory(staging, out_dir)
+        moved_aside = replace_directory(staging, out_dir, writer)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     logger.info("exported %s (step %d, %s) to %s as %s", path, state["step"], cfg.model.attention, out_dir,
                 info["architecture"])
-    return {**info, "path": out_dir}
+    return {**info, "path": out_dir, "moved_aside": moved_aside}
 
 
 def _save_model(transformers, model, hf_sd, vocab, special, dtype, out_dir) -> None:

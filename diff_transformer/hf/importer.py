@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from typing import Any, Dict, Optional
 
@@ -25,7 +24,7 @@ from data.tokenizer import import_sentencepiece, load_tokenizer
 from diff_transformer import compat
 from diff_transformer.config import Config, padded_vocab_size, validate
 from diff_transformer.distributed import destroy_distributed, init_distributed
-from diff_transformer.fileio import replace_directory
+from diff_transformer.fileio import replace_directory, staging_directory
 from diff_transformer.hf.convert import from_hf_state_dict, model_config_from_hf
 from diff_transformer.models.gpt import build_model_chunk, count_parameters
 from diff_transformer.training.checkpoint import FORMAT_VERSION, write_checkpoint_state
@@ -64,9 +63,11 @@ def read_hf_weights(hf_dir: str) -> Dict[str, torch.Tensor]:
     raise ValueError(f"{hf_dir} holds no weights (model.safetensors, pytorch_model.bin or their sharded indexes)")
 
 
-def import_hf(hf_dir: str, out: str, seq_length: Optional[int] = None, name: Optional[str] = None) -> Dict[str, Any]:
-    """Write the Llama model in ``hf_dir`` as a checkpoint ``out`` (replaced if it exists). ValueError naming the
-    problem for anything that is not a Llama this framework can represent."""
+def import_hf(hf_dir: str, out: str, seq_length: Optional[int] = None, name: Optional[str] = None, *,
+              writer: str) -> Dict[str, Any]:
+    """Write the Llama model in ``hf_dir`` as a checkpoint ``out``, marked as ``writer``'s output (its earlier output
+    replaced; anything else there moved aside: ``fileio.replace_directory``). ValueError naming the problem for
+    anything that is not a Llama this framework can represent."""
     hf_dir = os.path.abspath(hf_dir)
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(config_path):
@@ -85,8 +86,7 @@ def import_hf(hf_dir: str, out: str, seq_length: Optional[int] = None, name: Opt
     sd = from_hf_state_dict(cfg.model, hf_weights, padded)
 
     out = os.path.abspath(out)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=os.path.dirname(out))
+    staging = staging_directory(out)
     try:
         tokenizer_dir = _import_tokenizer(hf_dir, os.path.join(staging, TOKENIZER_SUBDIR), cfg.model.vocab_size)
         num_parameters = _save_checkpoint(cfg, sd, padded, staging)
@@ -108,13 +108,14 @@ def import_hf(hf_dir: str, out: str, seq_length: Optional[int] = None, name: Opt
         }
         write_checkpoint_state(staging, state)  # last: it marks the checkpoint complete, then its manifest
         os.chmod(staging, 0o755)
-        replace_directory(staging, out)
+        moved_aside = replace_directory(staging, out, writer)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     tokenizer_path = os.path.join(out, TOKENIZER_SUBDIR) if tokenizer_dir else None
     logger.info("imported %s (%s parameters) to %s", hf_dir, f"{num_parameters:,}", out)
-    return {"path": out, "model": model, "num_parameters": num_parameters, "tokenizer_dir": tokenizer_path}
+    return {"path": out, "model": model, "num_parameters": num_parameters, "tokenizer_dir": tokenizer_path,
+            "moved_aside": moved_aside}
 
 
 def _import_tokenizer(hf_dir: str, out_dir: str, model_vocab: int) -> Optional[str]:

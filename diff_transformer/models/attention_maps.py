@@ -1,10 +1,12 @@
 """The protocol through which every attention kind exposes its maps, and the hooks that capture them.
 
-A core attention module of any kind implements ``attention_maps(query, key, value, attention_bias=None, rows=None)``:
+A core attention module of any kind implements ``attention_maps(query, key, value, attention_bias=None, rows=None,
+document_ids=None)``:
 from the same inputs its ``forward`` receives (megatron's ``[s, b, heads, d]`` query, key and value after RoPE, and
 ``attention_bias``, DIFF V2's λ logits), it returns an :class:`AttentionMaps` for this rank's heads, computed eagerly
 in fp32. ``rows`` (a 1-D tensor of query positions) restricts the maps to those query rows, so that a caller can
-bound memory by walking the rows in blocks or look only at the rows it cares about.
+bound memory by walking the rows in blocks or look only at the rows it cares about. ``document_ids`` (b, keys), the
+documents of packed samples (document masking), keeps each row within its own document.
 
 :func:`capture_attention` registers forward pre-hooks that call it for the duration of a ``with`` block, whatever the
 module's backend is (the maps are recomputed from q and k; the forward itself runs unchanged). Outside the block no
@@ -31,7 +33,8 @@ class AttentionMaps:
     ``combined``: the weights the kind applies to V: A for softmax kinds, A1 − λA2 for differential ones, A ⊙ G for
     the signed mask; rows need not sum to 1 and may be negative. ``lam``: λ broadcastable to ``combined`` (a 0-dim
     tensor for DIFF V1, ``(b, heads, rows, 1)`` for DIFF V2's per-token λ), None for softmax kinds. ``rows``: the
-    absolute query position of each row.
+    absolute query position of each row. ``document_ids``: (b, keys) under document masking (a row sees only its own
+    document), else None.
     """
 
     components: Dict[str, torch.Tensor]
@@ -39,6 +42,7 @@ class AttentionMaps:
     combined: torch.Tensor
     rows: torch.Tensor
     lam: Optional[torch.Tensor] = None
+    document_ids: Optional[torch.Tensor] = None
 
     @property
     def differential(self) -> bool:
@@ -48,10 +52,15 @@ class AttentionMaps:
     def num_keys(self) -> int:
         return self.combined.shape[-1]
 
-    def key_mask(self) -> torch.Tensor:
-        """(rows, keys) bool: True where the row's query sees the key (causal)."""
+    def key_mask(self, sample: int = 0) -> torch.Tensor:
+        """(rows, keys) bool: True where the row's query sees the key (causal; under document masking only the keys
+        of its own document in sample ``sample``)."""
         cols = torch.arange(self.num_keys, device=self.rows.device)
-        return cols[None, :] <= self.rows[:, None]
+        visible = cols[None, :] <= self.rows[:, None]
+        if self.document_ids is not None:
+            ids = self.document_ids[sample].to(self.rows.device)
+            visible = visible & (ids[self.rows][:, None] == ids[None, :])
+        return visible
 
 
 def query_rows(num_queries: int, num_keys: int, rows: Optional[torch.Tensor], device) -> torch.Tensor:
@@ -61,14 +70,20 @@ def query_rows(num_queries: int, num_keys: int, rows: Optional[torch.Tensor], de
     return rows.to(device)
 
 
-def causal_logits(q: torch.Tensor, k: torch.Tensor, scale: float, rows: torch.Tensor) -> torch.Tensor:
-    """q·kᵀ·scale in fp32 with −inf on future keys. q (b, h, n, d) holds every query (n positions ending at the last
-    key), k (b, h, sk, d); returns (b, h, len(rows), sk) for the query positions ``rows``."""
+def causal_logits(q: torch.Tensor, k: torch.Tensor, scale: float, rows: torch.Tensor,
+                  document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """q·kᵀ·scale in fp32 with −inf on future keys (and, with ``document_ids`` (b, sk), on other documents' keys).
+    q (b, h, n, d) holds every query (n positions ending at the last key), k (b, h, sk, d); returns
+    (b, h, len(rows), sk) for the query positions ``rows``."""
     offset = k.shape[-2] - q.shape[-2]
     q = q.index_select(-2, rows - offset)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     cols = torch.arange(k.shape[-2], device=q.device)
-    return scores.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+    scores = scores.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+    if document_ids is not None:
+        ids = document_ids.to(q.device)
+        scores = scores.masked_fill((ids[:, rows][:, :, None] != ids[:, None, :])[:, None], float("-inf"))
+    return scores
 
 
 def attention_modules(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
@@ -91,10 +106,12 @@ def capture_attention(
     def hook(module, args, kwargs):
         query, key, value = args[:3]
         bias = kwargs.get("attention_bias")
+        document_ids = getattr(kwargs.get("packed_seq_params"), "document_ids", None)  # document masking
 
         def maps_for(rows: Optional[torch.Tensor] = None) -> AttentionMaps:
             with torch.no_grad():
-                return module.attention_maps(query, key, value, attention_bias=bias, rows=rows)
+                return module.attention_maps(query, key, value, attention_bias=bias, rows=rows,
+                                             document_ids=document_ids)
 
         maps_for.num_queries, maps_for.num_keys = query.shape[0], key.shape[0]
         on_maps(module.layer_number, maps_for)

@@ -138,6 +138,30 @@ def transformer_config(
     )
 
 
+class PackedGPTModel(GPTModel):
+    """megatron-core's GPTModel whose RoPE takes each token's position from the micro-batch's
+    :class:`PackedDocuments` when it carries positions restarting per document (``data.reset_position_ids``);
+    otherwise exactly GPTModel (megatron's RoPE ignores ``position_ids``)."""
+
+    def _preprocess(self, *args, packed_seq_params=None, **kwargs):
+        output = super()._preprocess(*args, packed_seq_params=packed_seq_params, **kwargs)
+        positions = getattr(packed_seq_params, "position_ids", None)
+        if positions is None or output[1] is None:
+            return output
+        return (output[0], self.rotary_positions(positions), *output[2:])
+
+    def rotary_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """RoPE's angles [s, b, 1, dim] for positions (b, s) of this rank's tokens, as megatron-core's
+        ``RotaryEmbedding.get_emb`` computes them for 0..s−1 (the rotate-half layout: the angles twice)."""
+        rope = self.rotary_pos_emb
+        inv_freq = rope.inv_freq.to(position_ids.device)
+        positions = position_ids.to(inv_freq.dtype)
+        if rope.seq_len_interpolation_factor is not None:
+            positions = positions * (1 / rope.seq_len_interpolation_factor)
+        angles = positions.transpose(0, 1)[..., None] * inv_freq  # [s, b, dim/2]
+        return torch.cat((angles, angles), dim=-1)[:, :, None, :]
+
+
 def build_model_chunk(
     cfg: Any, vocab_size: int, dtype: torch.dtype = torch.float32, perform_init: bool = True,
     grad_accumulation_fusion: bool = False,
@@ -150,7 +174,7 @@ def build_model_chunk(
     block_spec = TransformerBlockSubmodules(
         layer_specs=[layer_spec] * get_num_layers_to_build(config), layer_norm=RMSNorm  # RMSNorm: the final norm
     )
-    return GPTModel(
+    return PackedGPTModel(
         config=config,
         transformer_layer_spec=block_spec,
         vocab_size=vocab_size,

@@ -49,6 +49,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from diff_transformer.distributed import ring_exchange
+from diff_transformer.models.documents import document_segments, documents_overlap
 
 IMPLEMENTATIONS = ("eager", "sdpa")  # the single-map block primitives; DIFF V1 and V2 also ring with "triton"
 
@@ -87,25 +88,29 @@ def _accumulation_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _causal_scores(q, k, scale, causal):
+def _causal_scores(q, k, scale, causal, same_document=None):
     dtype = _accumulation_dtype(q)
     scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale
     if causal:
         sq, sk = scores.shape[-2:]
         visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
         scores = scores.masked_fill(~visible, float("-inf"))
+    if same_document is not None:
+        scores = scores.masked_fill(~same_document, float("-inf"))
     return scores
 
 
-def _eager_forward(q, k, v, scale, causal):
-    scores = _causal_scores(q, k, scale, causal)
+def _eager_forward(q, k, v, scale, causal, same_document=None):
+    scores = _causal_scores(q, k, scale, causal, same_document)
     lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - lse[..., None]), v.to(scores.dtype)), lse
+    # a row that sees no key of the block (another document) gets LSE −inf and an output of 0, not NaN
+    finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.matmul(torch.exp(scores - finite_lse[..., None]), v.to(scores.dtype)), lse
 
 
-def _eager_backward(grad_out, q, k, v, out, lse, scale, causal):
+def _eager_backward(grad_out, q, k, v, out, lse, scale, causal, same_document=None):
     dtype = _accumulation_dtype(q)
-    p = torch.exp(_causal_scores(q, k, scale, causal) - lse.to(dtype)[..., None])
+    p = torch.exp(_causal_scores(q, k, scale, causal, same_document) - lse.to(dtype)[..., None])
     grad_out = grad_out.to(dtype)
     grad_v = torch.matmul(p.transpose(-1, -2), grad_out)
     delta = (grad_out * out.to(dtype)).sum(-1, keepdim=True)  # rowsum(dO ∘ O) of the merged output
@@ -197,22 +202,67 @@ def _lse_rows(q) -> int:
     return sq if torch.version.hip else math.ceil(sq / 32) * 32
 
 
-def block_forward(q, k, v, scale: float, causal: bool, impl: str) -> Tuple[torch.Tensor, torch.Tensor]:
+def _shared_documents(q_ids, k_ids):
+    """The sub-blocks of a block in which queries and keys share a document: (sample, query rows, key columns), each
+    one document's contiguous rows and columns (ids are non-decreasing)."""
+    blocks = []
+    q_ids, k_ids = q_ids.cpu(), k_ids.cpu()  # one host copy each
+    for i, (q_spans, k_spans) in enumerate(zip(document_segments(q_ids), document_segments(k_ids))):
+        k_by_document = {int(k_ids[i, a]): (a, e) for a, e in k_spans}
+        for a, e in q_spans:
+            keys = k_by_document.get(int(q_ids[i, a]))
+            if keys is not None:
+                blocks.append((i, slice(a, e), slice(*keys)))
+    return blocks
+
+
+def _one_document(q_ids, k_ids) -> bool:
+    """Whether each sample's queries and keys of the block all lie in one document: then the mask changes nothing."""
+    first = q_ids[:, :1]
+    return bool((q_ids == first).all() and (k_ids == first).all())
+
+
+def block_forward(q, k, v, scale: float, causal: bool, impl: str, q_ids=None,
+                  k_ids=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """softmax(q·kᵀ·scale [+ causal mask])·v and its LSE (natural log, fp32 or fp64) for one map; q (b, h, sq, d),
-    k (b, h, sk, d), v (b, h, sk, dv), the same heads (GQA already expanded); causal blocks are square."""
-    if impl == "eager":
-        return _eager_forward(q, k, v, scale, causal)
-    if impl != "sdpa":
+    k (b, h, sk, d), v (b, h, sk, dv), the same heads (GQA already expanded); causal blocks are square. With the
+    document ids of the queries and keys ((b, sq), (b, sk)), a query sees only keys of its document (LSE −inf and
+    output 0 where it sees none): ``eager`` masks the block, ``sdpa`` runs the kernel on each shared document's
+    sub-block."""
+    if impl not in IMPLEMENTATIONS:
         raise ValueError(f"ring attention implementation {impl!r} is unknown; use one of {', '.join(IMPLEMENTATIONS)}")
-    return _sdpa_forward(q, k, v, scale, causal)
-
-
-def block_backward(grad_out, q, k, v, out, lse, scale: float, causal: bool, impl: str):
-    """(dq, dk, dv) of one block, given the map's merged output ``out`` and LSE over every key block: the block's
-    share of the gradients of the whole attention."""
     if impl == "eager":
-        return _eager_backward(grad_out, q, k, v, out, lse, scale, causal)
-    return _sdpa_backward(grad_out, q, k, v, out, lse, scale, causal)
+        mask = (q_ids[:, :, None] == k_ids[:, None, :]).unsqueeze(1) if q_ids is not None else None
+        return _eager_forward(q, k, v, scale, causal, mask)
+    primitive = _sdpa_forward
+    if q_ids is None or _one_document(q_ids, k_ids):
+        return primitive(q, k, v, scale, causal)
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=_accumulation_dtype(q), device=q.device)
+    for i, rows, cols in _shared_documents(q_ids, k_ids):
+        o, l = primitive(q[i:i + 1, :, rows], k[i:i + 1, :, cols], v[i:i + 1, :, cols], scale, causal)
+        out[i:i + 1, :, rows], lse[i:i + 1, :, rows] = o.to(out.dtype), l.to(lse.dtype)
+    return out, lse
+
+
+def block_backward(grad_out, q, k, v, out, lse, scale: float, causal: bool, impl: str, q_ids=None, k_ids=None):
+    """(dq, dk, dv) of one block, given the map's merged output ``out`` and LSE over every key block: the block's
+    share of the gradients of the whole attention (with document ids, as :func:`block_forward` masks)."""
+    if impl == "eager":
+        mask = (q_ids[:, :, None] == k_ids[:, None, :]).unsqueeze(1) if q_ids is not None else None
+        return _eager_backward(grad_out, q, k, v, out, lse, scale, causal, mask)
+    primitive = _sdpa_backward
+    if q_ids is None or _one_document(q_ids, k_ids):
+        return primitive(grad_out, q, k, v, out, lse, scale, causal)
+    dtype = _accumulation_dtype(q)
+    grad_q, grad_k, grad_v = (torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
+    for i, rows, cols in _shared_documents(q_ids, k_ids):
+        dq, dk, dv = primitive(grad_out[i:i + 1, :, rows], q[i:i + 1, :, rows], k[i:i + 1, :, cols],
+                               v[i:i + 1, :, cols], out[i:i + 1, :, rows], lse[i:i + 1, :, rows], scale, causal)
+        grad_q[i:i + 1, :, rows] += dq
+        grad_k[i:i + 1, :, cols] += dk
+        grad_v[i:i + 1, :, cols] += dv
+    return grad_q, grad_k, grad_v
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -312,35 +362,55 @@ def _ring_round_with_gradients(ring, tensors: Sequence[torch.Tensor], chunk: int
     return list(incoming.wait())  # this rank's own block's gradients, back from their round
 
 
-def _ring_forward(ring, impl, scale, key_heads, key, value, queries):
+def _travelling(key, value, document_ids):
+    """What goes around the ring: K and V, and with document masking the keys' document ids."""
+    return (key, value) if document_ids is None else (key, value, document_ids)
+
+
+def _block_documents(document_ids, block, rows, cols):
+    """(query ids, key ids) of a block, None without document masking; False when the block's queries and keys share
+    no document (the block is skipped)."""
+    if document_ids is None:
+        return None
+    q_ids, k_ids = document_ids[:, rows], block[2][:, cols]
+    return (q_ids, k_ids) if documents_overlap(q_ids, k_ids) else False
+
+
+def _ring_forward(ring, impl, scale, key_heads, key, value, queries, document_ids):
     acc = _accumulation_dtype(key)
     outs: List[Optional[torch.Tensor]] = [None] * len(queries)
     lses: List[Optional[torch.Tensor]] = [None] * len(queries)
 
     def visit(step, rows, cols, causal, block):
+        ids = _block_documents(document_ids, block, rows, cols)
+        if ids is False:
+            return
         k_block, v_block = block[0][..., cols, :], block[1][..., cols, :]
         for m, q in enumerate(queries):
             k_map = k_block[:, key_heads[m]]
             groups = q.shape[1] // k_map.shape[1]
             out, lse = block_forward(q[..., rows, :], _expand_heads(k_map, groups), _expand_heads(v_block, groups),
-                                     scale, causal, impl)
-            if step == 0:  # the diagonal block covers every local query
+                                     scale, causal, impl, *(ids or ()))
+            if step == 0:  # the diagonal block covers every local query (each sees itself)
                 outs[m], lses[m] = out.to(acc), lse.to(acc)
             else:
                 _merge(outs[m], lses[m], out, lse.to(acc), rows)
 
-    _ring_round(ring, (key, value), key.shape[-2] // 2, visit)
+    _ring_round(ring, _travelling(key, value, document_ids), key.shape[-2] // 2, visit)
     return [o.to(q.dtype) for o, q in zip(outs, queries)], lses
 
 
-def _ring_backward(ring, impl, scale, key_heads, key, value, queries, outs, lses, grad_outs):
+def _ring_backward(ring, impl, scale, key_heads, key, value, queries, outs, lses, grad_outs, document_ids):
     acc = _accumulation_dtype(key)
     grad_queries = [torch.zeros(q.shape, dtype=acc, device=q.device) for q in queries]
 
     def visit(step, rows, cols, causal, block):
-        k_block, v_block = block[0][..., cols, :], block[1][..., cols, :]
         grad_k = torch.zeros(key.shape, dtype=acc, device=key.device)
         grad_v = torch.zeros(value.shape, dtype=acc, device=value.device)
+        ids = _block_documents(document_ids, block, rows, cols)
+        if ids is False:
+            return grad_k, grad_v
+        k_block, v_block = block[0][..., cols, :], block[1][..., cols, :]
         for m, q in enumerate(queries):
             if grad_outs[m] is None:
                 continue
@@ -349,21 +419,24 @@ def _ring_backward(ring, impl, scale, key_heads, key, value, queries, outs, lses
             dq, dk, dv = block_backward(
                 grad_outs[m][..., rows, :], q[..., rows, :], _expand_heads(k_map, groups),
                 _expand_heads(v_block, groups), outs[m][..., rows, :], lses[m][..., rows], scale, causal, impl,
+                *(ids or ()),
             )
             grad_queries[m][..., rows, :] += dq
             grad_k[:, key_heads[m]][..., cols, :] += _sum_groups(dk, groups)
             grad_v[..., cols, :] += _sum_groups(dv, groups)
         return grad_k, grad_v
 
-    grad_k, grad_v = _ring_round_with_gradients(ring, (key, value), key.shape[-2] // 2, visit)
+    grad_k, grad_v = _ring_round_with_gradients(ring, _travelling(key, value, document_ids), key.shape[-2] // 2,
+                                                visit)
     return grad_queries, grad_k, grad_v
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ring, impl, scale, key_heads, key, value, *queries):
-        outs, lses = _ring_forward(ring, impl, scale, key_heads, key, value, queries)
+    def forward(ctx, ring, impl, scale, key_heads, document_ids, key, value, *queries):
+        outs, lses = _ring_forward(ring, impl, scale, key_heads, key, value, queries, document_ids)
         ctx.ring, ctx.impl, ctx.scale, ctx.key_heads, ctx.maps = ring, impl, scale, key_heads, len(queries)
+        ctx.document_ids = document_ids
         ctx.save_for_backward(key, value, *queries, *outs, *lses)
         return tuple(outs)
 
@@ -373,26 +446,28 @@ class _RingAttention(torch.autograd.Function):
         m = ctx.maps
         queries, outs, lses = rest[:m], rest[m:2 * m], rest[2 * m:]
         grad_queries, grad_k, grad_v = _ring_backward(
-            ctx.ring, ctx.impl, ctx.scale, ctx.key_heads, key, value, queries, outs, lses, grad_outs
+            ctx.ring, ctx.impl, ctx.scale, ctx.key_heads, key, value, queries, outs, lses, grad_outs, ctx.document_ids
         )
-        return (None, None, None, None, grad_k.to(key.dtype), grad_v.to(value.dtype),
+        return (None, None, None, None, None, grad_k.to(key.dtype), grad_v.to(value.dtype),
                 *(g.to(q.dtype) for g, q in zip(grad_queries, queries)))
 
 
 def ring_attention(
     queries: Sequence[torch.Tensor], key: torch.Tensor, value: torch.Tensor, key_heads: Sequence[slice], scale: float,
-    ring, impl: str,
+    ring, impl: str, document_ids: Optional[torch.Tensor] = None,
 ) -> List[torch.Tensor]:
     """Causal attention of each map over the whole sequence split across ``ring``; returns each map's output.
 
     ``queries[m]`` (b, heads_m, local s, d) attends with the key heads ``key[:, key_heads[m]]`` of K (b, key heads,
     local s, d) over V (b, value heads, local s, dv), the value heads shared by every map and equal in number to each
-    map's key heads. The local sequence is this rank's two load-balanced chunks (:func:`context_parallel_chunks`)."""
+    map's key heads. The local sequence is this rank's two load-balanced chunks (:func:`context_parallel_chunks`).
+    With ``document_ids`` (b, local s), this rank's tokens' documents, attention stays within each document: the ids
+    travel around the ring with K and V, and a block whose queries and keys share no document is skipped."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"ring attention implementation {impl!r} is unknown; use one of {', '.join(IMPLEMENTATIONS)}")
     if key.shape[-2] % 2:
         raise ValueError(f"a context-parallel rank holds two equal chunks; its {key.shape[-2]} positions are odd")
-    return list(_RingAttention.apply(ring, impl, scale, tuple(key_heads), key, value, *queries))
+    return list(_RingAttention.apply(ring, impl, scale, tuple(key_heads), document_ids, key, value, *queries))
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -415,39 +490,55 @@ def _query_rows(lam: torch.Tensor, rows: slice) -> torch.Tensor:
     return lam[:, rows] if lam.dim() == 3 else lam
 
 
-def _differential_ring_forward(ring, pieces, scale, shared_k, q, k, v, lam):
+def _piece_documents(document_ids, block, rows, cols):
+    """The fused pieces' document arguments for a block (none without document masking): the queries' ids and the
+    visiting keys' (the last tensor travelling with K); the kernels skip the tiles that share no document."""
+    if document_ids is None:
+        return {}
+    return dict(q_document_ids=document_ids[:, rows], k_document_ids=block[-1][:, cols])
+
+
+def _with_documents(tensors, document_ids):
+    """A round's travelling tensors, the keys' document ids last with document masking."""
+    return tuple(tensors) + ((document_ids,) if document_ids is not None else ())
+
+
+def _differential_ring_forward(ring, pieces, scale, shared_k, q, k, v, lam, document_ids):
     chunk = k.shape[1] // 2
     options = dict(shared_k=shared_k, causal_offset=0, softmax_scale=scale)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
 
     def gather_lse(step, rows, cols, causal, block):
-        block_lse = pieces.diff_attn_chunk_lse(q[:, rows], block[0][:, cols], causal=causal, **options)
+        block_lse = pieces.diff_attn_chunk_lse(q[:, rows], block[0][:, cols], causal=causal, **options,
+                                               **_piece_documents(document_ids, block, rows, cols))
         if step == 0:  # the diagonal block covers every local query
             lse.copy_(block_lse)
         else:
             lse[..., rows] = torch.logaddexp(lse[..., rows], block_lse)
 
-    _ring_round(ring, (k,), chunk, gather_lse)  # round 1: K alone, each map's LSE over every key
+    _ring_round(ring, _with_documents((k,), document_ids), chunk, gather_lse)  # round 1: K, each map's LSE
     y = torch.zeros(*q.shape[:2], q.shape[2] // 2, v.shape[3], dtype=torch.float32, device=q.device)
 
     def accumulate(step, rows, cols, causal, block):
         y[:, rows] += pieces.diff_attn_chunk_forward(q[:, rows], block[0][:, cols], block[1][:, cols],
-                                                     _query_rows(lam, rows), lse[..., rows], causal=causal, **options)
+                                                     _query_rows(lam, rows), lse[..., rows], causal=causal, **options,
+                                                     **_piece_documents(document_ids, block, rows, cols))
 
-    _ring_round(ring, (k, v), chunk, accumulate)  # round 2: K and V, each block's exact share of y
+    _ring_round(ring, _with_documents((k, v), document_ids), chunk, accumulate)  # round 2: each block's share of y
     return y, lse
 
 
-def _differential_ring_backward(ring, pieces, scale, shared_k, q, k, v, lam, y, lse, grad_y):
+def _differential_ring_backward(ring, pieces, scale, shared_k, q, k, v, lam, y, lse, grad_y, document_ids):
     chunk = k.shape[1] // 2
     options = dict(shared_k=shared_k, causal_offset=0, softmax_scale=scale)
     r2 = torch.zeros(q.shape[0], q.shape[2] // 2, q.shape[1], dtype=torch.float32, device=q.device)
 
     def gather_r2(step, rows, cols, causal, block):
         r2[..., rows] += pieces.diff_attn_chunk_r2(grad_y[:, rows], q[:, rows], block[0][:, cols], block[1][:, cols],
-                                                   lse[..., rows], causal=causal, **options)
+                                                   lse[..., rows], causal=causal, **options,
+                                                   **_piece_documents(document_ids, block, rows, cols))
 
-    _ring_round(ring, (k, v), chunk, gather_r2)  # round 1: r2 = rowsum(dy ∘ O2) over every key
+    _ring_round(ring, _with_documents((k, v), document_ids), chunk, gather_r2)  # round 1: r2 = rowsum(dy ∘ O2)
     delta = pieces.diff_attn_delta(grad_y, y, lam, r2)
     grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
 
@@ -455,6 +546,7 @@ def _differential_ring_backward(ring, pieces, scale, shared_k, q, k, v, lam, y, 
         dq, dk, dv = pieces.diff_attn_chunk_backward(
             grad_y[:, rows], q[:, rows], block[0][:, cols], block[1][:, cols], _query_rows(lam, rows),
             lse[..., rows], delta[..., rows], causal=causal, **options,
+            **_piece_documents(document_ids, block, rows, cols),
         )
         grad_q[:, rows] += dq
         grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
@@ -462,17 +554,19 @@ def _differential_ring_backward(ring, pieces, scale, shared_k, q, k, v, lam, y, 
         grad_k[:, cols], grad_v[:, cols] = dk, dv
         return grad_k, grad_v
 
-    grad_k, grad_v = _ring_round_with_gradients(ring, (k, v), chunk, gradients)  # round 2: dK, dV travel back
+    grad_k, grad_v = _ring_round_with_gradients(ring, _with_documents((k, v), document_ids), chunk,
+                                                gradients)  # round 2: dK, dV travel back
     grad_lam = (-r2.transpose(1, 2)).sum_to_size(lam.shape)  # y = O1 − λ·O2: dλ = −r2, summed as λ is shared
     return grad_q, grad_k, grad_v, grad_lam
 
 
 class _DifferentialRingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ring, scale, shared_k, q, k, v, lam):
+    def forward(ctx, ring, scale, shared_k, document_ids, q, k, v, lam):
         pieces = fused_kernel_package()
-        y, lse = _differential_ring_forward(ring, pieces, scale, shared_k, q, k, v, lam)
+        y, lse = _differential_ring_forward(ring, pieces, scale, shared_k, q, k, v, lam, document_ids)
         ctx.ring, ctx.scale, ctx.shared_k, ctx.pieces = ring, scale, shared_k, pieces
+        ctx.document_ids = document_ids
         ctx.save_for_backward(q, k, v, lam, y, lse)
         return y
 
@@ -482,21 +576,26 @@ class _DifferentialRingAttention(torch.autograd.Function):
         # the kernels' products take dy in the inputs' dtype (fp32 dy against bf16 V does not compile); δ reads the same
         grad_y = grad_y.to(q.dtype)
         grad_q, grad_k, grad_v, grad_lam = _differential_ring_backward(
-            ctx.ring, ctx.pieces, ctx.scale, ctx.shared_k, q, k, v, lam, y, lse, grad_y
+            ctx.ring, ctx.pieces, ctx.scale, ctx.shared_k, q, k, v, lam, y, lse, grad_y, ctx.document_ids
         )
-        return (None, None, None, grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype),
+        return (None, None, None, None, grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype),
                 grad_lam.to(lam.dtype))
 
 
 def differential_ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, scale: float, ring, shared_k: bool = False,
+    document_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """DIFF's causal attention over the whole sequence split across ``ring``, on the fused kernel's pieces:
     y = O1 − λ·O2 (B, local s, H, Dv) in fp32, before the epilogue; differentiable in q, k, v and λ.
 
     q (B, s, 2H, d), k, v and λ in the layouts of ``kernels.diff_flash_attn`` (V1: k (B, s, 2Hkv, d), v (B, s, Hkv,
     2d), λ 0-dim or (H,)) or, with ``shared_k``, of ``kernels.diff_flash_attn_v2`` (k, v (B, s, Hkv, d), λ (B, s, H));
-    the local sequence is this rank's two load-balanced chunks (:func:`context_parallel_chunks`)."""
+    the local sequence is this rank's two load-balanced chunks (:func:`context_parallel_chunks`). With
+    ``document_ids`` (B, local s) attention stays within each document: the keys' ids travel with K (and V), and the
+    kernels skip the tiles of a block whose queries and keys share no document."""
     if k.shape[1] % 2:
         raise ValueError(f"a context-parallel rank holds two equal chunks; its {k.shape[1]} positions are odd")
-    return _DifferentialRingAttention.apply(ring, scale, shared_k, q, k, v, lam)
+    if document_ids is not None:
+        document_ids = document_ids.to(torch.int32).contiguous()
+    return _DifferentialRingAttention.apply(ring, scale, shared_k, document_ids, q, k, v, lam)

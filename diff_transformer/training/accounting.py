@@ -174,6 +174,10 @@ def activation_bytes_per_layer(cfg: Any, a: int, device: str) -> Dict[str, float
     fused_epilogue = fusions_enabled(cfg, device) and cfg.model.attention == "diff"
     core, keeps_inputs = core_attention_bytes_per_token(m, resolved_backend(m), device, a, fused_epilogue, cp)
     core /= p.tp
+    if getattr(cfg.data, "document_mask", False) and resolved_backend(m) == "eager":
+        # the eager maps' same-document mask, one bool per key and map call on every TP rank, kept for the backward
+        # (the other backends keep none: library calls per document, the kernels' tiles; the ids: 4 bytes a token)
+        core += attention_maps(m)[0] * (m.seq_length // cp)
     return {
         "ring": tokens * ring_bytes_per_token(m, m.attention_backend, device, a, cp) / p.tp,
         "full": tokens * (norms + mlp + out + core + (inputs if keeps_inputs else 0)),
@@ -521,18 +525,27 @@ def attention_maps(model: Any) -> Tuple[int, int, int, int]:
     return 1, query_heads, size, size
 
 
-def attention_flops_per_token(cfg: Any) -> float:
+def attention_flops_per_token(cfg: Any, keys: Optional[float] = None) -> float:
     """Forward FLOPs per token of the attention scores (Q·Kᵀ) and weighted sums (A·V) of every map, all layers:
-    2 FLOPs a multiply-add, over s/2 keys on average (causal).
+    2 FLOPs a multiply-add, over s/2 keys on average (causal), or over ``keys`` a token (document masking: what the
+    mask leaves, :func:`attention_keys_per_token`).
 
     debug (H=2, d=16, s=64, 2 layers): DIFF 2·2·(2·16 + 2·32)·32 per layer = 12,288, 24,576 in all; the baseline
     1·4·(16 + 16)·2·32 = 8,192 per layer."""
     maps, heads, qk, v = attention_maps(cfg.model)
-    keys = cfg.model.seq_length / 2
+    keys = cfg.model.seq_length / 2 if keys is None else keys
     return cfg.model.num_layers * maps * heads * 2 * (qk + v) * keys
 
 
-def attention_backward_flops_per_token(cfg: Any) -> float:
+def attention_keys_per_token(document_ids: torch.Tensor) -> float:
+    """The keys a token attends to on average under document masking, on the causal map's s/2 convention: Σ L²/2
+    over the documents of each sample (lengths L among its tokens), over the tokens. s/2 for one document a sample."""
+    lengths = torch.cat([torch.unique_consecutive(row, return_counts=True)[1] for row in document_ids.reshape(
+        -1, document_ids.shape[-1])])
+    return float((lengths.double() ** 2).sum() / 2 / document_ids.numel())
+
+
+def attention_backward_flops_per_token(cfg: Any, keys: Optional[float] = None) -> float:
     """Backward FLOPs per token of the attention products, all layers (no recomputation: model FLOPs).
 
     A single map needs dQ, dK (over the query/key size) and dP = dO·Vᵀ, dV (over the value size): twice its forward.
@@ -540,7 +553,7 @@ def attention_backward_flops_per_token(cfg: Any) -> float:
     dQ and dK are per map: 2·H·(2d + 2d) + 2·2·H·(d + d) per (query, key) pair and layer, the 8·H·d MACs of the
     2H-head baseline."""
     maps, heads, qk, v = attention_maps(cfg.model)
-    keys = cfg.model.seq_length / 2
+    keys = cfg.model.seq_length / 2 if keys is None else keys
     if cfg.model.attention == "diff":
         macs = heads * 2 * v + maps * heads * 2 * qk
     else:
@@ -548,12 +561,14 @@ def attention_backward_flops_per_token(cfg: Any) -> float:
     return cfg.model.num_layers * 2 * macs * keys
 
 
-def model_flops_per_token(cfg: Any, num_non_embedding_parameters: int, padded_vocab: int) -> float:
+def model_flops_per_token(cfg: Any, num_non_embedding_parameters: int, padded_vocab: int,
+                          keys: Optional[float] = None) -> float:
     """Training FLOPs per token: 6 per weight of every matmul (forward 2, backward 4), the logits layer included
-    (tied or not), plus the attention products forward and backward for the model's attention kind (causal). These
-    are model FLOPs (what MFU divides), not what a given backend executes (recomputation is not counted)."""
+    (tied or not), plus the attention products forward and backward for the model's attention kind (causal; with
+    ``keys``, over that many keys a token: document masking counts only the blocks the mask leaves). These are model
+    FLOPs (what MFU divides), not what a given backend executes (recomputation is not counted)."""
     matmul_weights = num_non_embedding_parameters + padded_vocab * cfg.model.hidden_size
-    return 6 * matmul_weights + attention_flops_per_token(cfg) + attention_backward_flops_per_token(cfg)
+    return 6 * matmul_weights + attention_flops_per_token(cfg, keys) + attention_backward_flops_per_token(cfg, keys)
 
 
 # bf16 dense peak of one device, by CUDA device name (vendor datasheets)

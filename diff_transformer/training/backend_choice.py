@@ -14,7 +14,9 @@ Rank 0 decides, in this order, and every rank follows (``distributed.broadcast_o
    parallelism (``parallel.cp`` > 1) the candidates are the kind's ring backends (DIFF V1 and V2: ``sdpa`` and
    ``triton``), each timed as one CP rank's ring attention over its s/cp tokens, all of the rank's blocks computed
    around a ring that hands the rank its own K and V back (``models.ring_attention.LoopbackRing``): the kernels of
-   a real rank, without the transfers, which the ring overlaps with them.
+   a real rank, without the transfers, which the ring overlaps with them. With document masking
+   (``data.document_mask``) the candidates are timed masked, on the document ids of the run's first training
+   micro-batch, and the key holds its documents a sample.
 
 The decision, how it was reached and the timings go to the log and to ``<run dir>/attention_backend.json``. An
 explicit ``model.attention_backend`` is never replaced.
@@ -61,8 +63,10 @@ def candidates(model: Any, cp: int = 1) -> List[str]:
     return sorted(found, key=lambda b: b != "sdpa")
 
 
-def problem_key(cfg: Any, device_name: str, dtype: torch.dtype, epilogue: str) -> str:
-    """What a timing depends on: the GPU, torch and Triton, the kind and its per-rank shape, dtype and epilogue."""
+def problem_key(cfg: Any, device_name: str, dtype: torch.dtype, epilogue: str,
+                document_ids: Optional[torch.Tensor] = None) -> str:
+    """What a timing depends on: the GPU, torch and Triton, the kind and its per-rank shape, dtype and epilogue (and
+    with document masking, the documents a sample of the micro-batch timed)."""
     m, p = cfg.model, cfg.parallel
     triton_version = None
     if installed("triton"):
@@ -77,6 +81,9 @@ def problem_key(cfg: Any, device_name: str, dtype: torch.dtype, epilogue: str) -
     }
     if (p.cp or 1) > 1:  # the ring's timings (without CP the key is what it always was: cached timings stay valid)
         key["cp"] = p.cp
+    if document_ids is not None:
+        runs = sum(len(torch.unique_consecutive(row)) for row in document_ids)
+        key["documents_per_sample"] = round(runs / document_ids.shape[0], 1)
     return json.dumps(key, sort_keys=True)
 
 
@@ -119,11 +126,13 @@ def decide_attention_backend(
     device_name: Optional[str] = None,
     measure: Optional[Callable[[str], float]] = None,
     record: bool = True,
+    document_ids: Optional[torch.Tensor] = None,
 ) -> Dict[str, Any]:
     """Rank 0's decision for ``auto`` (see the module docstring); writes the run directory's record and returns it:
     {"backend", "how", "timings_ms", "key"}. ``checkpoint_config`` is the saved config of the checkpoint being
     resumed; ``cuda``, ``device_name`` and ``measure`` default to this machine's (tests inject them). ``record``
-    false: the caller writes the record (:func:`write_record`) once the run directory may be written."""
+    false: the caller writes the record (:func:`write_record`) once the run directory may be written.
+    ``document_ids`` (micro-batch, s): with document masking, the documents the candidates are timed with."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     record_path = os.path.join(run_dir, RECORD_FILE)
     recorded = _read_json(record_path)
@@ -141,13 +150,14 @@ def decide_attention_backend(
             decision.update(backend=options[0], how="the only candidate")
         else:
             device_name = device_name or torch.cuda.get_device_name()
-            key = problem_key(cfg, device_name, dtype, epilogue)
+            key = problem_key(cfg, device_name, dtype, epilogue, document_ids)
             cache = _read_json(cache_path())
             if key in cache:
                 decision.update(backend=cache[key]["backend"], how="cached timing", timings_ms=cache[key]["timings_ms"],
                                 key=key)
             else:
-                measure = measure or (lambda backend: time_core_attention(cfg, backend, dtype, epilogue))
+                measure = measure or (lambda backend: time_core_attention(cfg, backend, dtype, epilogue,
+                                                                          document_ids=document_ids))
                 chosen = choose(options, measure)
                 decision.update(backend=chosen["backend"], how="timed", timings_ms=chosen["timings_ms"], key=key)
                 if chosen["errors"]:
@@ -220,16 +230,30 @@ def core_attention_problem(cfg: Any, backend: str, dtype: torch.dtype, epilogue:
     return module, (make(query_heads), make(kv_heads), make(kv_heads)), bias
 
 
-def time_core_attention(cfg: Any, backend: str, dtype: torch.dtype, epilogue: str, iters: int = 5) -> float:
+def timing_documents(cfg: Any, document_ids: Optional[torch.Tensor], device: str = "cuda"):
+    """The packed documents a timed core attention masks with: ``document_ids`` (micro-batch, s), CP rank 0's chunks
+    under context parallelism; None without."""
+    from diff_transformer.models.documents import packed_documents
+    from diff_transformer.models.ring_attention import context_parallel_chunks
+
+    if document_ids is None:
+        return None
+    ids = context_parallel_chunks(document_ids[:cfg.trainer.micro_batch_size], cfg.parallel.cp or 1, 0, dim=1)
+    return packed_documents(ids.to(device), None, cfg.model.seq_length)
+
+
+def time_core_attention(cfg: Any, backend: str, dtype: torch.dtype, epilogue: str, iters: int = 5,
+                        document_ids: Optional[torch.Tensor] = None) -> float:
     """Median milliseconds of one forward and backward of one layer's core attention (the run's kind, per-rank heads,
-    micro-batch and sequence, ``dtype``) with ``backend`` on the current GPU; the first two calls (compilation,
-    autotuning) are not timed."""
+    micro-batch and sequence, ``dtype``; masked by ``document_ids``' documents when given) with ``backend`` on the
+    current GPU; the first two calls (compilation, autotuning) are not timed."""
     module, (q, k, v), bias = core_attention_problem(cfg, backend, dtype, epilogue)
+    documents = timing_documents(cfg, document_ids)
     times = []
     for i in range(iters + 2):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = module(q, k, v, None, attention_bias=bias)
+        out = module(q, k, v, None, attention_bias=bias, packed_seq_params=documents)
         out.backward(torch.ones_like(out))
         end.record()
         torch.cuda.synchronize()

@@ -49,12 +49,15 @@ from diff_transformer.training.checkpoint_files import (  # noqa: F401  (the lay
     STATE_FILE,
     Verification,
     apply_retention,
+    checkpoint_bytes,
     checkpoint_name,
     checkpoints_dir,
     checkpoints_to_delete,
     directory_bytes,
+    ensure_free_space,
     format_bytes,
     free_bytes,
+    incomplete_checkpoints,
     is_complete,
     latest_checkpoint,
     list_checkpoints,
@@ -63,7 +66,9 @@ from diff_transformer.training.checkpoint_files import (  # noqa: F401  (the lay
     pointer_target,
     read_manifest,
     read_trainer_state,
+    rerun_advice,
     resolve_checkpoint_path,
+    room_choices,
     saved_engine,
     verify,
     write_checkpoint_state,
@@ -206,6 +211,11 @@ def select_resume_checkpoint(root: str, checksums: bool = True) -> Tuple[Optiona
     """``checkpoint.resume=auto``: (the newest checkpoint under ``root`` that verifies, [(damaged checkpoint, what is
     wrong)] skipped on the way). None when ``root`` holds no checkpoint; CheckpointDamaged when none verifies."""
     skipped: List[Tuple[str, str]] = []
+    for path in incomplete_checkpoints(root):  # unloadable, and in the way of a later save of their step
+        why = f"{STATE_FILE} is missing (an incomplete checkpoint)"
+        logger.warning("checkpoint %s is damaged (%s): it is kept, moved aside as %s%s", path, why,
+                       os.path.basename(path), DAMAGED_SUFFIX)
+        skipped.append((path, why))
     for path in resume_candidates(root):
         result = verify_checkpoint(path, checksums)
         if result.ok:
@@ -216,7 +226,7 @@ def select_resume_checkpoint(root: str, checksums: bool = True) -> Tuple[Optiona
             path, result.summary(), os.path.basename(path), DAMAGED_SUFFIX,
         )
         skipped.append((path, result.summary()))
-    if skipped:
+    if any(is_complete(p) for p, _ in skipped):
         listing = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
         raise CheckpointDamaged(
             f"no checkpoint under {root} verifies ({listing}); restore the damaged files, resume from a copy with "
@@ -234,25 +244,6 @@ def estimate_checkpoint_bytes(num_parameters: int, params_dtype: torch.dtype) ->
     weight = torch.empty((), dtype=params_dtype).element_size()
     master = 0 if params_dtype == torch.float32 else 4
     return num_parameters * (weight + master + 8)
-
-
-def _room_choices(root: str, keep_last: int) -> str:
-    return (
-        f"free space there and rerun the same command; or move {root} to a disk with room and rerun with "
-        f"checkpoint.dir set to its new place (checkpoint.resume=auto finds the moved checkpoints); or keep fewer "
-        f"checkpoints (checkpoint.keep_last, now {keep_last})"
-    )
-
-
-def ensure_free_space(root: str, needed_bytes: int, keep_last: int = 1) -> None:
-    """Refuse to start a run whose checkpoint disk cannot hold one more checkpoint (start-up check)."""
-    free = free_bytes(root)
-    if free < needed_bytes:
-        raise ValueError(
-            f"the checkpoint disk at {root} has {format_bytes(free)} free, less than one checkpoint "
-            f"({format_bytes(needed_bytes)}); {_room_choices(root, keep_last)}; or skip this check "
-            "(checkpoint.check_free_space=false)"
-        )
 
 
 def is_disk_full(err: BaseException) -> bool:
@@ -289,6 +280,35 @@ def model_config_differences(
         if saved.get(key) != current.get(key):
             diffs.append(f"model.{key}: checkpoint {saved.get(key)!r}, config {current.get(key)!r}")
     return diffs
+
+
+def _flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    flat: Dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def config_changes(saved: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
+    """``key: checkpoint X -> now Y`` for every setting a resumed run changes against its checkpoint's config."""
+    old, new = _flatten(saved), _flatten(current)
+    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(set(old) | set(new))
+            if old.get(key) != new.get(key)]
+
+
+def check_tokenizer_unchanged(path: str, saved: Dict[str, Any], tokenizer_sha256: str, tokenizer_dir: str) -> None:
+    """A resumed run reads its data with the tokenizer that trained it: another one (even of the same size) would
+    give the same ids other meanings. Checkpoints from before the hash was recorded are not checked."""
+    recorded = saved.get("tokenizer_sha256")
+    if recorded is not None and recorded != tokenizer_sha256:
+        raise ValueError(
+            f"checkpoint {path} was trained with the tokenizer of sha256 {recorded[:12]}… (data.tokenizer_dir="
+            f"{saved.get('config', {}).get('data', {}).get('tokenizer_dir')}), the run has {tokenizer_dir} of sha256 "
+            f"{tokenizer_sha256[:12]}…: a run cannot change its tokenizer; resume with the checkpoint's, or start a "
+            "new run from its weights (checkpoint.load_weights_only) in a new directory"
+        )
 
 
 def check_model_compatible(
@@ -518,6 +538,8 @@ def trainer_state(trainer, save_seconds: Optional[float] = None) -> Dict[str, An
         "bad_steps_in_a_row": trainer.bad_steps.consecutive if hasattr(trainer, "bad_steps") else 0,
         "recent_losses": list(trainer.bad_steps.recent) if hasattr(trainer, "bad_steps") else [],
         "wandb_run_id": getattr(trainer, "wandb_run_id", None),
+        # the tokenizer the run reads its data with: a resume with another one is refused
+        "tokenizer_sha256": getattr(getattr(trainer, "tokenizer", None), "model_sha256", None),
         "layout": _layout(trainer),
         "num_parameters": getattr(trainer, "num_parameters", None),
         "params_dtype": str(trainer.dtype).replace("torch.", ""),
@@ -571,14 +593,6 @@ class _RecordingQueue:
             except OSError as err:
                 result = err
         self.queue.put(result)
-
-
-def checkpoint_bytes(path: str) -> int:
-    try:
-        manifest = read_manifest(path)
-    except ValueError:
-        manifest = None
-    return int(manifest["bytes"]) if manifest and "bytes" in manifest else directory_bytes(path)
 
 
 class _Reading:
@@ -636,7 +650,7 @@ class CheckpointManager:
             raise CheckpointSaveFailed(
                 f"{message}; the run stops at step {step} ({reason}; checkpoint.on_disk_full="
                 f"{self.config.on_disk_full}) and `latest` still names {pointer_target(self.root) or 'no checkpoint'}: "
-                f"{_room_choices(self.root, self.config.keep_last)}", disk_full=True,
+                f"{room_choices(self.root, self.config.keep_last)}", disk_full=True,
             )
         start = time.perf_counter()
         tmp = os.path.join(self.root, f".{checkpoint_name(step)}.tmp")
@@ -690,6 +704,9 @@ class CheckpointManager:
             # run resumed from an earlier checkpoint and retraced the step, so its own state replaces the orphan
             logger.warning("replacing %s, which the latest pointer never named (an interrupted save)", final)
             _discard_checkpoint(final)
+        elif os.path.exists(final):  # a damaged checkpoint of this step: evidence, kept aside, never written over
+            logger.warning("moved the damaged checkpoint %s aside to %s (kept for inspection)", final,
+                           move_aside(final, DAMAGED_SUFFIX))
         os.makedirs(self.root, exist_ok=True)
         remove_partial_saves(self.root)
         if self.config.check_free_space:
@@ -732,7 +749,7 @@ class CheckpointManager:
             f"the checkpoint disk at {self.root} filled up while saving the checkpoint of step {step}: its partial "
             f"files are removed and `latest` still names {latest}; a checkpoint needs about "
             f"{format_bytes(self._needed_bytes())}, {format_bytes(free_bytes(self.root))} are free there now: "
-            f"{_room_choices(self.root, self.config.keep_last)}", True,
+            f"{room_choices(self.root, self.config.keep_last)}", True,
         )
 
     def _abandon(self, err: BaseException, step: int, tmp: str) -> None:

@@ -28,7 +28,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from diff_transformer.fileio import atomic_write_json
+from diff_transformer.fileio import atomic_write_json, move_aside  # noqa: F401  (move_aside: importable from here)
 
 CHECKPOINTS_DIRNAME = "checkpoints"
 LATEST_FILE = "latest"
@@ -75,39 +75,85 @@ def list_checkpoints(root: str) -> List[Tuple[int, str]]:
     return sorted(found)
 
 
-def pointer_target(root: str) -> Optional[str]:
-    """The name ``latest`` holds, or None when there is no pointer."""
+def incomplete_checkpoints(root: str) -> List[str]:
+    """``step_*`` directories under ``root`` without their trainer_state.json: never loadable (saves are renamed into
+    place complete), so damaged; a save of their step could not be renamed over them."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(os.path.join(root, name) for name in os.listdir(root)
+                  if _STEP_DIR.match(name) and not is_complete(os.path.join(root, name)))
+
+
+def _read_pointer(root: str) -> Tuple[bool, Optional[str]]:
+    """(whether ``latest`` exists, the checkpoint name it holds or None when it holds anything else)."""
     pointer = os.path.join(root, LATEST_FILE)
     if not os.path.isfile(pointer):
+        return False, None
+    with open(pointer, "rb") as f:
+        raw = f.read(4096)
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return True, None
+    return True, name if _STEP_DIR.match(name) else None
+
+
+def pointer_target(root: str) -> Optional[str]:
+    """The checkpoint name ``latest`` holds, or None when there is no pointer or it holds no checkpoint name."""
+    return _read_pointer(root)[1]
+
+
+def pointer_problem(root: str) -> Optional[str]:
+    """What is wrong with ``latest`` under ``root`` (it holds no checkpoint name, or names one that is missing or
+    incomplete), or None when it names a complete checkpoint or there is no pointer."""
+    exists, name = _read_pointer(root)
+    if not exists:
         return None
-    with open(pointer) as f:
-        return f.read().strip()
+    if name is None:
+        return f"{os.path.join(root, LATEST_FILE)} holds no checkpoint name (step_NNNNNNNN)"
+    path = os.path.join(root, name)
+    if is_complete(path):
+        return None
+    why = "is missing" if not os.path.exists(path) else f"is incomplete (no {STATE_FILE})"
+    return f"{os.path.join(root, LATEST_FILE)} names {name}, which {why}"
 
 
 def latest_checkpoint(root: str) -> Optional[str]:
-    """The checkpoint that ``latest`` names; the newest complete one when the pointer is absent or stale."""
+    """The checkpoint that ``latest`` names; the newest complete one when the pointer is absent or unusable."""
+    problem = pointer_problem(root)
     name = pointer_target(root)
-    if name is not None:
-        path = os.path.join(root, name)
-        if is_complete(path):
-            return path
-        logger.warning(
-            "%s names %s, which is not a complete checkpoint; using the newest complete one",
-            os.path.join(root, LATEST_FILE), path,
-        )
+    if name is not None and problem is None:
+        return os.path.join(root, name)
+    if problem is not None:
+        logger.warning("%s; using the newest complete checkpoint", problem)
     found = list_checkpoints(root)
     return found[-1][1] if found else None
 
 
+def rerun_advice(root: str) -> str:
+    """How to go on after a run stopped, true for what ``root`` holds: the same command resumes the latest
+    checkpoint; with none saved yet, a rerun must start over (overwrite_run=true keeps the stopped run aside)."""
+    if list_checkpoints(root):
+        return f"rerun the same command (it resumes from {pointer_target(root) or 'the newest checkpoint'})"
+    return ("rerun the same command with overwrite_run=true (no checkpoint was saved yet: the run starts again from "
+            "step 0 and the stopped one is kept aside)")
+
+
 def resolve_checkpoint_path(path: str) -> str:
-    """The checkpoint meant by ``path``: a step_* checkpoint; a checkpoints directory or a run directory (its
-    ``checkpoints/``), then its latest complete checkpoint; or a ``latest`` pointer file, then the checkpoint it names.
-    """
+    """The checkpoint meant by ``path``, a path a user gave: a step_* checkpoint; a checkpoints directory or a run
+    directory (its ``checkpoints/``), then the checkpoint its ``latest`` names (the newest complete one when there is
+    no pointer); or a ``latest`` pointer file, then the checkpoint it names. A pointer that names no complete
+    checkpoint is refused, never replaced by another checkpoint (ValueError naming what is there)."""
     if os.path.isfile(path) and os.path.basename(path) == LATEST_FILE:
         path = os.path.dirname(path) or "."
     if is_complete(path):
         return path
     for root in (path, os.path.join(path, CHECKPOINTS_DIRNAME)):
+        problem = pointer_problem(root)
+        if problem is not None:
+            found = list_checkpoints(root)
+            newest = f"the newest complete one is {found[-1][1]}" if found else f"{root} holds no complete checkpoint"
+            raise ValueError(f"{problem}: give the step_* checkpoint to load ({newest})")
         latest = latest_checkpoint(root)
         if latest is not None:
             return latest
@@ -177,16 +223,6 @@ def partial_saves(root: str) -> List[str]:
     )
 
 
-def move_aside(path: str, suffix: str) -> str:
-    """Rename ``path`` to ``path + suffix`` (``.2``, ``.3``, ... appended while that exists); returns the new path."""
-    target, n = path.rstrip("/") + suffix, 1
-    while os.path.exists(target):
-        n += 1
-        target = f"{path.rstrip('/')}{suffix}.{n}"
-    os.rename(path, target)
-    return target
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # Sizes and free space
 # ------------------------------------------------------------------------------------------------------------------
@@ -200,6 +236,34 @@ def free_bytes(path: str) -> int:
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
     return shutil.disk_usage(probe).free
+
+
+def checkpoint_bytes(path: str) -> int:
+    try:
+        manifest = read_manifest(path)
+    except ValueError:
+        manifest = None
+    return int(manifest["bytes"]) if manifest and "bytes" in manifest else directory_bytes(path)
+
+
+def room_choices(root: str, keep_last: int) -> str:
+    """What to do when the checkpoint disk at ``root`` has no room, true for what ``root`` holds."""
+    return (
+        f"free space there and {rerun_advice(root)}; or move {root} to a disk with room and rerun with "
+        f"checkpoint.dir set to its new place (checkpoint.resume=auto finds the moved checkpoints); or keep fewer "
+        f"checkpoints (checkpoint.keep_last, now {keep_last})"
+    )
+
+
+def ensure_free_space(root: str, needed_bytes: int, keep_last: int = 1) -> None:
+    """Refuse (ValueError) to start a run whose checkpoint disk cannot hold one more checkpoint (start-up check)."""
+    free = free_bytes(root)
+    if free < needed_bytes:
+        raise ValueError(
+            f"the checkpoint disk at {root} has {format_bytes(free)} free, less than one checkpoint "
+            f"({format_bytes(needed_bytes)}); {room_choices(root, keep_last)}; or skip this check "
+            "(checkpoint.check_free_space=false)"
+        )
 
 
 def format_bytes(n: float) -> str:

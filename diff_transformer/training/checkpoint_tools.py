@@ -12,13 +12,14 @@ import glob
 import logging
 import os
 import shutil
+import tempfile
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
 
 from diff_transformer.config import Config, padded_vocab_size
-from diff_transformer.fileio import fsync_dir
+from diff_transformer.fileio import replace_directory, staging_directory
 from diff_transformer.models.gpt import build_model_chunk, resolve_precision, set_dex_anneal
 from diff_transformer.training.checkpoint import (
     FORMAT_VERSION,
@@ -142,20 +143,30 @@ def _zero3_weights(path: str, mp: int) -> Dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------------------------------------
 # DeepSpeed -> torch_dist
 # ------------------------------------------------------------------------------------------------------------------
-def convert_to_torch_dist(path: str, output: str) -> Dict[str, Any]:
+def convert_to_torch_dist(path: str, output: str, *, writer: str) -> Dict[str, Any]:
     """Write the weights of DeepSpeed checkpoint ``path`` (any ZeRO stage) as a torch_dist checkpoint at ``output``,
     at the TP of the run that saved it: engine=megatron starts from it with ``checkpoint.load_weights_only`` on any
-    TP/PP layout (the optimizer state stays behind). One process per TP rank, over gloo on this machine."""
+    TP/PP layout (the optimizer state stays behind). One process per TP rank, over gloo on this machine. ``output``
+    is marked as ``writer``'s (``fileio.replace_directory``: its earlier output replaced, anything else moved aside)."""
     path = resolve_checkpoint_path(path)
     require_verified(path)
     state = read_trainer_state(path)
     if saved_engine(state) != "deepspeed":
         raise ValueError(f"{path} was saved by engine={saved_engine(state)} and is torch_dist already")
-    if os.path.exists(output):
-        raise ValueError(f"{output} exists; give a new directory")
-    tmp = output.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    tmp = staging_directory(output)
+    try:
+        _write_torch_dist(path, state, tmp)
+        replace_directory(tmp, output, writer)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("converted %s (ZeRO-%d, tp=%d) to torch_dist %s", path, state["layout"]["zero_stage"],
+                state["layout"]["tp"], output)
+    return {"path": output, "tp": state["layout"]["tp"], "zero_stage": state["layout"]["zero_stage"]}
+
+
+def _write_torch_dist(path: str, state: Dict[str, Any], tmp: str) -> None:
+    """The torch_dist checkpoint of DeepSpeed checkpoint ``path`` (trainer state ``state``) into directory ``tmp``."""
     tp = state["layout"]["tp"]
     if tp == 1:
         _write_torch_dist_rank(0, 1, path, tmp, None)
@@ -170,10 +181,6 @@ def convert_to_torch_dist(path: str, output: str) -> Dict[str, Any]:
     meta.update(weights_only=True, converted_from=f"converted from engine=deepspeed checkpoint {path}")
     meta["format_version"] = FORMAT_VERSION
     write_checkpoint_state(tmp, meta)  # last: marks the checkpoint complete, then its manifest
-    os.rename(tmp, output)
-    fsync_dir(os.path.dirname(os.path.abspath(output)))
-    logger.info("converted %s (ZeRO-%d, tp=%d) to torch_dist %s", path, state["layout"]["zero_stage"], tp, output)
-    return {"path": output, "tp": tp, "zero_stage": state["layout"]["zero_stage"]}
 
 
 def _write_torch_dist_rank(rank: int, tp: int, path: str, output: str, port: Optional[int]) -> None:
@@ -203,23 +210,26 @@ def _write_torch_dist_rank(rank: int, tp: int, path: str, output: str, port: Opt
 
 def convert_to_torch(path: str, output: str) -> Dict[str, Any]:
     """Write the model of checkpoint ``path`` as one PyTorch file at TP=1, PP=1: ``{"model": state_dict,
-    "config": resolved config, "step": int}``; the state dict is GPTModel's own (what ``load_state_dict`` takes)."""
+    "config": resolved config, "step": int}``; the state dict is GPTModel's own (what ``load_state_dict`` takes).
+    The file is written beside ``output`` and renamed over it once complete."""
     path = resolve_checkpoint_path(path)
     state = read_trainer_state(path)
     if saved_engine(state) == "deepspeed":  # through torch_dist, which reshards to one rank
-        staging = output + ".torch_dist"
-        shutil.rmtree(staging, ignore_errors=True)
-        convert_to_torch_dist(path, staging)
-        try:
-            out = convert_to_torch(staging, output)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return out
+        with tempfile.TemporaryDirectory(prefix=f".{os.path.basename(output)}.", dir=os.path.dirname(os.path.abspath(output))) as scratch:
+            staging = os.path.join(scratch, "torch_dist")
+            convert_to_torch_dist(path, staging, writer=__name__)
+            return convert_to_torch(staging, output)
     init_distributed("gloo", tp=1, pp=1, seed=0)  # a world of one: the conversion reshards to one rank
     try:
         chunk, _, state = load_single_rank_model(path)
         weights = {k: v.detach().cpu().clone() for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}
-        torch.save({"model": weights, "config": state["config"], "step": state["step"]}, output)
+        partial = f"{output}.tmp.{os.getpid()}"
+        try:
+            torch.save({"model": weights, "config": state["config"], "step": state["step"]}, partial)
+            os.replace(partial, output)
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
         logger.info("converted %s (saved at tp=%d) to %s", path, state["layout"]["tp"], output)
         return {"path": output, "tensors": len(weights), "parameters": sum(v.numel() for v in weights.values())}
     finally:

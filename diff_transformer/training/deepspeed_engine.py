@@ -48,7 +48,7 @@ from diff_transformer.training.checkpoint import (
     saved_engine,
     set_rng_state,
 )
-from diff_transformer.training.steps import loss_func
+from diff_transformer.training.steps import loss_func, model_inputs
 from diff_transformer.training.trainer import Trainer
 
 logger = logging.getLogger("diff_transformer")
@@ -373,12 +373,9 @@ class DeepSpeedTrainer(Trainer):
         """(loss to backpropagate, its detached value) of the next micro-batch."""
         batch = next(data_iter)
         device = self.engine.device
-        output = self.engine(
-            batch["tokens"].to(device, non_blocking=True),
-            batch["position_ids"].to(device, non_blocking=True),
-            None,
-            labels=batch["labels"].to(device, non_blocking=True),
-        )
+        tokens, position_ids, documents = model_inputs(batch, device, self.cfg.data.reset_position_ids)
+        output = self.engine(tokens, position_ids, None, labels=batch["labels"].to(device, non_blocking=True),
+                             packed_seq_params=documents)
         loss, info = loss_func(batch["loss_mask"].to(device, non_blocking=True), output)
         return loss, info["lm loss"]
 

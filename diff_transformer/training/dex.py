@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+from functools import partial
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -115,7 +116,7 @@ def calibrate(trainer, weights: str) -> List[List[int]]:
             f"sequences; the run's training data holds {len(trainer.train_ds)}: ask for fewer"
         )
     get_forward_backward_func()(
-        forward_step_func=forward_step,
+        forward_step_func=partial(forward_step, reset_position_ids=cfg.data.reset_position_ids),
         data_iterator=trainer._loader(trainer.train_ds, consumed_samples=0),
         model=[chunk],
         num_microbatches=micro_batches,

@@ -27,6 +27,7 @@ from diff_transformer import distributed
 from diff_transformer.config import ATTENTION_DIAGNOSTICS_MODES
 from diff_transformer.models.attention_maps import capture_attention
 from diff_transformer.models.layer_specs import attention_heads
+from diff_transformer.training.steps import DOCUMENT_KEY, model_inputs
 
 PROBE_SEQUENCES = 2
 ROW_BLOCK = 256
@@ -97,7 +98,7 @@ class AttentionDiagnostics:
         dataset = trainer.valid_ds
         samples = [dataset[i] for i in range(min(PROBE_SEQUENCES, len(dataset)))]
         self.batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in
-                      ("tokens", "labels", "loss_mask", "position_ids")}
+                      ("tokens", "labels", "loss_mask", "position_ids", DOCUMENT_KEY) if k in samples[0]}
 
     def measure(self) -> Dict[str, Any]:
         from megatron.core import parallel_state
@@ -110,8 +111,9 @@ class AttentionDiagnostics:
             chunk.eval()
         try:
             with torch.no_grad(), capture_attention(model, partial(_measure_layer, sums)):
+                forward = partial(self._forward_step, reset_position_ids=self.trainer.cfg.data.reset_position_ids)
                 get_forward_backward_func()(
-                    forward_step_func=self._forward_step, data_iterator=iter([self.batch]), model=model,
+                    forward_step_func=forward, data_iterator=iter([self.batch]), model=model,
                     num_microbatches=1, seq_length=self.trainer.cfg.model.seq_length,
                     micro_batch_size=self.batch["tokens"].shape[0], forward_only=True,
                 )
@@ -136,12 +138,10 @@ class AttentionDiagnostics:
         }
 
     @staticmethod
-    def _forward_step(data_iterator, model):
+    def _forward_step(data_iterator, model, reset_position_ids=False):
         batch = next(data_iterator)
-        device = next(model.parameters()).device
-        tokens = batch["tokens"].to(device)
-        position_ids = batch["position_ids"].to(device)
-        output = model(tokens, position_ids, None)
+        tokens, position_ids, documents = model_inputs(batch, next(model.parameters()).device, reset_position_ids)
+        output = model(tokens, position_ids, None, packed_seq_params=documents)
 
         def loss_func(output_tensor):
             zero = output_tensor.float().sum() * 0.0

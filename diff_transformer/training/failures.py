@@ -3,21 +3,28 @@ that skips NaN/Inf or spiking steps.
 
 Signals: the handler only records that a signal came; at the next step boundary every rank all-reduces the flag,
 so all ranks save the same step together and exit (a handler that saved by itself would deadlock the collectives).
+SIGINT (Ctrl-C) is always one of them; a second SIGINT before the save is done exits at once, leaving the last good
+checkpoint. Once a signal came, the signals are ignored until the process exits, so that one repeated during or
+after the save cannot kill the process half-way through its exit (exit status 143, child processes left behind).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import multiprocessing
 import os
 import signal
 import subprocess
+import sys
 import threading
+import time
 from collections import deque
 from typing import Any, Deque, List, Optional
 
 from diff_transformer.config import FailureConfig
 from diff_transformer.distributed import any_rank
+from diff_transformer.training.checkpoint_files import rerun_advice
 
 logger = logging.getLogger("diff_transformer")
 
@@ -31,15 +38,32 @@ class TrainingDiverged(RuntimeError):
     """Raised after ``max_consecutive_bad_steps`` skipped steps in a row (a checkpoint has been written)."""
 
 
-class PreemptionSignals:
-    """Records SIGTERM/SIGUSR1/... and lets the ranks agree on it at a step boundary."""
+EXIT_INTERRUPTED = 130  # a second SIGINT: stopped without finishing the save (diff_transformer.cli's status)
+# A SIGINT within this many seconds of the first is the same Ctrl-C delivered twice (the terminal's, to the whole
+# process group, and torchrun's, which forwards the one it received to its workers), not a second press.
+SAME_CTRL_C_S = 1.0
+EXIT_SAVE_UNFINISHED = 143  # the save did not finish within the grace period
 
-    def __init__(self, names: List[str], grace_period_s: float):
-        self.names = list(names)
+
+def stop_child_processes() -> None:
+    """Kill the processes this one started through multiprocessing (checkpoint writers, their queue's manager, data
+    workers) before an exit that skips Python's own clean-up (``os._exit``): none may outlive the run."""
+    for child in multiprocessing.active_children():
+        child.kill()
+
+
+class PreemptionSignals:
+    """Records SIGTERM/SIGUSR1/..., and SIGINT, and lets the ranks agree on it at a step boundary."""
+
+    def __init__(self, names: List[str], grace_period_s: float, checkpoint_root: Optional[str] = None):
+        self.names = list(dict.fromkeys(list(names) + ["SIGINT"]))  # Ctrl-C saves as SIGTERM does
+        self.checkpoint_root = checkpoint_root
         self.grace_period_s = grace_period_s
         self.received: Optional[str] = None
         self._previous = {}
         self._watchdog: Optional[threading.Timer] = None
+        self._saved = False
+        self._received_at = 0.0
 
     def install(self) -> "PreemptionSignals":
         if threading.current_thread() is not threading.main_thread():
@@ -52,24 +76,44 @@ class PreemptionSignals:
     def _handle(self, signum, frame) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name
+            self._received_at = time.monotonic()
             self._watchdog = threading.Timer(self.grace_period_s, self._grace_exceeded)
             self._watchdog.daemon = True
             self._watchdog.start()
+        elif signum == signal.SIGINT and not self._saved and time.monotonic() - self._received_at > SAME_CTRL_C_S:
+            # Ctrl-C pressed again: the user will not wait for the save
+            if os.environ.get("RANK", "0") == "0":
+                advice = rerun_advice(self.checkpoint_root) if self.checkpoint_root else "rerun the same command"
+                what = "a second SIGINT" if self.received == "SIGINT" else f"SIGINT after {self.received}"
+                print(f"error: {what}: exiting now without saving (the last good checkpoint stays as it was): "
+                      f"{advice}", file=sys.stderr, flush=True)
+            stop_child_processes()
+            os._exit(EXIT_INTERRUPTED)
 
     def _grace_exceeded(self) -> None:
         # the previous checkpoint stays loadable (saves are atomic); exiting now beats being killed mid-write later
         logger.error("no checkpoint %.0f s after %s: exiting without one", self.grace_period_s, self.received)
-        os._exit(143)
+        stop_child_processes()
+        os._exit(EXIT_SAVE_UNFINISHED)
+
+    def saved(self) -> None:
+        """The checkpoint the signal asked for is on disk: signals from now on change nothing."""
+        self._saved = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
 
     def agreed(self) -> bool:
         """True on every rank when any rank received a signal (collective: call at the same point on all ranks)."""
         return any_rank(self.received is not None)
 
     def uninstall(self) -> None:
+        """Restore the previous handlers, unless a signal came: then the process is on its way out, and the signals
+        are ignored from here on, so that a repeated one cannot end it half-way through its exit (Python resets its
+        own handlers to the default, deadly one while it shuts down; an ignored signal stays ignored)."""
         if self._watchdog is not None:
             self._watchdog.cancel()
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, handler if self.received is None else signal.SIG_IGN)
         self._previous = {}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import logging.handlers
@@ -21,6 +22,19 @@ LOG_FILE = "train.log"
 _FORMAT = logging.Formatter("[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
 
 
+class RunLogFailed(RuntimeError):
+    """metrics.jsonl could not be written (a full disk, say): the run stops; the file ends with the last complete
+    record, and the message says where the run can resume from."""
+
+
+class RunLogHandler(logging.FileHandler):
+    """train.log: a line that cannot be written (a full disk) is dropped quietly rather than printing a traceback;
+    the failure that matters (metrics.jsonl, a checkpoint) stops the run with its own error line."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self.failed = True
+
+
 def setup_console_logging(run_dir: str, rank: int, level: str = "INFO", hold_file: bool = False) -> None:
     """Rank 0 logs to stdout and ``train.log``; other ranks log warnings only. ``hold_file``: ``train.log``'s lines
     are held in memory until :func:`start_run_log` (a start refused leaves the run directory untouched)."""
@@ -34,7 +48,7 @@ def setup_console_logging(run_dir: str, rank: int, level: str = "INFO", hold_fil
             handlers = (logging.StreamHandler(sys.stdout), held)
         else:
             os.makedirs(run_dir, exist_ok=True)
-            handlers = (logging.StreamHandler(sys.stdout), logging.FileHandler(os.path.join(run_dir, LOG_FILE)))
+            handlers = (logging.StreamHandler(sys.stdout), RunLogHandler(os.path.join(run_dir, LOG_FILE)))
         for handler in handlers:
             handler.setFormatter(fmt)
             root.addHandler(handler)
@@ -52,7 +66,7 @@ def start_run_log(run_dir: str) -> None:
     """``train.log`` receives the lines held back by ``setup_console_logging(hold_file=True)``, then every line."""
     root = logging.getLogger()
     for held in [h for h in root.handlers if isinstance(h, logging.handlers.MemoryHandler) and h.target is None]:
-        log_file = logging.FileHandler(os.path.join(run_dir, LOG_FILE))
+        log_file = RunLogHandler(os.path.join(run_dir, LOG_FILE))
         log_file.setFormatter(_FORMAT)
         held.setTarget(log_file)
         held.close()  # flushes what it held
@@ -145,8 +159,22 @@ class MetricsWriter:
             return
         step_time = record.get("step_time") or 0.0
         self._window.append((time.time(), record["step"], record.get("tokens_per_s", 0.0) * step_time, step_time))
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        line = memoryview((json.dumps(record) + "\n").encode("utf-8"))
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            end = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                while line:
+                    line = line[os.write(fd, line):]
+            except OSError as err:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, end)  # no torn record: the file ends with the last complete one
+                raise RunLogFailed(
+                    f"cannot write {self.path} at step {record.get('step')} ({err.strerror or err}); it ends with the "
+                    f"record of the step before"
+                ) from None
+        finally:
+            os.close(fd)
         if self.wandb_run is not None:
             flat = {}
             for key, value in record.items():
@@ -220,6 +248,28 @@ def wandb_run_name(cfg: Any) -> str:
     parts = [] if cfg.name == "default" else [cfg.name]
     parts += [cfg.model.name, variant_label(cfg.model).replace(" ", "_"), f"seed{cfg.seed}"]
     return "-".join(parts)
+
+
+def wandb_credentials_problem(cfg: Any) -> Optional[str]:
+    """Why ``logging.wandb.mode=online`` cannot log in here (no API key in WANDB_API_KEY or the netrc file W&B reads),
+    or None. Checked at start-up, before the model is built."""
+    if cfg.logging.wandb.mode != "online" or os.environ.get("WANDB_API_KEY"):
+        return None
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    path = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        if netrc.netrc(path).authenticators(host):
+            return None
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return (
+        f"logging.wandb.mode=online needs a W&B API key for {host}, and there is none (no WANDB_API_KEY, no entry in "
+        f"{path}): run `wandb login` or set WANDB_API_KEY; or log offline (logging.wandb.mode=offline, then "
+        "`wandb sync` the run directory's wandb/ folder)"
+    )
 
 
 def init_wandb(cfg: Any, run_dir: str, resolved_config: Dict[str, Any], run_id: Optional[str] = None):

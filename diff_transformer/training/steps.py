@@ -9,9 +9,12 @@ from typing import Any, Iterator, Optional
 import torch
 
 from diff_transformer.distributed import all_reduce_tensor
+from diff_transformer.models.documents import packed_documents
 from diff_transformer.models.ring_attention import context_parallel_chunks
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+# per token too, split like the others under context parallelism; present with data.document_mask
+DOCUMENT_KEY = "document_ids"
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -41,13 +44,30 @@ def context_parallel_batch(batch: dict) -> tuple:
     if cp == 1:
         return batch, None
     rank = parallel_state.get_context_parallel_rank()
-    chunks = {k: context_parallel_chunks(batch[k], cp, rank, dim=1) if k in BATCH_KEYS else v for k, v in batch.items()}
+    chunks = {k: context_parallel_chunks(v, cp, rank, dim=1) if k in BATCH_KEYS + (DOCUMENT_KEY,) else v
+              for k, v in batch.items()}
     return chunks, parallel_state.get_context_parallel_group()
 
 
-def forward_step(data_iterator: Iterator, model: torch.nn.Module):
+def model_inputs(batch: dict, device, reset_position_ids: bool = False, cp: int = 1) -> tuple:
+    """(tokens, position_ids, packed documents or None) of a (context-parallel rank's) micro-batch on ``device``: the
+    documents carry the batch's ``document_ids`` (data.document_mask) and, with ``reset_position_ids``, the positions
+    restarting per document for RoPE; ``cp`` sizes the whole sequence they belong to."""
+    tokens, position_ids = (batch[k].to(device, non_blocking=True) for k in ("tokens", "position_ids"))
+    ids = batch.get(DOCUMENT_KEY)
+    documents = packed_documents(ids.to(device, non_blocking=True) if ids is not None else None,
+                                 position_ids if reset_position_ids else None, tokens.shape[1] * cp)
+    return tokens, position_ids, documents
+
+
+def forward_step(data_iterator: Iterator, model: torch.nn.Module, reset_position_ids: bool = False):
+    """megatron-core's forward step (``functools.partial`` binds ``reset_position_ids``, data.reset_position_ids)."""
+    from megatron.core import parallel_state
+
     batch, cp_group = context_parallel_batch(next(data_iterator))
     device = next(model.parameters()).device
-    tokens, labels, loss_mask, position_ids = (batch[k].to(device, non_blocking=True) for k in BATCH_KEYS)
-    output = model(tokens, position_ids, None, labels=labels)
+    tokens, position_ids, documents = model_inputs(batch, device, reset_position_ids,
+                                                   parallel_state.get_context_parallel_world_size())
+    labels, loss_mask = (batch[k].to(device, non_blocking=True) for k in ("labels", "loss_mask"))
+    output = model(tokens, position_ids, None, labels=labels, packed_seq_params=documents)
     return output, partial(loss_func, loss_mask, cp_group=cp_group)

@@ -14,6 +14,7 @@ import math
 import os
 import shutil
 import time
+from functools import partial
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -42,6 +43,7 @@ from diff_transformer.models.attention.diff_v2 import record_lambda, recorded_la
 from diff_transformer.models.layer_specs import variant_label
 from diff_transformer import distributed
 from diff_transformer.training.accounting import (
+    attention_keys_per_token,
     check_memory_plan,
     choose_context_parallel,
     embedding_share_warning,
@@ -56,16 +58,19 @@ from diff_transformer.training.checkpoint import (
     CheckpointManager,
     check_model_compatible,
     check_resumable,
+    check_tokenizer_unchanged,
     check_weights_compatible,
     check_weights_loadable,
     checkpoint_bytes,
     checkpoints_dir,
+    config_changes,
     ensure_free_space,
     estimate_checkpoint_bytes,
     move_aside,
     read_trainer_state,
     remove_partial_saves,
     require_verified,
+    rerun_advice,
     resolve_checkpoint_path,
     select_resume_checkpoint,
 )
@@ -79,9 +84,11 @@ from diff_transformer.training.failures import (
     poison_gradients,
     requeue_current_job,
 )
-from diff_transformer.training.metrics import PROGRESS_WINDOW_STEPS, MetricsWriter, init_wandb, setup_console_logging, start_run_log
+from diff_transformer.training.metrics import (
+    PROGRESS_WINDOW_STEPS, MetricsWriter, RunLogFailed, init_wandb, setup_console_logging, start_run_log,
+)
 from diff_transformer.training.profiling import StepProfiler
-from diff_transformer.training.run_directory import check_start, move_old_run_aside
+from diff_transformer.training.run_directory import check_start, move_old_run_aside, write_launch_record
 from diff_transformer.training.steps import forward_step
 
 logger = logging.getLogger("diff_transformer")
@@ -107,6 +114,8 @@ class Trainer:
         self._old_run = None  # a run this fresh start moves aside (overwrite_run=true)
         self._damaged_checkpoints: List[Any] = []  # (path, why) skipped by checkpoint.resume=auto
         self._backend_decision: Optional[Dict[str, Any]] = None  # model.attention_backend=auto's, to record
+        self.launch_record: Dict[str, str] = {}  # Hydra's record of this launch (.hydra/), written at the commit
+        self.tokenizer = None  # the run's tokenizer, once setup has prepared the data
 
     # -- setup -------------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -157,6 +166,8 @@ class Trainer:
             split=cfg.data.split,
             index_cache_dir=cfg.data.index_cache_dir,
             eod_mask_loss=cfg.data.eod_mask_loss,
+            document_mask=cfg.data.document_mask,
+            reset_position_ids=cfg.data.reset_position_ids,
         )
         self.prepared = prepared
         if cfg.model.attention == "dex":
@@ -204,13 +215,21 @@ class Trainer:
         if self.rank == 0:  # recorded in the run directory by _commit_start
             saved = read_trainer_state(resume)["config"] if resume else None
             decision = decide_attention_backend(
-                self.cfg, self.run_dir, self.dtype, epilogue_impl(self.cfg), saved, record=False
+                self.cfg, self.run_dir, self.dtype, epilogue_impl(self.cfg), saved, record=False,
+                document_ids=self._first_document_ids(),
             )
             self._backend_decision = decision
         decision = distributed.broadcast_object(decision, src=0)
         self.cfg.model.attention_backend = decision["backend"]
         if self.rank == 0:
             logger.info("model.attention_backend=auto: %s", describe(decision))
+
+    def _first_document_ids(self) -> Optional[torch.Tensor]:
+        """The document ids of the first training micro-batch (data.document_mask), None without the mask."""
+        if not self.cfg.data.document_mask:
+            return None
+        count = min(self.cfg.trainer.micro_batch_size, len(self.train_ds))
+        return torch.stack([self.train_ds[i]["document_ids"] for i in range(count)])
 
     def _agreed_resume_candidate(self) -> Optional[str]:
         """:meth:`_resume_candidate` of the run's checkpoint directory, decided by rank 0 for every rank
@@ -283,6 +302,8 @@ class Trainer:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         o, t = self.cfg.optim, self.cfg.trainer
+        # a resumed run's schedule is the config's, continued at the checkpoint's step (megatron's
+        # --override-opt_param-scheduler): extending trainer.max_steps or changing optim.lr takes effect
         return OptimizerParamScheduler(
             optimizer,
             init_lr=0.0,
@@ -295,6 +316,8 @@ class Trainer:
             end_wd=o.weight_decay,
             wd_incr_steps=t.max_steps,
             wd_incr_style="constant",
+            use_checkpoint_opt_param_scheduler=False,
+            override_opt_param_scheduler=True,
         )
 
     def _count_parameters(self, chunks) -> None:
@@ -421,12 +444,33 @@ class Trainer:
             self.bad_steps.recent.extend(saved.get("recent_losses", []))
             self.wandb_run_id = saved.get("wandb_run_id")
             self.resumed_from = resume
+            self._apply_optimizer_settings()
             if self.rank == 0:
                 logger.info("resumed from %s at step %d (%d samples consumed)", resume, self.step, self.consumed_samples)
+                self._log_config_changes(saved)
         elif weights:
             self.checkpoints.load(weights, weights_only=True)
             if self.rank == 0:
                 logger.info("started from the weights of %s", weights)
+
+    def _apply_optimizer_settings(self) -> None:
+        """The config's learning rates, Adam betas and eps over the ones a loaded optimizer state carries, then the
+        schedule's rate for the checkpoint's step (weight decay comes from the schedule, clipping from the config)."""
+        o = self.cfg.optim
+        for group in self.optimizer.param_groups:
+            settings = {"max_lr": o.lr, "min_lr": o.min_lr, "betas": (o.beta1, o.beta2), "eps": o.eps}
+            group.update({key: value for key, value in settings.items() if key in group})
+        self.scheduler.step(increment=0)
+
+    def _log_config_changes(self, saved: Dict[str, Any]) -> None:
+        current = OmegaConf.to_container(OmegaConf.structured(self.cfg))
+        changes = config_changes(saved["config"], current)
+        if changes:
+            logger.warning(
+                "resuming with settings changed since the checkpoint (they apply from step %d; the LR schedule is "
+                "rebuilt from the config and continues at that step, now lr %.3e): %s", self.step,
+                self.optimizer.param_groups[0]["lr"], "; ".join(changes),
+            )
 
     def _checkpoint_manager(self, root: str) -> CheckpointManager:
         return CheckpointManager(self, root)
@@ -474,6 +518,7 @@ class Trainer:
                 for old, new in moved:
                     logger.warning("overwrite_run=true: moved the old run %s aside to %s", old, new)
                 self._save_resolved_config()
+                write_launch_record(self.run_dir, self.launch_record)
                 if self._backend_decision is not None:
                     from diff_transformer.training.backend_choice import write_record
 
@@ -516,6 +561,8 @@ class Trainer:
         if resume:
             saved = read_trainer_state(resume)
             check_model_compatible(resume, saved["config"]["model"], current_model)
+            if self.tokenizer is not None:
+                check_tokenizer_unchanged(resume, saved, self.tokenizer.model_sha256, self.tokenizer.path)
             check_resumable(resume, saved, self.cfg)
             return resume, None
         if c.load_weights_only:
@@ -556,7 +603,7 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         losses = get_forward_backward_func()(
-            forward_step_func=forward_step,
+            forward_step_func=partial(forward_step, reset_position_ids=self.cfg.data.reset_position_ids),
             data_iterator=data_iter,
             model=self.model,
             num_microbatches=self.num_microbatches,
@@ -704,12 +751,28 @@ class Trainer:
         shards = [
             {"name": os.path.basename(p), "bytes": os.path.getsize(p + ".bin")} for p in self.prepared.prefixes
         ]
-        return {
+        description = {
             "tokenizer_sha256": tokenizer_hash(self.prepared.tokenizer_dir),
             "shards": shards,
             "weights": self.prepared.weights,
             "split": self.cfg.data.split,
         }
+        for switch in ("document_mask", "reset_position_ids"):  # recorded when on: earlier runs compare unchanged
+            if getattr(self.cfg.data, switch, False):
+                description[switch] = True
+        return description
+
+    def _masked_attention_keys(self, samples: int = 64) -> Optional[float]:
+        """Under document masking, the keys a token attends to on average over the first ``samples`` training
+        samples (accounting.attention_keys_per_token), which MFU counts instead of the causal s/2; None without."""
+        if not self.cfg.data.document_mask:
+            return None
+        n = min(samples, len(self.train_ds))
+        keys = attention_keys_per_token(torch.stack([self.train_ds[i]["document_ids"] for i in range(n)]))
+        logger.info("document masking: attention over %.1f keys a token on average (%.1f%% of the causal map's "
+                    "work, the first %d training samples); MFU counts only that", keys,
+                    100 * keys / (self.cfg.model.seq_length / 2), n)
+        return keys
 
     def fit(self) -> List[Dict[str, Any]]:
         """Train to ``trainer.max_steps``; returns early (after a checkpoint) when a preemption signal arrives, and
@@ -722,9 +785,11 @@ class Trainer:
             return []
         self.write_run_info()
         writer = self._open_metrics()
-        signals = PreemptionSignals(self.cfg.failures.signals, grace_period_seconds(self.cfg.failures)).install()
+        signals = PreemptionSignals(self.cfg.failures.signals, grace_period_seconds(self.cfg.failures),
+                                    self.checkpoint_root).install()
         train_iter = self._loader(self.train_ds, self.consumed_samples)
-        self._flops_per_token = model_flops_per_token(self.cfg, self.num_non_embedding_parameters, self.padded_vocab)
+        self._flops_per_token = model_flops_per_token(self.cfg, self.num_non_embedding_parameters, self.padded_vocab,
+                                                      self._masked_attention_keys())
         self._peak_flops = peak_flops_per_device(self.cfg)
         self.diagnostics = self._attention_diagnostics()
         history = []
@@ -742,6 +807,9 @@ class Trainer:
                 if self.cfg.checkpoint.save_at_end:
                     self.checkpoints.save(reason="end")
             self.checkpoints.wait()
+        except RunLogFailed as err:
+            raise RunLogFailed(f"{err}: the run stops at step {self.step}; free space there and "
+                               f"{rerun_advice(self.checkpoint_root)}") from None
         finally:
             signals.uninstall()
             writer.close()
@@ -866,6 +934,7 @@ class Trainer:
             logger.warning("%s: saving step %d before exiting", received, self.step)
         self.checkpoints.save(reason=received)
         self.checkpoints.wait()
+        signals.saved()
         self.stopped_by_signal = True
         requeued = self.rank == 0 and bool(os.environ.get("SLURM_JOB_ID")) and requeue_current_job()
         self.requeued = bool(distributed.broadcast_object(requeued, src=0))

@@ -51,6 +51,7 @@ HEAD_DIMS = (64, 96, 128)
 # Spill stores under this many bytes were harmless on an H200; over ~1 KiB they cost 2-4x.
 MAX_SPILL_BYTES = 128
 FP32_POINTERS = {"LAM", "LSE", "RSTD", "DELTA", "R2", "DW_PARTIAL", "DQ_ACC"}
+INT32_POINTERS = {"DOC_Q", "DOC_K"}  # document ids, read only with DOCUMENTS (the table's kernels compile without)
 FLOAT_SCALARS = {"qk_scale", "sm_scale", "out_scale", "norm_eps"}
 # Integer arguments that may be negative or odd: no divisibility hint.
 PLAIN_INTS = {"causal_offset", "N_HEADS", "N_KV_GROUPS", "GROUP"}
@@ -75,7 +76,7 @@ def constexprs(kernel, head_dim, value_dim, shared_k, design, config, gqa=False)
     """The constexpr arguments a launch of `kernel` passes (V1 with the sub-layer norm's epilogue, V2 without)."""
     values = dict(fused._dims(head_dim, value_dim, design.split_dims), CAUSAL=True, SHARED_K=shared_k,
                   USE_DESC=design.descriptors, UPCAST=False, DOT_PRECISION="tf32", BLOCK_M=config.block_m,
-                  BLOCK_N=config.block_n)
+                  BLOCK_N=config.block_n, DOCUMENTS=False)
     if kernel in ("forward", "forward_out", "preprocess"):
         values.update(EPILOGUE=not shared_k, NORM=not shared_k)
     if kernel in fused._KEY_BLOCK_FLAGS:
@@ -102,7 +103,8 @@ def compile_one(spec):
         elif name in FLOAT_SCALARS:
             signature[name] = "fp32"
         elif name.isupper() and not name.startswith("N_") and name != "GROUP":
-            signature[name] = "*fp32" if name in FP32_POINTERS else f"*{spec['dtype']}"
+            signature[name] = ("*fp32" if name in FP32_POINTERS else "*i32" if name in INT32_POINTERS
+                               else f"*{spec['dtype']}")
         else:
             signature[name] = "i32"
     aligned = {

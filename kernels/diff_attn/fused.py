@@ -34,6 +34,13 @@ Causal masking is aligned to the bottom right by default (query i sees keys j <=
 given); key blocks a query block cannot see are skipped, only diagonal or ragged blocks pay for masking, and causal
 query blocks run heaviest first.
 
+Document masking (packed samples, DOCUMENTS): each query and key carries its document id (B, N) int32, non-decreasing
+along a sample, and a query sees only keys of its own document. A query-block program finds, by binary search over
+the key ids, the keys of its rows' first and last documents and skips every key block outside them; a key-block
+program (dK, dV) does the same over the query ids. Only the blocks a document boundary crosses pay for the id
+comparison; a key block inside the one document of a query block whose rows all lie in it runs unmasked, so a sample
+that is one document computes exactly what the kernels compute without ids.
+
 Two code-generation switches, per design: tensor descriptors (TMA loads on Hopper, built inside the kernel; pointer
 loads on older GPUs and where strides are not 16-byte aligned), and split head dims (a head dim that is not a power
 of two, 96, is two column blocks, 64 + 32, instead of one block padded to 128: every product runs on the real
@@ -243,6 +250,64 @@ def _visible(offs_m, offs_n, N_K, causal_offset, CAUSAL: tl.constexpr):
     return visible
 
 
+@triton.jit
+def _first_at_least(ids, n, value):
+    """The first index i < n with ids[i] >= value, or n: a binary search (document ids never decrease)."""
+    lo = n * 0
+    hi = n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        right = tl.load(ids + mid) < value
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right, hi, mid)
+    return lo
+
+
+@triton.jit
+def _row_documents(doc_base, offs, n, DOCUMENTS: tl.constexpr):
+    """The documents of rows `offs` (−1 past n); `offs` itself, unused, without documents."""
+    docs = offs
+    if DOCUMENTS:
+        docs = tl.load(doc_base + offs, mask=offs < n, other=-1)
+    return docs
+
+
+@triton.jit
+def _document_key_ranges(start_m, full_end, end, doc_q, doc_k, N_Q, N_K, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, DOCUMENTS: tl.constexpr):
+    """A query block's keys as masked [start, full_lo), whole [full_lo, full_hi) and masked [full_hi, end), from the
+    causal ranges (whole [0, full_end), masked [full_end, end)). With documents, key blocks before the first document
+    of the block's rows or after its last are skipped, and a key block is whole only inside the one document of a
+    query block whose rows all lie in it."""
+    start = full_end * 0
+    full_lo = start
+    full_hi = full_end
+    if DOCUMENTS:
+        first = tl.load(doc_q + start_m)
+        last = tl.load(doc_q + tl.minimum(start_m + BLOCK_M, N_Q) - 1)
+        key_lo = _first_at_least(doc_k, N_K, first)
+        key_hi = _first_at_least(doc_k, N_K, last + 1)
+        start = key_lo // BLOCK_N * BLOCK_N
+        end = tl.minimum(end, key_hi)
+        full_lo = tl.cdiv(key_lo, BLOCK_N) * BLOCK_N
+        full_hi = tl.minimum(full_end, key_hi // BLOCK_N * BLOCK_N)
+        whole = (first == last) & (full_lo < full_hi)
+        full_lo = tl.where(whole, full_lo, start)
+        full_hi = tl.where(whole, full_hi, start)
+    return start, full_lo, full_hi, end
+
+
+@triton.jit
+def _visible_in_documents(offs_m, offs_n, N_K, causal_offset, CAUSAL: tl.constexpr, q_docs, doc_k,
+                          DOCUMENTS: tl.constexpr):
+    """`_visible`, and with documents only the keys of each row's own document."""
+    visible = _visible(offs_m, offs_n, N_K, causal_offset, CAUSAL)
+    if DOCUMENTS:
+        k_docs = tl.load(doc_k + offs_n, mask=offs_n < N_K, other=-2)
+        visible = visible & (q_docs[:, None] == k_docs[None, :])
+    return visible
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------------------------
@@ -282,12 +347,14 @@ def _fwd_onepass_loop(
     BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     CAUSAL: tl.constexpr, SHARED_K: tl.constexpr, USE_DESC: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    q_docs, doc_k, DOCUMENTS: tl.constexpr,
 ):
     for block_n in range(start_n, end_n, BLOCK_N):
         s1, s2 = _scores(q1a, q1b, q2a, q2b, k1_a, k1_b, k2_a, k2_b, block_n, stride_kn, N_K, qk_scale,
                          HEAD_D, BLOCK_D, BLOCK_D2, BLOCK_N, SHARED_K, USE_DESC, UPCAST, DOT_PRECISION)
         if MASKED:
-            visible = _visible(offs_m, block_n + tl.arange(0, BLOCK_N), N_K, causal_offset, CAUSAL)
+            visible = _visible_in_documents(offs_m, block_n + tl.arange(0, BLOCK_N), N_K, causal_offset, CAUSAL,
+                                            q_docs, doc_k, DOCUMENTS)
             s1 = tl.where(visible, s1, float("-inf"))
             s2 = tl.where(visible, s2, float("-inf"))
         p1, l1, m1, alpha1 = _online_softmax_step(s1, m1, l1)
@@ -309,12 +376,14 @@ def _fwd_lse_loop(
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, SHARED_K: tl.constexpr, USE_DESC: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q_docs, doc_k, DOCUMENTS: tl.constexpr,
 ):
     for block_n in range(start_n, end_n, BLOCK_N):
         s1, s2 = _scores(q1a, q1b, q2a, q2b, k1_a, k1_b, k2_a, k2_b, block_n, stride_kn, N_K, qk_scale,
                          HEAD_D, BLOCK_D, BLOCK_D2, BLOCK_N, SHARED_K, USE_DESC, UPCAST, DOT_PRECISION)
         if MASKED:
-            visible = _visible(offs_m, block_n + tl.arange(0, BLOCK_N), N_K, causal_offset, CAUSAL)
+            visible = _visible_in_documents(offs_m, block_n + tl.arange(0, BLOCK_N), N_K, causal_offset, CAUSAL,
+                                            q_docs, doc_k, DOCUMENTS)
             s1 = tl.where(visible, s1, float("-inf"))
             s2 = tl.where(visible, s2, float("-inf"))
         _, l1, m1, _ = _online_softmax_step(s1, m1, l1)
@@ -331,6 +400,7 @@ def _fwd_combined_loop(
     BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     CAUSAL: tl.constexpr, SHARED_K: tl.constexpr, USE_DESC: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    q_docs, doc_k, DOCUMENTS: tl.constexpr,
 ):
     """acc += (P1 − λ·P2)·V with P1, P2 normalised by the given LSE (log2 units): one product with V a key block."""
     for block_n in range(start_n, end_n, BLOCK_N):
@@ -338,7 +408,9 @@ def _fwd_combined_loop(
                          HEAD_D, BLOCK_D, BLOCK_D2, BLOCK_N, SHARED_K, USE_DESC, UPCAST, DOT_PRECISION)
         p = tl.math.exp2(s1 - lse1[:, None]) - lam[:, None] * tl.math.exp2(s2 - lse2[:, None])
         if MASKED:
-            p = tl.where(_visible(offs_m, block_n + tl.arange(0, BLOCK_N), N_K, causal_offset, CAUSAL), p, 0.0)
+            visible = _visible_in_documents(offs_m, block_n + tl.arange(0, BLOCK_N), N_K, causal_offset, CAUSAL,
+                                            q_docs, doc_k, DOCUMENTS)
+            p = tl.where(visible, p, 0.0)
         va, vb = _load_pair(v_a, v_b, block_n, stride_vn, N_K, VALUE_D, BLOCK_N, BLOCK_DV, BLOCK_DV2, USE_DESC,
                             UPCAST)
         acc_a = tl.dot(p.to(va.dtype), va, acc_a, input_precision=DOT_PRECISION)
@@ -383,10 +455,12 @@ def _diff_attn_fwd_kernel(
     stride_lb, stride_ln, stride_lh,
     stride_ob, stride_on, stride_oh,
     N_HEADS, GROUP, N_Q, N_K, causal_offset, qk_scale, out_scale, norm_eps,
+    DOC_Q, DOC_K, stride_docq, stride_dock,
     HEAD_D: tl.constexpr, VALUE_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr, CAUSAL: tl.constexpr, SHARED_K: tl.constexpr,
     EPILOGUE: tl.constexpr, NORM: tl.constexpr, USE_DESC: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOCUMENTS: tl.constexpr,
 ):
     """One pass: both maps' online softmax and outputs, then the epilogue."""
     start_m, offs_m, b, h, row_stats, q1_base, k1_base, k2_base, v_base = _query_block_program(
@@ -412,17 +486,29 @@ def _diff_attn_fwd_kernel(
         acc2b = tl.zeros([BLOCK_M, BLOCK_DV2], tl.float32)
 
     full_end, end = _key_ranges(start_m, N_K, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    doc_q = DOC_Q + b * stride_docq
+    doc_k = DOC_K + b * stride_dock
+    start, full_lo, full_hi, end = _document_key_ranges(start_m, full_end, end, doc_q, doc_k, N_Q, N_K, BLOCK_M,
+                                                        BLOCK_N, DOCUMENTS)
+    q_docs = _row_documents(doc_q, offs_m, N_Q, DOCUMENTS)
+    if DOCUMENTS:  # the key blocks where the rows' first document starts
+        acc1a, acc1b, l1, m1, acc2a, acc2b, l2, m2 = _fwd_onepass_loop(
+            acc1a, acc1b, l1, m1, acc2a, acc2b, l2, m2, q1a, q1b, q2a, q2b, k1_a, k1_b, k2_a, k2_b, v_a, v_b,
+            stride_kn, stride_vn, offs_m, start, full_lo, causal_offset, qk_scale, N_K,
+            HEAD_D, BLOCK_D, BLOCK_D2, VALUE_D, BLOCK_DV, BLOCK_DV2, BLOCK_N, True, CAUSAL, SHARED_K, USE_DESC, UPCAST,
+            DOT_PRECISION, q_docs, doc_k, DOCUMENTS,
+        )
     acc1a, acc1b, l1, m1, acc2a, acc2b, l2, m2 = _fwd_onepass_loop(
         acc1a, acc1b, l1, m1, acc2a, acc2b, l2, m2, q1a, q1b, q2a, q2b, k1_a, k1_b, k2_a, k2_b, v_a, v_b,
-        stride_kn, stride_vn, offs_m, 0, full_end, causal_offset, qk_scale, N_K,
+        stride_kn, stride_vn, offs_m, full_lo, full_hi, causal_offset, qk_scale, N_K,
         HEAD_D, BLOCK_D, BLOCK_D2, VALUE_D, BLOCK_DV, BLOCK_DV2, BLOCK_N, False, CAUSAL, SHARED_K, USE_DESC, UPCAST,
-        DOT_PRECISION,
+        DOT_PRECISION, q_docs, doc_k, DOCUMENTS,
     )
     acc1a, acc1b, l1, m1, acc2a, acc2b, l2, m2 = _fwd_onepass_loop(
         acc1a, acc1b, l1, m1, acc2a, acc2b, l2, m2, q1a, q1b, q2a, q2b, k1_a, k1_b, k2_a, k2_b, v_a, v_b,
-        stride_kn, stride_vn, offs_m, full_end, end, causal_offset, qk_scale, N_K,
+        stride_kn, stride_vn, offs_m, full_hi, end, causal_offset, qk_scale, N_K,
         HEAD_D, BLOCK_D, BLOCK_D2, VALUE_D, BLOCK_DV, BLOCK_DV2, BLOCK_N, True, CAUSAL, SHARED_K, USE_DESC, UPCAST,
-        DOT_PRECISION,
+        DOT_PRECISION, q_docs, doc_k, DOCUMENTS,
     )
 
     row_valid = offs_m < N_Q
@@ -445,9 +531,11 @@ def _diff_attn_fwd_lse_kernel(
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     N_HEADS, GROUP, N_Q, N_K, causal_offset, qk_scale,
+    DOC_Q, DOC_K, stride_docq, stride_dock,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, CAUSAL: tl.constexpr,
     SHARED_K: tl.constexpr, USE_DESC: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOCUMENTS: tl.constexpr,
 ):
     """Two-pass forward, pass 1: both maps' LSE (natural log; −inf for a row that sees no key)."""
     start_m, offs_m, b, h, row_stats, q1_base, k1_base, k2_base, _ = _query_block_program(
@@ -464,13 +552,26 @@ def _diff_attn_fwd_lse_kernel(
     l1 = tl.zeros([BLOCK_M], tl.float32)
     l2 = tl.zeros([BLOCK_M], tl.float32)
     full_end, end = _key_ranges(start_m, N_K, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    doc_q = DOC_Q + b * stride_docq
+    doc_k = DOC_K + b * stride_dock
+    start, full_lo, full_hi, end = _document_key_ranges(start_m, full_end, end, doc_q, doc_k, N_Q, N_K, BLOCK_M,
+                                                        BLOCK_N, DOCUMENTS)
+    q_docs = _row_documents(doc_q, offs_m, N_Q, DOCUMENTS)
+    if DOCUMENTS:  # the key blocks where the rows' first document starts
+        l1, m1, l2, m2 = _fwd_lse_loop(
+            l1, m1, l2, m2, q1a, q1b, q2a, q2b, k1_a, k1_b, k2_a, k2_b, stride_kn, offs_m, start, full_lo,
+            causal_offset, qk_scale, N_K, HEAD_D, BLOCK_D, BLOCK_D2, BLOCK_N, True, CAUSAL, SHARED_K, USE_DESC, UPCAST,
+            DOT_PRECISION, q_docs, doc_k, DOCUMENTS,
+        )
     l1, m1, l2, m2 = _fwd_lse_loop(
-        l1, m1, l2, m2, q1a, q1b, q2a, q2b, k1_a, k1_b, k2_a, k2_b, stride_kn, offs_m, 0, full_end, causal_offset,
+        l1, m1, l2, m2, q1a, q1b, q2a, q2b, k1_a, k1_b, k2_a, k2_b, stride_kn, offs_m, full_lo, full_hi, causal_offset,
         qk_scale, N_K, HEAD_D, BLOCK_D, BLOCK_D2, BLOCK_N, False, CAUSAL, SHARED_K, USE_DESC, UPCAST, DOT_PRECISION,
+        q_docs, doc_k, DOCUMENTS,
     )
     l1, m1, l2, m2 = _fwd_lse_loop(
-        l1, m1, l2, m2, q1a, q1b, q2a, q2b, k1_a, k1_b, k2_a, k2_b, stride_kn, offs_m, full_end, end, causal_offset,
+        l1, m1, l2, m2, q1a, q1b, q2a, q2b, k1_a, k1_b, k2_a, k2_b, stride_kn, offs_m, full_hi, end, causal_offset,
         qk_scale, N_K, HEAD_D, BLOCK_D, BLOCK_D2, BLOCK_N, True, CAUSAL, SHARED_K, USE_DESC, UPCAST, DOT_PRECISION,
+        q_docs, doc_k, DOCUMENTS,
     )
     row_valid = offs_m < N_Q
     tl.store(LSE + row_stats + offs_m, (m1 + tl.math.log2(l1)) / 1.4426950408889634, mask=row_valid)
@@ -486,10 +587,12 @@ def _diff_attn_fwd_out_kernel(
     stride_lb, stride_ln, stride_lh,
     stride_ob, stride_on, stride_oh,
     N_HEADS, GROUP, N_Q, N_K, causal_offset, qk_scale, out_scale, norm_eps,
+    DOC_Q, DOC_K, stride_docq, stride_dock,
     HEAD_D: tl.constexpr, VALUE_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr, CAUSAL: tl.constexpr, SHARED_K: tl.constexpr,
     EPILOGUE: tl.constexpr, NORM: tl.constexpr, USE_DESC: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOCUMENTS: tl.constexpr,
 ):
     """Two-pass forward, pass 2: y = (P1 − λ·P2)·V from the LSE of pass 1, then the epilogue."""
     start_m, offs_m, b, h, row_stats, q1_base, k1_base, k2_base, v_base = _query_block_program(
@@ -513,17 +616,29 @@ def _diff_attn_fwd_out_kernel(
     if BLOCK_DV2 > 0:
         acc_b = tl.zeros([BLOCK_M, BLOCK_DV2], tl.float32)
     full_end, end = _key_ranges(start_m, N_K, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    doc_q = DOC_Q + b * stride_docq
+    doc_k = DOC_K + b * stride_dock
+    start, full_lo, full_hi, end = _document_key_ranges(start_m, full_end, end, doc_q, doc_k, N_Q, N_K, BLOCK_M,
+                                                        BLOCK_N, DOCUMENTS)
+    q_docs = _row_documents(doc_q, offs_m, N_Q, DOCUMENTS)
+    if DOCUMENTS:  # the key blocks where the rows' first document starts
+        acc_a, acc_b = _fwd_combined_loop(
+            acc_a, acc_b, q1a, q1b, q2a, q2b, lse1, lse2, lam, k1_a, k1_b, k2_a, k2_b, v_a, v_b, stride_kn, stride_vn,
+            offs_m, start, full_lo, causal_offset, qk_scale, N_K,
+            HEAD_D, BLOCK_D, BLOCK_D2, VALUE_D, BLOCK_DV, BLOCK_DV2, BLOCK_N, True, CAUSAL, SHARED_K, USE_DESC, UPCAST,
+            DOT_PRECISION, q_docs, doc_k, DOCUMENTS,
+        )
     acc_a, acc_b = _fwd_combined_loop(
         acc_a, acc_b, q1a, q1b, q2a, q2b, lse1, lse2, lam, k1_a, k1_b, k2_a, k2_b, v_a, v_b, stride_kn, stride_vn,
-        offs_m, 0, full_end, causal_offset, qk_scale, N_K,
+        offs_m, full_lo, full_hi, causal_offset, qk_scale, N_K,
         HEAD_D, BLOCK_D, BLOCK_D2, VALUE_D, BLOCK_DV, BLOCK_DV2, BLOCK_N, False, CAUSAL, SHARED_K, USE_DESC, UPCAST,
-        DOT_PRECISION,
+        DOT_PRECISION, q_docs, doc_k, DOCUMENTS,
     )
     acc_a, acc_b = _fwd_combined_loop(
         acc_a, acc_b, q1a, q1b, q2a, q2b, lse1, lse2, lam, k1_a, k1_b, k2_a, k2_b, v_a, v_b, stride_kn, stride_vn,
-        offs_m, full_end, end, causal_offset, qk_scale, N_K,
+        offs_m, full_hi, end, causal_offset, qk_scale, N_K,
         HEAD_D, BLOCK_D, BLOCK_D2, VALUE_D, BLOCK_DV, BLOCK_DV2, BLOCK_N, True, CAUSAL, SHARED_K, USE_DESC, UPCAST,
-        DOT_PRECISION,
+        DOT_PRECISION, q_docs, doc_k, DOCUMENTS,
     )
     _epilogue_store(acc_a, acc_b, offs_m, b, h, OUT, Y, RSTD, NORM_W, stride_ob, stride_on, stride_oh, N_HEADS, N_Q,
                     out_scale, norm_eps, VALUE_D, BLOCK_DV, BLOCK_DV2, EPILOGUE, NORM)
@@ -541,13 +656,16 @@ def _bwd_r2_key_loop(
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, VALUE_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     CAUSAL: tl.constexpr, USE_DESC: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q_docs, doc_k, DOCUMENTS: tl.constexpr,
 ):
     for block_n in range(start_n, end_n, BLOCK_N):
         ka, kb = _load_pair(k2_a, k2_b, block_n, stride_kn, N_K, HEAD_D, BLOCK_N, BLOCK_D, BLOCK_D2, USE_DESC,
                             UPCAST)
         p2 = tl.math.exp2(_dot_nt(q2a, q2b, ka, kb, BLOCK_D2, DOT_PRECISION) * qk_scale - lse2[:, None])
         if MASKED:
-            p2 = tl.where(_visible(offs_m, block_n + tl.arange(0, BLOCK_N), N_K, causal_offset, CAUSAL), p2, 0.0)
+            visible = _visible_in_documents(offs_m, block_n + tl.arange(0, BLOCK_N), N_K, causal_offset, CAUSAL,
+                                            q_docs, doc_k, DOCUMENTS)
+            p2 = tl.where(visible, p2, 0.0)
         va, vb = _load_pair(v_a, v_b, block_n, stride_vn, N_K, VALUE_D, BLOCK_N, BLOCK_DV, BLOCK_DV2, USE_DESC,
                             UPCAST)
         dp = _dot_nt(dya, dyb, va, vb, BLOCK_DV2, DOT_PRECISION)
@@ -612,10 +730,12 @@ def _diff_attn_bwd_preprocess_kernel(
     stride_yb, stride_yn, stride_yh,
     stride_dob, stride_don, stride_doh,
     N_HEADS, GROUP, N_Q, N_K, causal_offset, qk_scale, out_scale,
+    DOC_Q, DOC_K, stride_docq, stride_dock,
     HEAD_D: tl.constexpr, VALUE_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr, CAUSAL: tl.constexpr, SHARED_K: tl.constexpr,
     EPILOGUE: tl.constexpr, NORM: tl.constexpr, USE_DESC: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOCUMENTS: tl.constexpr,
 ):
     """The epilogue's backward (dy, stored when there is an epilogue; the norm weight's partial sums), then delta1,
     delta2 (B, 2H, Nq) and r2 = rowsum(dy ∘ O2) (B, H, Nq), recomputing O2's contribution from P2.
@@ -652,12 +772,22 @@ def _diff_attn_bwd_preprocess_kernel(
     lse2 = _load_row_vector(LSE + row_stats + N_Q, offs_m, N_Q, float("inf")) * 1.4426950408889634
     r2 = tl.zeros([BLOCK_M], tl.float32)
     full_end, end = _key_ranges(start_m, N_K, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
-    r2 = _bwd_r2_key_loop(r2, q2a, q2b, dya, dyb, lse2, k2_a, k2_b, v_a, v_b, stride_kn, stride_vn, offs_m, 0,
-                          full_end, causal_offset, qk_scale, N_K, HEAD_D, BLOCK_D, BLOCK_D2, VALUE_D, BLOCK_DV,
-                          BLOCK_DV2, BLOCK_N, False, CAUSAL, USE_DESC, UPCAST, DOT_PRECISION)
+    doc_q = DOC_Q + b * stride_docq
+    doc_k = DOC_K + b * stride_dock
+    start, full_lo, full_hi, end = _document_key_ranges(start_m, full_end, end, doc_q, doc_k, N_Q, N_K, BLOCK_M,
+                                                        BLOCK_N, DOCUMENTS)
+    q_docs = _row_documents(doc_q, offs_m, N_Q, DOCUMENTS)
+    if DOCUMENTS:  # the key blocks where the rows' first document starts
+        r2 = _bwd_r2_key_loop(r2, q2a, q2b, dya, dyb, lse2, k2_a, k2_b, v_a, v_b, stride_kn, stride_vn, offs_m, start,
+                              full_lo, causal_offset, qk_scale, N_K, HEAD_D, BLOCK_D, BLOCK_D2, VALUE_D, BLOCK_DV,
+                              BLOCK_DV2, BLOCK_N, True, CAUSAL, USE_DESC, UPCAST, DOT_PRECISION, q_docs, doc_k,
+                              DOCUMENTS)
+    r2 = _bwd_r2_key_loop(r2, q2a, q2b, dya, dyb, lse2, k2_a, k2_b, v_a, v_b, stride_kn, stride_vn, offs_m, full_lo,
+                          full_hi, causal_offset, qk_scale, N_K, HEAD_D, BLOCK_D, BLOCK_D2, VALUE_D, BLOCK_DV,
+                          BLOCK_DV2, BLOCK_N, False, CAUSAL, USE_DESC, UPCAST, DOT_PRECISION, q_docs, doc_k, DOCUMENTS)
     r2 = _bwd_r2_key_loop(r2, q2a, q2b, dya, dyb, lse2, k2_a, k2_b, v_a, v_b, stride_kn, stride_vn, offs_m,
-                          full_end, end, causal_offset, qk_scale, N_K, HEAD_D, BLOCK_D, BLOCK_D2, VALUE_D, BLOCK_DV,
-                          BLOCK_DV2, BLOCK_N, True, CAUSAL, USE_DESC, UPCAST, DOT_PRECISION)
+                          full_hi, end, causal_offset, qk_scale, N_K, HEAD_D, BLOCK_D, BLOCK_D2, VALUE_D, BLOCK_DV,
+                          BLOCK_DV2, BLOCK_N, True, CAUSAL, USE_DESC, UPCAST, DOT_PRECISION, q_docs, doc_k, DOCUMENTS)
 
     lam = tl.load(LAM + b * stride_lb + offs_m * stride_ln + h * stride_lh, mask=row_valid, other=0.0)
     lam = lam.to(tl.float32)
@@ -679,12 +809,18 @@ def _atomic_add_pair(ptr, xa, xb, offs_r, row_stride, n_rows, N_COLS: tl.constex
 
 @triton.jit
 def _probs_t(ka, kb, qa, qb, lse_row, offs_n, offs_m, N_Q, causal_offset, qk_scale, BLOCK_D2: tl.constexpr,
-             MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Pᵀ (keys, queries) of one map from its LSE row; rows past Nq get LSE = +inf, so their probabilities are 0."""
+             MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr, k_docs, doc_q,
+             DOCUMENTS: tl.constexpr):
+    """Pᵀ (keys, queries) of one map from its LSE row; rows past Nq get LSE = +inf, so their probabilities are 0.
+    Masked: causal, and with documents only the queries of each key's own document."""
     lse = _load_row_vector(lse_row, offs_m, N_Q, float("inf")) * 1.4426950408889634
     pt = tl.math.exp2(_dot_nt(ka, kb, qa, qb, BLOCK_D2, DOT_PRECISION) * qk_scale - lse[None, :])
     if MASKED:
-        pt = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_offset, pt, 0.0)
+        if CAUSAL:
+            pt = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_offset, pt, 0.0)
+        if DOCUMENTS:
+            q_docs = tl.load(doc_q + offs_m, mask=offs_m < N_Q, other=-1)
+            pt = tl.where(k_docs[:, None] == q_docs[None, :], pt, 0.0)
     return pt
 
 
@@ -709,7 +845,8 @@ def _bwd_kv_query_loop(
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, VALUE_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
     SHARED_K: tl.constexpr, COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    USE_DESC: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_DESC: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr, k_docs, doc_q,
+    DOCUMENTS: tl.constexpr,
 ):
     """Accumulate dK1, dK2 (pre-scale) and/or dV for one key block over the query blocks in [start_m, end_m).
 
@@ -726,7 +863,7 @@ def _bwd_kv_query_loop(
         if COMPUTE_DK:
             dpt = _dot_nt(va, vb, doa, dob, BLOCK_DV2, DOT_PRECISION)
         p1t = _probs_t(k1a, k1b, q1a, q1b, lse_base, offs_n, offs_m, N_Q, causal_offset, qk_scale, BLOCK_D2,
-                       MASKED, DOT_PRECISION)
+                       MASKED, DOT_PRECISION, CAUSAL, k_docs, doc_q, DOCUMENTS)
         if COMPUTE_DK:
             delta1 = _load_row_vector(delta_base, offs_m, N_Q, 0.0)
             ds1t = (p1t * (dpt - delta1[None, :])).to(q1a.dtype)
@@ -737,7 +874,7 @@ def _bwd_kv_query_loop(
                 _atomic_dq(dq1_base, ds1t, k1a, k1b, offs_m, stride_dqn, N_Q, sm_scale, HEAD_D, BLOCK_D, BLOCK_D2,
                            DOT_PRECISION)
         p2t = _probs_t(k2a, k2b, q2a, q2b, lse_base + N_Q, offs_n, offs_m, N_Q, causal_offset, qk_scale, BLOCK_D2,
-                       MASKED, DOT_PRECISION)
+                       MASKED, DOT_PRECISION, CAUSAL, k_docs, doc_q, DOCUMENTS)
         if COMPUTE_DV:
             # dV = (P1 − λ·P2)ᵀ·dy, since the map-2 upstream gradient is −λ·dy.
             p_combined_t = (p1t - lam[None, :] * p2t).to(doa.dtype)
@@ -766,13 +903,14 @@ def _bwd_kv_head(
     dk1a, dk1b, dk2a, dk2b, dva, dvb, k1a, k1b, k2a, k2b, va, vb, h,
     Q, DY, LSE, DELTA, LAM, DQ_ACC, b, stride_qb, stride_qn, stride_qh, stride_lb, stride_ln, stride_lh,
     stride_dob, stride_don, stride_doh, stride_dqb, stride_dqn, stride_dqh, N_HEADS, N_Q, offs_n, start_m,
-    full_start, end_m, causal_offset, qk_scale, sm_scale,
+    full_lo, full_hi, end_m, causal_offset, qk_scale, sm_scale, k_docs, doc_q,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, VALUE_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr, BLOCK_M: tl.constexpr, SHARED_K: tl.constexpr,
     COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_DESC: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr, DOCUMENTS: tl.constexpr,
 ):
-    """One query head's share of a key block's gradients: its diagonal query blocks (masked), then the rest."""
+    """One query head's share of a key block's gradients: its diagonal query blocks (masked), then the rest (with
+    documents: masked where the key block's last document ends)."""
     q1_base = Q + b * stride_qb + (2 * h) * stride_qh
     q1_a, q1_b = _sources(q1_base, N_Q, stride_qn, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC)
     q2_a, q2_b = _sources(q1_base + stride_qh, N_Q, stride_qn, HEAD_D, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC)
@@ -786,18 +924,28 @@ def _bwd_kv_head(
         dk1a, dk1b, dk2a, dk2b, dva, dvb, k1a, k1b, k2a, k2b, va, vb,
         q1_a, q1_b, q2_a, q2_b, do_a, do_b, lse_base, delta_base, lam_base, dq1_base,
         stride_qn, stride_don, stride_ln, stride_dqn, stride_dqh, N_Q,
-        offs_n, start_m, full_start, causal_offset, qk_scale, sm_scale,
+        offs_n, start_m, full_lo, causal_offset, qk_scale, sm_scale,
         HEAD_D, BLOCK_D, BLOCK_D2, VALUE_D, BLOCK_DV, BLOCK_DV2, BLOCK_M, True, SHARED_K, COMPUTE_DK, COMPUTE_DV,
-        ATOMIC_DQ, USE_DESC, UPCAST, DOT_PRECISION,
+        ATOMIC_DQ, USE_DESC, UPCAST, DOT_PRECISION, CAUSAL, k_docs, doc_q, DOCUMENTS,
     )
-    return _bwd_kv_query_loop(
+    dk1a, dk1b, dk2a, dk2b, dva, dvb = _bwd_kv_query_loop(
         dk1a, dk1b, dk2a, dk2b, dva, dvb, k1a, k1b, k2a, k2b, va, vb,
         q1_a, q1_b, q2_a, q2_b, do_a, do_b, lse_base, delta_base, lam_base, dq1_base,
         stride_qn, stride_don, stride_ln, stride_dqn, stride_dqh, N_Q,
-        offs_n, full_start, end_m, causal_offset, qk_scale, sm_scale,
+        offs_n, full_lo, full_hi, causal_offset, qk_scale, sm_scale,
         HEAD_D, BLOCK_D, BLOCK_D2, VALUE_D, BLOCK_DV, BLOCK_DV2, BLOCK_M, False, SHARED_K, COMPUTE_DK, COMPUTE_DV,
-        ATOMIC_DQ, USE_DESC, UPCAST, DOT_PRECISION,
+        ATOMIC_DQ, USE_DESC, UPCAST, DOT_PRECISION, CAUSAL, k_docs, doc_q, DOCUMENTS,
     )
+    if DOCUMENTS:
+        dk1a, dk1b, dk2a, dk2b, dva, dvb = _bwd_kv_query_loop(
+            dk1a, dk1b, dk2a, dk2b, dva, dvb, k1a, k1b, k2a, k2b, va, vb,
+            q1_a, q1_b, q2_a, q2_b, do_a, do_b, lse_base, delta_base, lam_base, dq1_base,
+            stride_qn, stride_don, stride_ln, stride_dqn, stride_dqh, N_Q,
+            offs_n, full_hi, end_m, causal_offset, qk_scale, sm_scale,
+            HEAD_D, BLOCK_D, BLOCK_D2, VALUE_D, BLOCK_DV, BLOCK_DV2, BLOCK_M, True, SHARED_K, COMPUTE_DK,
+            COMPUTE_DV, ATOMIC_DQ, USE_DESC, UPCAST, DOT_PRECISION, CAUSAL, k_docs, doc_q, DOCUMENTS,
+        )
+    return dk1a, dk1b, dk2a, dk2b, dva, dvb
 
 
 @triton.jit
@@ -815,6 +963,30 @@ def _query_ranges(start_n, N_Q, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
+def _document_query_ranges(start_n, start, full_start, end, doc_q, doc_k, N_Q, N_K, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, DOCUMENTS: tl.constexpr):
+    """A key block's query blocks as masked [start, full_lo), whole [full_lo, full_hi) and masked [full_hi, end),
+    from the causal ranges (masked [start, full_start), whole [full_start, end)). With documents, query blocks before
+    the key block's first document or after its last are skipped, and a query block is whole only inside the one
+    document of a key block whose keys all lie in it."""
+    full_lo = full_start
+    full_hi = end
+    if DOCUMENTS:
+        first = tl.load(doc_k + start_n)
+        last = tl.load(doc_k + tl.minimum(start_n + BLOCK_N, N_K) - 1)
+        query_lo = _first_at_least(doc_q, N_Q, first)
+        query_hi = _first_at_least(doc_q, N_Q, last + 1)
+        start = tl.maximum(start, query_lo // BLOCK_M * BLOCK_M)
+        end = tl.minimum(end, tl.cdiv(query_hi, BLOCK_M) * BLOCK_M)
+        full_lo = tl.maximum(full_start, tl.cdiv(query_lo, BLOCK_M) * BLOCK_M)
+        full_hi = tl.where(query_hi >= N_Q, end, query_hi // BLOCK_M * BLOCK_M)
+        whole = (first == last) & (full_lo < full_hi)
+        full_lo = tl.where(whole, full_lo, start)
+        full_hi = tl.where(whole, full_hi, start)
+    return start, full_lo, full_hi, end
+
+
+@triton.jit
 def _diff_attn_bwd_kv_kernel(
     Q, K, V, LAM, DY, LSE, DELTA, DK, DV, DQ_ACC,
     stride_qb, stride_qn, stride_qh,
@@ -826,11 +998,12 @@ def _diff_attn_bwd_kv_kernel(
     stride_dvb, stride_dvn, stride_dvh,
     stride_dqb, stride_dqn, stride_dqh,
     N_HEADS, N_KV_GROUPS, GROUP, N_Q, N_K, causal_offset, qk_scale, sm_scale,
+    DOC_Q, DOC_K, stride_docq, stride_dock,
     HEAD_D: tl.constexpr, VALUE_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr, CAUSAL: tl.constexpr, SHARED_K: tl.constexpr,
     COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, ATOMIC_DQ: tl.constexpr, HEAD_LOOP: tl.constexpr,
     USE_DESC: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOCUMENTS: tl.constexpr,
 ):
     """dK1 and dK2 (COMPUTE_DK) and/or dV (COMPUTE_DV) of one key block: one program per (batch, KV group, key block)
     over every query head of the group (GQA without atomics); ATOMIC_DQ also adds dS·K into DQ_ACC (fp32)."""
@@ -872,9 +1045,14 @@ def _diff_attn_bwd_kv_kernel(
         dvb = tl.zeros([BLOCK_N, BLOCK_DV2], tl.float32)
 
     start_m, full_start, end_m = _query_ranges(start_n, N_Q, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    doc_q = DOC_Q + b * stride_docq
+    doc_k = DOC_K + b * stride_dock
+    start_m, full_lo, full_hi, end_m = _document_query_ranges(start_n, start_m, full_start, end_m, doc_q, doc_k, N_Q,
+                                                              N_K, BLOCK_M, BLOCK_N, DOCUMENTS)
+    k_docs = _row_documents(doc_k, offs_n, N_K, DOCUMENTS)
     head_args = (Q, DY, LSE, DELTA, LAM, DQ_ACC, b, stride_qb, stride_qn, stride_qh, stride_lb, stride_ln, stride_lh,
                  stride_dob, stride_don, stride_doh, stride_dqb, stride_dqn, stride_dqh, N_HEADS, N_Q, offs_n, start_m,
-                 full_start, end_m, causal_offset, qk_scale, sm_scale)
+                 full_lo, full_hi, end_m, causal_offset, qk_scale, sm_scale, k_docs, doc_q)
     if HEAD_LOOP:
         # Every query head of the KV group adds into the same dK/dV tile: GQA without atomics, deterministic. (The
         # loop around the pipelined query loops costs registers, so GROUP = 1 compiles without it.)
@@ -882,13 +1060,13 @@ def _diff_attn_bwd_kv_kernel(
             dk1a, dk1b, dk2a, dk2b, dva, dvb = _bwd_kv_head(
                 dk1a, dk1b, dk2a, dk2b, dva, dvb, k1a, k1b, k2a, k2b, va, vb, h, *head_args,
                 HEAD_D, BLOCK_D, BLOCK_D2, VALUE_D, BLOCK_DV, BLOCK_DV2, BLOCK_M, SHARED_K, COMPUTE_DK, COMPUTE_DV,
-                ATOMIC_DQ, USE_DESC, UPCAST, DOT_PRECISION,
+                ATOMIC_DQ, USE_DESC, UPCAST, DOT_PRECISION, CAUSAL, DOCUMENTS,
             )
     else:
         dk1a, dk1b, dk2a, dk2b, dva, dvb = _bwd_kv_head(
             dk1a, dk1b, dk2a, dk2b, dva, dvb, k1a, k1b, k2a, k2b, va, vb, g, *head_args,
             HEAD_D, BLOCK_D, BLOCK_D2, VALUE_D, BLOCK_DV, BLOCK_DV2, BLOCK_M, SHARED_K, COMPUTE_DK, COMPUTE_DV,
-            ATOMIC_DQ, USE_DESC, UPCAST, DOT_PRECISION,
+            ATOMIC_DQ, USE_DESC, UPCAST, DOT_PRECISION, CAUSAL, DOCUMENTS,
         )
 
     if COMPUTE_DK:
@@ -912,6 +1090,7 @@ def _bwd_dq_key_loop(
     BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     CAUSAL: tl.constexpr, SHARED_K: tl.constexpr, USE_DESC: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    q_docs, doc_k, DOCUMENTS: tl.constexpr,
 ):
     for block_n in range(start_n, end_n, BLOCK_N):
         k1a, k1b = _load_pair(k1_a, k1_b, block_n, stride_kn, N_K, HEAD_D, BLOCK_N, BLOCK_D, BLOCK_D2, USE_DESC,
@@ -925,7 +1104,8 @@ def _bwd_dq_key_loop(
         p1 = tl.math.exp2(_dot_nt(q1a, q1b, k1a, k1b, BLOCK_D2, DOT_PRECISION) * qk_scale - lse1[:, None])
         p2 = tl.math.exp2(_dot_nt(q2a, q2b, k2a, k2b, BLOCK_D2, DOT_PRECISION) * qk_scale - lse2[:, None])
         if MASKED:
-            visible = _visible(offs_m, block_n + tl.arange(0, BLOCK_N), N_K, causal_offset, CAUSAL)
+            visible = _visible_in_documents(offs_m, block_n + tl.arange(0, BLOCK_N), N_K, causal_offset, CAUSAL,
+                                            q_docs, doc_k, DOCUMENTS)
             p1 = tl.where(visible, p1, 0.0)
             p2 = tl.where(visible, p2, 0.0)
         va, vb = _load_pair(v_a, v_b, block_n, stride_vn, N_K, VALUE_D, BLOCK_N, BLOCK_DV, BLOCK_DV2, USE_DESC,
@@ -951,10 +1131,12 @@ def _diff_attn_bwd_dq_kernel(
     stride_dob, stride_don, stride_doh,
     stride_dqb, stride_dqn, stride_dqh,
     N_HEADS, GROUP, N_Q, N_K, causal_offset, qk_scale, sm_scale,
+    DOC_Q, DOC_K, stride_docq, stride_dock,
     HEAD_D: tl.constexpr, VALUE_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr, CAUSAL: tl.constexpr, SHARED_K: tl.constexpr,
     USE_DESC: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOCUMENTS: tl.constexpr,
 ):
     start_m, offs_m, b, h, row_stats, q1_base, k1_base, k2_base, v_base = _query_block_program(
         Q, K, V, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, N_HEADS, GROUP, N_Q,
@@ -985,17 +1167,30 @@ def _diff_attn_bwd_dq_kernel(
         dq1b = tl.zeros([BLOCK_M, BLOCK_D2], tl.float32)
         dq2b = tl.zeros([BLOCK_M, BLOCK_D2], tl.float32)
     full_end, end = _key_ranges(start_m, N_K, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    doc_q = DOC_Q + b * stride_docq
+    doc_k = DOC_K + b * stride_dock
+    start, full_lo, full_hi, end = _document_key_ranges(start_m, full_end, end, doc_q, doc_k, N_Q, N_K, BLOCK_M,
+                                                        BLOCK_N, DOCUMENTS)
+    q_docs = _row_documents(doc_q, offs_m, N_Q, DOCUMENTS)
+    if DOCUMENTS:  # the key blocks where the rows' first document starts
+        dq1a, dq1b, dq2a, dq2b = _bwd_dq_key_loop(
+            dq1a, dq1b, dq2a, dq2b, q1a, q1b, q2a, q2b, doa, dob, lse1, lse2, delta1, delta2, lam,
+            k1_a, k1_b, k2_a, k2_b, v_a, v_b, stride_kn, stride_vn, offs_m, start, full_lo, causal_offset, qk_scale,
+            N_K,
+            HEAD_D, BLOCK_D, BLOCK_D2, VALUE_D, BLOCK_DV, BLOCK_DV2, BLOCK_N, True, CAUSAL, SHARED_K, USE_DESC, UPCAST,
+            DOT_PRECISION, q_docs, doc_k, DOCUMENTS,
+        )
     dq1a, dq1b, dq2a, dq2b = _bwd_dq_key_loop(
         dq1a, dq1b, dq2a, dq2b, q1a, q1b, q2a, q2b, doa, dob, lse1, lse2, delta1, delta2, lam,
-        k1_a, k1_b, k2_a, k2_b, v_a, v_b, stride_kn, stride_vn, offs_m, 0, full_end, causal_offset, qk_scale, N_K,
+        k1_a, k1_b, k2_a, k2_b, v_a, v_b, stride_kn, stride_vn, offs_m, full_lo, full_hi, causal_offset, qk_scale, N_K,
         HEAD_D, BLOCK_D, BLOCK_D2, VALUE_D, BLOCK_DV, BLOCK_DV2, BLOCK_N, False, CAUSAL, SHARED_K, USE_DESC, UPCAST,
-        DOT_PRECISION,
+        DOT_PRECISION, q_docs, doc_k, DOCUMENTS,
     )
     dq1a, dq1b, dq2a, dq2b = _bwd_dq_key_loop(
         dq1a, dq1b, dq2a, dq2b, q1a, q1b, q2a, q2b, doa, dob, lse1, lse2, delta1, delta2, lam,
-        k1_a, k1_b, k2_a, k2_b, v_a, v_b, stride_kn, stride_vn, offs_m, full_end, end, causal_offset, qk_scale, N_K,
+        k1_a, k1_b, k2_a, k2_b, v_a, v_b, stride_kn, stride_vn, offs_m, full_hi, end, causal_offset, qk_scale, N_K,
         HEAD_D, BLOCK_D, BLOCK_D2, VALUE_D, BLOCK_DV, BLOCK_DV2, BLOCK_N, True, CAUSAL, SHARED_K, USE_DESC, UPCAST,
-        DOT_PRECISION,
+        DOT_PRECISION, q_docs, doc_k, DOCUMENTS,
     )
     dq_base = DQ + b * stride_dqb + (2 * h) * stride_dqh
     _store_pair(dq_base, dq1a * sm_scale, dq1b * sm_scale, offs_m, stride_dqn, N_Q, HEAD_D, BLOCK_D, BLOCK_D2)
@@ -1125,9 +1320,19 @@ def _query_grid(n_q, batch, n_heads):
     return lambda config: (triton.cdiv(n_q, config.block_m), batch * n_heads)
 
 
-def _diff_attn_lse(q, k, value_dim, causal, causal_offset, softmax_scale, shared_k, design, plan):
+def _document_args(documents, q):
+    """The kernels' (DOC_Q, DOC_K, stride_docq, stride_dock) and DOCUMENTS: the queries' and keys' document ids
+    ((B, Nq), (B, Nk) int32, rows contiguous), or an unread placeholder without documents."""
+    if documents is None:
+        placeholder = torch.zeros(1, dtype=torch.int32, device=q.device)
+        return (placeholder, placeholder, 0, 0), dict(DOCUMENTS=False)
+    q_ids, k_ids = documents
+    return (q_ids, k_ids, q_ids.stride(0), k_ids.stride(0)), dict(DOCUMENTS=True)
+
+
+def _diff_attn_lse(q, k, value_dim, causal, causal_offset, softmax_scale, shared_k, design, plan, documents=None):
     """The two-pass forward's first pass: lse (B, 2H, Nq) fp32, natural log. The kernel reads no V; `value_dim`
-    picks the table entry of the problem it belongs to."""
+    picks the table entry of the problem it belongs to. `documents`: (query ids, key ids) or None."""
     batch, n_q, two_h, _ = q.shape
     n_heads, n_k = two_h // 2, k.shape[1]
     group = n_heads // (k.shape[2] if shared_k else k.shape[2] // 2)
@@ -1135,15 +1340,17 @@ def _diff_attn_lse(q, k, value_dim, causal, causal_offset, softmax_scale, shared
     constants = _kernel_constants(q, q.shape[3], causal, shared_k, design, _use_descriptors(design, q, k))
     for name in ("VALUE_D", "BLOCK_DV", "BLOCK_DV2"):
         del constants[name]
+    document_args, document_flag = _document_args(documents, q)
+    constants.update(document_flag)
     args = (q, k, lse, *_strides3(q), *_strides3(k), n_heads, group, n_q, n_k, causal_offset,
-            softmax_scale * _LOG2E)
+            softmax_scale * _LOG2E, *document_args)
     _launch("forward_lse", _diff_attn_fwd_lse_kernel, _query_grid(n_q, batch, n_heads), args, constants, q, n_q,
             n_k, plan, design, value_dim)
     return lse
 
 
 def _diff_attn_forward(q, k, v, lam_rows, norm_weight, causal, causal_offset, softmax_scale, shared_k, norm_eps,
-                       output_scale, design, plan, lse=None, out_dtype=None):
+                       output_scale, design, plan, lse=None, out_dtype=None, documents=None):
     """Launch the forward kernels of `design`; returns out (B, Nq, H, Dv), the pre-norm y (out itself without an
     epilogue), lse (B, 2H, Nq) fp32 natural log and rstd (B, H, Nq) fp32 (None without a norm weight).
 
@@ -1158,12 +1365,16 @@ def _diff_attn_forward(q, k, v, lam_rows, norm_weight, causal, causal_offset, so
     rstd = torch.full((batch, n_heads, n_q), float("nan"), dtype=torch.float32, device=q.device) if norm else None
     constants = _kernel_constants(q, value_dim, causal, shared_k, design, _use_descriptors(design, q, k, v))
     constants.update(EPILOGUE=epilogue, NORM=norm)
+    document_args, document_flag = _document_args(documents, q)
+    constants.update(document_flag)
     grid = _query_grid(n_q, batch, n_heads)
     tail = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(lam_rows), *_strides3(out),
-            n_heads, n_heads // n_kv_groups, n_q, n_k, causal_offset, softmax_scale * _LOG2E, output_scale, norm_eps)
+            n_heads, n_heads // n_kv_groups, n_q, n_k, causal_offset, softmax_scale * _LOG2E, output_scale, norm_eps,
+            *document_args)
     if design.forward == "twopass" or lse is not None:
         if lse is None:
-            lse = _diff_attn_lse(q, k, value_dim, causal, causal_offset, softmax_scale, shared_k, design, plan)
+            lse = _diff_attn_lse(q, k, value_dim, causal, causal_offset, softmax_scale, shared_k, design, plan,
+                                 documents)
         args = (q, k, v, lam_rows, lse, out, y, rstd if norm else lse, norm_weight if norm else lse, *tail)
         _launch("forward_out", _diff_attn_fwd_out_kernel, grid, args, constants, q, n_q, n_k, plan, design)
     else:
@@ -1174,7 +1385,7 @@ def _diff_attn_forward(q, k, v, lam_rows, norm_weight, causal, causal_offset, so
 
 
 def _diff_attn_preprocess(dout, q, k, v, lam_rows, y, lse, rstd, norm_weight, causal, causal_offset, softmax_scale,
-                          shared_k, output_scale, design, plan):
+                          shared_k, output_scale, design, plan, documents=None):
     """The epilogue's backward and δ: returns dy (dout itself without an epilogue), delta (B, 2H, Nq), r2 (B, H, Nq)
     and the norm weight's partial sums (rows, Dv) fp32 (None without a norm weight)."""
     batch, n_q, two_h, _ = q.shape
@@ -1190,11 +1401,13 @@ def _diff_attn_preprocess(dout, q, k, v, lam_rows, y, lse, rstd, norm_weight, ca
                              dtype=torch.float32, device=q.device)
     constants = _kernel_constants(q, value_dim, causal, shared_k, design, _use_descriptors(design, q, k, v))
     constants.update(EPILOGUE=epilogue, NORM=norm)
+    document_args, document_flag = _document_args(documents, q)
+    constants.update(document_flag)
     args = (
         q, k, v, lam_rows, y, dout, dy, lse, rstd if norm else lse, norm_weight if norm else lse, delta, r2,
         dw_partial, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(lam_rows), *_strides3(y),
         *_strides3(dout), n_heads, n_heads // n_kv_groups, n_q, n_k, causal_offset, softmax_scale * _LOG2E,
-        output_scale,
+        output_scale, *document_args,
     )
     _launch("preprocess", _diff_attn_bwd_preprocess_kernel, _query_grid(n_q, batch, n_heads), args, constants, q,
             n_q, n_k, plan, design)
@@ -1202,7 +1415,7 @@ def _diff_attn_preprocess(dout, q, k, v, lam_rows, y, lse, rstd, norm_weight, ca
 
 
 def _diff_attn_grads(dy, q, k, v, lam_rows, lse, delta, causal, causal_offset, softmax_scale, shared_k, design,
-                     plan, grad_dtype=None):
+                     plan, grad_dtype=None, documents=None):
     """dq, dk, dv from dy, the LSE and δ, by the design's backward kernels (in `grad_dtype`, default the inputs')."""
     batch, n_q, two_h, _ = q.shape
     n_heads, n_k, n_kv_groups, value_dim = two_h // 2, k.shape[1], v.shape[2], v.shape[3]
@@ -1216,13 +1429,15 @@ def _diff_attn_grads(dy, q, k, v, lam_rows, lse, delta, causal, causal_offset, s
     else:
         dq = torch.full(q.shape, nan, dtype=grad_dtype, device=q.device)
     constants = _kernel_constants(q, value_dim, causal, shared_k, design, _use_descriptors(design, q, k, v, dy))
+    document_args, document_flag = _document_args(documents, q)
+    constants.update(document_flag)
     qk_scale = softmax_scale * _LOG2E
     common_strides = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(lam_rows), *_strides3(dy))
     key_grid = lambda config: (triton.cdiv(n_k, config.block_n), batch * n_kv_groups)  # noqa: E731
     kv_args = (
         q, k, v, lam_rows, dy, lse, delta, dk, dv, dq,
         *common_strides, *_strides3(dk), *_strides3(dv), *_strides3(dq),
-        n_heads, n_kv_groups, group, n_q, n_k, causal_offset, qk_scale, softmax_scale,
+        n_heads, n_kv_groups, group, n_q, n_k, causal_offset, qk_scale, softmax_scale, *document_args,
     )
     kv_kernels = [name for name in tuning.BACKWARD_DESIGNS[design.backward] if name in _KEY_BLOCK_FLAGS]
     for name in kv_kernels:
@@ -1233,7 +1448,7 @@ def _diff_attn_grads(dy, q, k, v, lam_rows, lse, delta, causal, causal_offset, s
         return dq.to(grad_dtype), dk, dv
     dq_args = (
         q, k, v, lam_rows, dy, lse, delta, dq, *common_strides, *_strides3(dq),
-        n_heads, group, n_q, n_k, causal_offset, qk_scale, softmax_scale,
+        n_heads, group, n_q, n_k, causal_offset, qk_scale, softmax_scale, *document_args,
     )
     _launch("dq", _diff_attn_bwd_dq_kernel, _query_grid(n_q, batch, n_heads), dq_args, constants, q, n_q, n_k, plan,
             design)
@@ -1259,15 +1474,16 @@ class DiffFlashAttnFunction(torch.autograd.Function):
     block configs."""
 
     @staticmethod
-    def forward(ctx, q, k, v, lam, norm_weight, causal, softmax_scale, shared_k, norm_eps, output_scale, plan):
+    def forward(ctx, q, k, v, lam, norm_weight, causal, softmax_scale, shared_k, norm_eps, output_scale, plan,
+                documents=None):
         lam_rows = _lam_rows(lam, q.shape[0], q.shape[1], q.shape[2] // 2)
         causal_offset = k.shape[1] - q.shape[1]
         design = _design(q, v.shape[3], plan)
         out, y, lse, rstd = _diff_attn_forward(q, k, v, lam_rows, norm_weight, causal, causal_offset, softmax_scale,
-                                               shared_k, norm_eps, output_scale, design, plan)
+                                               shared_k, norm_eps, output_scale, design, plan, documents=documents)
         ctx.save_for_backward(q, k, v, lam, y, lse, rstd, norm_weight)
         ctx.causal, ctx.softmax_scale, ctx.shared_k = causal, softmax_scale, shared_k
-        ctx.output_scale, ctx.design, ctx.plan = output_scale, design, plan
+        ctx.output_scale, ctx.design, ctx.plan, ctx.documents = output_scale, design, plan, documents
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -1280,12 +1496,14 @@ class DiffFlashAttnFunction(torch.autograd.Function):
         causal_offset = k.shape[1] - q.shape[1]
         common = (ctx.causal, causal_offset, ctx.softmax_scale, ctx.shared_k)
         dy, delta, r2, dw_partial = _diff_attn_preprocess(dout, q, k, v, lam_rows, y, lse, rstd, norm_weight,
-                                                          *common, ctx.output_scale, ctx.design, ctx.plan)
-        dq, dk, dv = _diff_attn_grads(dy, q, k, v, lam_rows, lse, delta, *common, ctx.design, ctx.plan)
+                                                          *common, ctx.output_scale, ctx.design, ctx.plan,
+                                                          documents=ctx.documents)
+        dq, dk, dv = _diff_attn_grads(dy, q, k, v, lam_rows, lse, delta, *common, ctx.design, ctx.plan,
+                                      documents=ctx.documents)
         # y = O1 − λ·O2, so dλ = −rowsum(dy ∘ O2), summed over every token and head that shares the λ.
         dlam = (-r2.transpose(1, 2)).sum_to_size(lam.shape).to(lam.dtype)
         dw = dw_partial.sum(0).to(norm_weight.dtype) if dw_partial is not None else None
-        return dq, dk, dv, dlam, dw, None, None, None, None, None, None
+        return dq, dk, dv, dlam, dw, None, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1378,12 +1596,32 @@ def _unit_stride_last(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _documents(document_ids, q, k, q_document_ids=None):
+    """(query ids, key ids) as the kernels read them ((B, Nq), (B, Nk) int32, contiguous), or None. The queries are
+    the last Nq positions of `document_ids` unless their own ids are given (context-parallel chunks)."""
+    if document_ids is None:
+        return None
+    batch, n_q, n_k = q.shape[0], q.shape[1], k.shape[1]
+    given = (("document_ids", document_ids, n_k),) + ((("q_document_ids", q_document_ids, n_q),)
+                                                      if q_document_ids is not None else ())
+    for name, ids, n in given:
+        _check_tensor(name, ids)
+        if ids.dtype.is_floating_point or ids.is_complex() or _shape(ids) != (batch, n):
+            raise ValueError(f"{name} has shape {_shape(ids)} and dtype {ids.dtype}; expected integer ids (B, N) = "
+                             f"{(batch, n)}, non-decreasing along each row")
+        if ids.device != q.device:
+            raise ValueError(f"{name} is on {ids.device}; expected q's device {q.device}")
+    k_ids = document_ids.to(torch.int32).contiguous()
+    q_ids = q_document_ids.to(torch.int32).contiguous() if q_document_ids is not None else k_ids[:, n_k - n_q:]
+    return q_ids.contiguous(), k_ids
+
+
 def _softmax_scale(softmax_scale, head_dim):
     return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
 
 def diff_flash_attn(q, k, v, lam, causal=True, softmax_scale=None, return_lse=False, *, norm_weight=None,
-                    norm_eps=1e-5, output_scale=1.0, plan=None):
+                    norm_eps=1e-5, output_scale=1.0, plan=None, document_ids=None):
     """Differential attention V1, fused: y = softmax(Q1·K1ᵀ·s)·V − λ·softmax(Q2·K2ᵀ·s)·V, then the DIFF epilogue.
 
     Args:
@@ -1398,6 +1636,9 @@ def diff_flash_attn(q, k, v, lam, causal=True, softmax_scale=None, return_lse=Fa
             (V1's sub-layer norm, as torch.nn.RMSNorm(2d, eps=norm_eps)); None: out = y·output_scale.
         norm_eps, output_scale: the norm's ε and the output multiplier (1 − λ_init in the model).
         plan: a tuning.Plan fixing the design and every block config (benchmarks); None: the table's.
+        document_ids: (B, Nk) integer ids, non-decreasing along each row, or None: a query sees only keys of its
+            own document (packed samples; the queries are the last Nq positions). Key blocks before or after a
+            query block's documents are skipped in the forward and both backward passes.
     Returns:
         out (B, Nq, H, 2d) in q's dtype (and lse). Differentiable in q, k, v, lam and norm_weight.
     """
@@ -1410,18 +1651,20 @@ def diff_flash_attn(q, k, v, lam, causal=True, softmax_scale=None, return_lse=Fa
     out, lse = DiffFlashAttnFunction.apply(
         _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v), lam, norm_weight, causal,
         _softmax_scale(softmax_scale, q.shape[3]), False, float(norm_eps), float(output_scale), plan,
+        _documents(document_ids, q, k),
     )
     return (out, lse) if return_lse else out
 
 
-def diff_flash_attn_v2(q, k, v, lam, causal=True, softmax_scale=None, return_lse=False, *, plan=None):
+def diff_flash_attn_v2(q, k, v, lam, causal=True, softmax_scale=None, return_lse=False, *, plan=None,
+                       document_ids=None):
     """Differential attention V2, fused: out = O[2h] − lam·O[2h+1] over one GQA attention of 2H query heads.
 
     Args:
         q: (B, Nq, 2H, d); heads 2h and 2h+1 form differential head h.
         k, v: (B, Nk, Hkv, d); Hkv divides H, so both heads of a pair use KV head g = h // (H / Hkv).
         lam: (B, Nq, H), per token and head (already through the sigmoid).
-        causal, softmax_scale, return_lse, plan: as in `diff_flash_attn`.
+        causal, softmax_scale, return_lse, plan, document_ids: as in `diff_flash_attn`.
     Returns:
         out (B, Nq, H, d) in q's dtype (and lse (B, 2H, Nq)). Differentiable in q, k, v and lam.
     """
@@ -1432,7 +1675,7 @@ def diff_flash_attn_v2(q, k, v, lam, causal=True, softmax_scale=None, return_lse
         raise ValueError(f"lam has shape {_shape(lam)}; expected (B, N, H) = {(batch, n_q, two_h // 2)}")
     out, lse = DiffFlashAttnFunction.apply(
         _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v), lam, None, causal,
-        _softmax_scale(softmax_scale, head_dim), True, 1e-5, 1.0, plan,
+        _softmax_scale(softmax_scale, head_dim), True, 1e-5, 1.0, plan, _documents(document_ids, q, k),
     )
     return (out, lse) if return_lse else out
 
@@ -1445,7 +1688,9 @@ def diff_flash_attn_v2(q, k, v, lam, causal=True, softmax_scale=None, return_lse
 # add. The backward's r2 and dq add over key chunks the same way, dk and dv over query chunks; δ needs the whole r2.
 # A chunk of queries starting at global position a against a chunk of keys starting at b is causal with
 # causal_offset = a − b (query i sees key j when j <= i + causal_offset); rows that see no key of a chunk get an
-# LSE of −inf and contribute nothing.
+# LSE of −inf and contribute nothing. With document masking each piece takes the chunks' own document ids
+# (`q_document_ids`, `k_document_ids`, (B, N) each); a row sees only keys of its document, and blocks of a chunk
+# pair that share no document are skipped inside the kernels.
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -1463,26 +1708,29 @@ def _pieces_setup(q, k, v, lam, shared_k, causal, causal_offset, softmax_scale):
     return offset, scale, design, lam_rows
 
 
-def diff_attn_chunk_lse(q, k, *, shared_k=False, causal=True, causal_offset=None, softmax_scale=None):
+def diff_attn_chunk_lse(q, k, *, shared_k=False, causal=True, causal_offset=None, softmax_scale=None,
+                        q_document_ids=None, k_document_ids=None):
     """Both maps' LSE of queries q against the key chunk k: (B, 2H, Nq) fp32, natural log (−inf: no key seen)."""
     offset, scale, design, _ = _pieces_setup(q, k, None, None, shared_k, causal, causal_offset, softmax_scale)
     value_dim = q.shape[3] if shared_k else 2 * q.shape[3]
     return _diff_attn_lse(_unit_stride_last(q), _unit_stride_last(k), value_dim, causal, offset, scale, shared_k,
-                          design, None)
+                          design, None, _documents(k_document_ids, q, k, q_document_ids))
 
 
 def diff_attn_chunk_forward(q, k, v, lam, lse, *, shared_k=False, causal=True, causal_offset=None,
-                            softmax_scale=None):
+                            softmax_scale=None, q_document_ids=None, k_document_ids=None):
     """The key chunk's share of y = (P1 − λ·P2)·V (B, Nq, H, Dv) in fp32, with P normalised by the full `lse`
     (B, 2H, Nq): the shares of all chunks sum to y (before the epilogue)."""
     offset, scale, design, lam_rows = _pieces_setup(q, k, v, lam, shared_k, causal, causal_offset, softmax_scale)
     out, _, _, _ = _diff_attn_forward(_unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v), lam_rows, None,
                                       causal, offset, scale, shared_k, 1e-5, 1.0, design, None,
-                                      lse=lse.contiguous(), out_dtype=torch.float32)
+                                      lse=lse.contiguous(), out_dtype=torch.float32,
+                                      documents=_documents(k_document_ids, q, k, q_document_ids))
     return out
 
 
-def diff_attn_chunk_r2(dy, q, k, v, lse, *, shared_k=False, causal=True, causal_offset=None, softmax_scale=None):
+def diff_attn_chunk_r2(dy, q, k, v, lse, *, shared_k=False, causal=True, causal_offset=None, softmax_scale=None,
+                       q_document_ids=None, k_document_ids=None):
     """The key chunk's share of r2 = rowsum(dy ∘ O2) (B, H, Nq) fp32, with the full `lse`. With r2 summed over the
     chunks, δ (B, 2H, Nq) has rows 2h: rowsum(dy ∘ y) + λ·r2 and 2h+1: −λ·r2, and dλ = −r2 (summed as λ is
     shared)."""
@@ -1490,7 +1738,8 @@ def diff_attn_chunk_r2(dy, q, k, v, lse, *, shared_k=False, causal=True, causal_
     offset, scale, design, lam_rows = _pieces_setup(q, k, v, lam, shared_k, causal, causal_offset, softmax_scale)
     _, _, r2, _ = _diff_attn_preprocess(_unit_stride_last(dy), _unit_stride_last(q), _unit_stride_last(k),
                                         _unit_stride_last(v), lam_rows, _unit_stride_last(dy), lse.contiguous(), None,
-                                        None, causal, offset, scale, shared_k, 1.0, design, None)
+                                        None, causal, offset, scale, shared_k, 1.0, design, None,
+                                        documents=_documents(k_document_ids, q, k, q_document_ids))
     return r2
 
 
@@ -1504,9 +1753,10 @@ def diff_attn_delta(dy, y, lam, r2):
 
 
 def diff_attn_chunk_backward(dy, q, k, v, lam, lse, delta, *, shared_k=False, causal=True, causal_offset=None,
-                             softmax_scale=None):
+                             softmax_scale=None, q_document_ids=None, k_document_ids=None):
     """The chunk pair's shares of dq, dk and dv in fp32, from dy (the gradient of y), the full `lse` and `delta`."""
     offset, scale, design, lam_rows = _pieces_setup(q, k, v, lam, shared_k, causal, causal_offset, softmax_scale)
     return _diff_attn_grads(_unit_stride_last(dy), _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v),
                             lam_rows, lse.contiguous(), delta.contiguous(), causal, offset, scale, shared_k, design,
-                            None, grad_dtype=torch.float32)
+                            None, grad_dtype=torch.float32,
+                            documents=_documents(k_document_ids, q, k, q_document_ids))

@@ -29,6 +29,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from diff_transformer.models.attention_maps import AttentionMaps, causal_logits, query_rows
+from diff_transformer.models.documents import PackedDocuments, documents_of, same_document
 from diff_transformer.models.ring_attention import IMPLEMENTATIONS as RING_IMPLEMENTATIONS
 from diff_transformer.models.ring_attention import ProcessGroupRing
 
@@ -51,15 +52,29 @@ def require_causal(attn_mask_type) -> None:
         raise ValueError(f"attention mask type {attn_mask_type} is not supported; pretraining uses causal masks")
 
 
-def load_flash_attn_func():
+def load_flash_attn_func(varlen: bool = False):
+    """flash-attn's ``flash_attn_func`` (``flash_attn_varlen_func`` with ``varlen``: documents of packed samples)."""
     try:
-        from flash_attn import flash_attn_func
+        from flash_attn import flash_attn_func, flash_attn_varlen_func
     except ImportError as err:
         raise ImportError(
             "model.attention_backend=flash_attn needs the flash-attn package (GPU only: pip install flash-attn "
             "--no-build-isolation); use model.attention_backend=sdpa instead"
         ) from err
-    return flash_attn_func
+    return flash_attn_varlen_func if varlen else flash_attn_func
+
+
+def flash_attn_documents(q, k, v, scale: float, documents: PackedDocuments) -> torch.Tensor:
+    """flash-attn over every document of the micro-batch at once (its variable-length entry); q, k, v and the output
+    (b, s, heads, d), flash-attn's layout. Not run on a GPU by this project's tests (flash-attn cannot be built
+    here): the same ``cu_seqlens`` drive the ``sdpa`` path's variable-length kernel, which they check."""
+    b, s = q.shape[:2]
+    cu_seqlens, longest = documents.cu_seqlens()
+    out = load_flash_attn_func(varlen=True)(
+        q.reshape(b * s, *q.shape[2:]), k.reshape(b * s, *k.shape[2:]), v.reshape(b * s, *v.shape[2:]),
+        cu_seqlens, cu_seqlens, longest, longest, softmax_scale=scale, causal=True,
+    )
+    return out.view(b, s, *out.shape[1:])
 
 
 def causal_mask(sq: int, sk: int, device) -> torch.Tensor:
@@ -114,10 +129,13 @@ class _GradInOutputLayout(torch.autograd.Function):
         return torch.empty_strided(shape, stride, dtype=grad.dtype, device=grad.device).copy_(grad)
 
 
-def scaled_dot_product_attention(q, k, v, scale: float, enable_gqa: bool = False) -> torch.Tensor:
+def scaled_dot_product_attention(q, k, v, scale: float, enable_gqa: bool = False,
+                                 documents: Optional[PackedDocuments] = None) -> torch.Tensor:
     """Causal ``F.scaled_dot_product_attention`` on (b, heads, s, d) inputs, the one call every kind's ``sdpa``
     backend makes (so that :func:`record_sdpa_kernels` sees them all); its backward receives the gradient in the
-    output's layout."""
+    output's layout. With ``documents`` carrying ids, causal within each document (:func:`document_attention`)."""
+    if documents is not None and documents.document_ids is not None and not documents.single_document():
+        return document_attention(q, k, v, scale, enable_gqa, documents)
     if _sdpa_choices is not None:
         kernel = sdpa_kernel_choice(q, k, v, True, scale, enable_gqa)
         _sdpa_choices.append(
@@ -126,6 +144,70 @@ def scaled_dot_product_attention(q, k, v, scale: float, enable_gqa: bool = False
         )
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
     return _GradInOutputLayout.apply(out) if out.requires_grad else out
+
+
+def _varlen_flash_usable(q, k, v) -> bool:
+    """PyTorch's own FlashAttention kernel takes variable-length batches: CUDA, fp16/bf16, equal head dims <= 256."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == v.shape[-1]
+            and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0)
+
+
+class _VarlenFlashAttention(torch.autograd.Function):
+    """PyTorch's FlashAttention-2 over packed documents (``aten._flash_attention_forward`` with ``cu_seqlens``, the op
+    behind nested-tensor SDPA): every document of the micro-batch in one causal launch, no mask tensor at all."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, longest, scale):
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, longest, longest, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state, unused)
+        ctx.longest, ctx.scale = longest, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu_seqlens, rng_state, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, ctx.longest, ctx.longest, 0.0, True,
+            rng_state, unused, scale=ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def _document_call(q, k, v, scale: float, enable_gqa: bool) -> torch.Tensor:
+    """One document's causal library call, its backward handed the gradient in its output's layout."""
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+    return _GradInOutputLayout.apply(out) if out.requires_grad else out
+
+
+def document_attention(q, k, v, scale: float, enable_gqa: bool, documents: PackedDocuments) -> torch.Tensor:
+    """Causal attention within each document of a packed micro-batch, on (b, heads, s, d) inputs. On a GPU in
+    fp16/bf16 one variable-length FlashAttention launch over every document (:class:`_VarlenFlashAttention`);
+    elsewhere one library call per document, each the document run alone (the work the mask leaves, Σ L², and no
+    mask tensor). Not FlexAttention: torch 2.13 has no FlexAttention backward on a CPU, so CI could never check its
+    gradients, and it compiles once per shape."""
+    if _varlen_flash_usable(q, k, v):
+        b, heads, s, d = q.shape
+        cu_seqlens, longest = documents.cu_seqlens()
+        flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[3]) for t in (q, k, v)]
+        if _sdpa_choices is not None:
+            _sdpa_choices.append(f"flash varlen: {len(cu_seqlens) - 1} documents q {tuple(q.shape)} k "
+                                 f"{tuple(k.shape)} {str(q.dtype).replace('torch.', '')}")
+        out = _VarlenFlashAttention.apply(*flat, cu_seqlens, longest, scale)
+        return out.view(b, s, heads, v.shape[-1]).transpose(1, 2)
+    segments = documents.segments()
+    if _sdpa_choices is not None:
+        _sdpa_choices.append(f"{sdpa_kernel_choice(q, k, v, True, scale, enable_gqa)} per document: "
+                             f"{sum(map(len, segments))} calls q {tuple(q.shape)} {str(q.dtype).replace('torch.', '')}")
+    samples = []
+    # unbind and split (not slicing): their backward stacks and concatenates the pieces' gradients in one copy; the
+    # pieces' outputs (kept in the query's (s, heads, d) order by the kernel) are joined along s and stacked along b
+    # as [s, b, heads, d], megatron's layout, so that the caller's permute back to it copies nothing
+    for spans, qi, ki, vi in zip(segments, q.unbind(0), k.unbind(0), v.unbind(0)):
+        lengths = [e - a for a, e in spans]
+        pieces = zip(*(t.split(lengths, dim=1) for t in (qi, ki, vi)))
+        samples.append(torch.cat([_document_call(qd[None], kd[None], vd[None], scale, enable_gqa)[0].transpose(0, 1)
+                                  for qd, kd, vd in pieces], dim=0))
+    return torch.stack(samples, dim=1).permute(1, 2, 0, 3)
 
 
 def heads_first(query: torch.Tensor, key: torch.Tensor):
@@ -140,12 +222,17 @@ def reference_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def eager_attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+def eager_attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float,
+                          document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(q·kᵀ·scale + causal mask) in fp32 (fp64 for fp64 inputs); q (b, h, sq, d), k (b, h, sk, d).
-    Materialises the map."""
+    Materialises the map. With ``document_ids`` (b, sk), a query sees only keys of its own document (the queries are
+    the last sq positions)."""
     dtype = reference_dtype(q)
     scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+    visible = causal_mask(q.shape[-2], k.shape[-2], q.device)
+    if document_ids is not None:
+        visible = visible & same_document(document_ids[:, -q.shape[-2]:], document_ids)
+    scores = scores.masked_fill(~visible, float("-inf"))
     return torch.softmax(scores, dim=-1)
 
 
@@ -194,22 +281,26 @@ class CoreAttentionBase(MegatronModule):
         group = getattr(pg_collection, "cp", None)
         return ProcessGroupRing(group if group is not None else parallel_state.get_context_parallel_group())
 
-    def _check_call(self, attn_mask_type, attention_bias, packed_seq_params) -> None:
+    def _check_call(self, attn_mask_type, attention_bias, packed_seq_params) -> Optional[PackedDocuments]:
+        """The micro-batch's documents to mask with (None: plain causal attention)."""
         require_causal(attn_mask_type)
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError(f"{type(self).__name__} does not support packed sequences or attention bias")
+        if attention_bias is not None:
+            raise ValueError(f"{type(self).__name__} does not support attention bias")
+        return packed_seq_params if documents_of(packed_seq_params) is not None else None
 
-    def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
-        """This layer's maps for the query positions ``rows`` (the protocol of ``models.attention_maps``)."""
+    def attention_maps(self, query, key, value, attention_bias=None, rows=None, document_ids=None) -> AttentionMaps:
+        """This layer's maps for the query positions ``rows`` (the protocol of ``models.attention_maps``), within each
+        document with ``document_ids``."""
         raise NotImplementedError(
             f"{type(self).__name__} does not expose its attention maps; implement attention_maps "
             "(diff_transformer/models/attention_maps.py) so that the analysis tools can read it"
         )
 
-    def _softmax_maps(self, query, key, rows, score_transform=None):
-        """(rows, logits, probs) of plain causal softmax heads, probs after ``score_transform`` of the logits."""
+    def _softmax_maps(self, query, key, rows, score_transform=None, document_ids=None):
+        """(rows, logits, probs) of plain causal softmax heads, probs after ``score_transform`` of the logits; with
+        ``document_ids`` (b, keys) a row sees only its own document."""
         q, k = heads_first(query, key)
         rows = query_rows(q.shape[-2], k.shape[-2], rows, q.device)
-        logits = causal_logits(q, k, self.softmax_scale, rows)
+        logits = causal_logits(q, k, self.softmax_scale, rows, document_ids)
         scores = score_transform(logits) if score_transform is not None else logits
         return rows, logits, torch.softmax(scores, dim=-1)

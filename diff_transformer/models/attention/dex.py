@@ -12,6 +12,7 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 
 from diff_transformer.models.attention.base import TP_REPLICATED_ATTR, eager_attention_probs, lambda_init_for_layer
 from diff_transformer.models.attention.vanilla import VanillaCoreAttention
+from diff_transformer.models.documents import documents_of, same_document
 
 DEX_ANNEAL_SCHEDULES = ("linear", "cosine")
 
@@ -123,7 +124,8 @@ class DexCoreAttention(VanillaCoreAttention):
         out = super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
         s, b, heads, d = query.shape
         if self.calibrating:
-            out = self._record_statistics(query, key, out.view(s, b, heads, d)).reshape(s, b, heads * d)
+            out = self._record_statistics(query, key, out.view(s, b, heads, d), documents_of(packed_seq_params))
+            out = out.reshape(s, b, heads * d)
         if not self.global_heads:
             return out
         o = out.view(s, b, heads, d)
@@ -144,21 +146,30 @@ class DexCoreAttention(VanillaCoreAttention):
         self.importance_count = 0
 
     @torch.no_grad()
-    def _accumulate_entropy(self, query, key) -> None:
+    def _accumulate_entropy(self, query, key, document_ids=None) -> None:
         """Σ over queries of the entropy of each head's causal map divided by log(visible keys) (1: uniform over the
-        causal prefix, 0: one key), skipping the first query, which sees one key."""
+        causal prefix, 0: one key), skipping the first query (of each document, with ``document_ids``), which sees
+        one key."""
         s, b, heads, d = query.shape
         q, k = query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3)  # (b, heads, s, d)
         k = k.repeat_interleave(heads // k.shape[1], dim=1)
-        probs = eager_attention_probs(q, k, self.softmax_scale)  # (b, heads, s, s) fp32
+        probs = eager_attention_probs(q, k, self.softmax_scale, document_ids)  # (b, heads, s, s) fp32
         entropy = -(probs * torch.log(probs.clamp_min(torch.finfo(probs.dtype).tiny))).sum(-1)  # (b, heads, s)
+        if document_ids is not None:
+            causal = torch.ones(s, s, dtype=torch.bool, device=probs.device).tril()
+            visible = (causal & same_document(document_ids, document_ids)).sum(-1).to(probs.dtype)  # (b, 1, s)
+            seen = visible > 1
+            normalised = torch.where(seen, entropy / torch.log(visible.clamp_min(2)), 0.0)
+            self.entropy_sum += normalised.sum(dim=(0, 2)).double().cpu()
+            self.entropy_count += int(seen.sum())
+            return
         visible = torch.arange(1, s + 1, device=probs.device, dtype=probs.dtype) + (k.shape[-2] - s)
         normalised = entropy[..., 1:] / torch.log(visible[1:])
         self.entropy_sum += normalised.sum(dim=(0, 2)).double().cpu()
         self.entropy_count += b * (s - 1)
 
-    def _record_statistics(self, query, key, o):
-        self._accumulate_entropy(query, key)
+    def _record_statistics(self, query, key, o, document_ids=None):
+        self._accumulate_entropy(query, key, document_ids)
         if torch.is_grad_enabled() and o.requires_grad:
             o = o.clone()  # the hooked tensor: the importance is the derivative of the loss by a gate ξ_h = 1 on O_h
             detached = o.detach()

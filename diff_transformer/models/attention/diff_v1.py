@@ -14,12 +14,14 @@ from diff_transformer.models.attention.base import (
     CoreAttentionBase,
     eager_attention_probs,
     lambda_init_for_layer,
+    flash_attn_documents,
     load_flash_attn_func,
     reference_dtype,
     scaled_dot_product_attention,
 )
 from diff_transformer.models.attention.epilogue import EPILOGUE_IMPLS, diff_epilogue, paired_halves
 from diff_transformer.models.attention_maps import AttentionMaps
+from diff_transformer.models.documents import documents_of
 from diff_transformer.models.ring_attention import IMPLEMENTATIONS as RING_IMPLEMENTATIONS
 from diff_transformer.models.ring_attention import differential_ring_attention, fused_kernel_package, ring_attention
 
@@ -127,16 +129,16 @@ class DifferentialCoreAttention(CoreAttentionBase):
         difference = fused_lambda_difference if fused else lambda_difference
         return difference(*self.lambda_parameters()) + self.lambda_init
 
-    def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
+    def attention_maps(self, query, key, value, attention_bias=None, rows=None, document_ids=None) -> AttentionMaps:
         # the pairs are split before the key heads are repeated: query head 2h pairs with key head 2g, g its group
         maps = [
-            self._softmax_maps(query[:, :, i::2], key[:, :, i::2], rows) for i in (0, 1)
+            self._softmax_maps(query[:, :, i::2], key[:, :, i::2], rows, document_ids=document_ids) for i in (0, 1)
         ]
         (rows, logits1, a1), (_, logits2, a2) = maps
         lam = self.lambda_full().detach().to(a1.device)
         return AttentionMaps(
             components={"A1": a1, "A2": a2}, logits={"A1": logits1, "A2": logits2}, combined=a1 - lam * a2,
-            rows=rows, lam=lam,
+            rows=rows, lam=lam, document_ids=document_ids,
         )
 
     def forward(
@@ -149,7 +151,7 @@ class DifferentialCoreAttention(CoreAttentionBase):
         attention_bias=None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        self._check_call(attn_mask_type, attention_bias, packed_seq_params)
+        documents = self._check_call(attn_mask_type, attention_bias, packed_seq_params)
         s, b, two_h, d = query.shape
         two_g = key.shape[2]
         if two_h % 2 or two_g % 2:
@@ -159,11 +161,11 @@ class DifferentialCoreAttention(CoreAttentionBase):
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))
         if self.backend == "triton" and self.ring is None:
             # (b, s, H, 2d): the fused kernel applies the epilogue (norm, weight, output scale) itself
-            out = self._forward_triton(q, k, v.reshape(b, s, two_g // 2, 2 * d), lam)
+            out = self._forward_triton(q, k, v.reshape(b, s, two_g // 2, 2 * d), lam, documents)
             return out.transpose(0, 1).reshape(s, b, two_h * d)
         # two (b, s, 2, H, d): maps 1 and 2 of each d-wide half of V (or the maps already combined)
         forward = self._forward_ring if self.ring is not None else getattr(self, f"_forward_{self.backend}")
-        halves = forward(q, k, v, lam)
+        halves = forward(q, k, v, lam, documents)
         norm = self.sublayer_norm
         out = diff_epilogue(
             halves, lam, norm.weight if norm is not None else None, norm.eps if norm is not None else 0.0,
@@ -177,23 +179,23 @@ class DifferentialCoreAttention(CoreAttentionBase):
         k = k.transpose(1, 2)
         return q[:, 0::2], q[:, 1::2], k[:, 0::2], k[:, 1::2]
 
-    def _forward_ring(self, q, k, v, lam):
+    def _forward_ring(self, q, k, v, lam, documents):
         """The sequence split over the context-parallel group: both maps merged by their own LSEs around the ring
         (models/ring_attention.py); returns the halves of V for the epilogue, (b, s, 2, H, d) each. The fused ring
         (``triton``) returns y = O1 − λ·O2 itself, the maps already combined, one part as wide as V: (b, s, 1, H, 2d)."""
         b, s, two_g, d = v.shape
         if self.backend == "triton":
             y = differential_ring_attention(q, k, v.reshape(b, s, two_g // 2, 2 * d), lam, self.softmax_scale,
-                                            self.ring)
+                                            self.ring, document_ids=documents_of(documents))
             return [y.unsqueeze(2)]
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(b, s, two_g // 2, 2 * d).transpose(1, 2)
         o1, o2 = ring_attention([q[:, 0::2], q[:, 1::2]], k, v, (slice(0, None, 2), slice(1, None, 2)),
-                                self.softmax_scale, self.ring, self.backend)
+                                self.softmax_scale, self.ring, self.backend, document_ids=documents_of(documents))
         maps = torch.stack([o1, o2], dim=2).transpose(1, 3)  # (b, H, 2, s, 2d) -> (b, s, 2, H, 2d)
         return [maps[..., :d], maps[..., d:]]
 
-    def _forward_eager(self, q, k, v, lam):
+    def _forward_eager(self, q, k, v, lam, documents):
         """The combined map A1 − λ·A2 materialised in fp32 (fp64 for fp64 inputs), weighting the 2d-wide V: the
         reference. Returns the halves already combined, (b, s, 1, H, d) each."""
         b, s, two_g, d = v.shape
@@ -202,29 +204,33 @@ class DifferentialCoreAttention(CoreAttentionBase):
         k1, k2 = (t.repeat_interleave(groups, dim=1) for t in (k1, k2))
         vh = v.reshape(b, s, two_g // 2, 2 * d).transpose(1, 2).to(reference_dtype(q))
         vh = vh.repeat_interleave(groups, dim=1)  # (b, H, s, 2d)
-        a1 = eager_attention_probs(q1, k1, self.softmax_scale)
-        a2 = eager_attention_probs(q2, k2, self.softmax_scale)
+        a1 = eager_attention_probs(q1, k1, self.softmax_scale, documents_of(documents))
+        a2 = eager_attention_probs(q2, k2, self.softmax_scale, documents_of(documents))
         out = torch.matmul(a1 - lam.to(a1.dtype) * a2, vh).transpose(1, 2).unsqueeze(2)  # (b, s, 1, H, 2d)
         return [out[..., :d], out[..., d:]]
 
-    def _forward_sdpa(self, q, k, v, lam):
+    def _forward_sdpa(self, q, k, v, lam, documents):
         q, k, values, pairs, gqa = library_layout(q, k, v)
         qh, kh = q.transpose(1, 2), k.transpose(1, 2)
         return [
             paired_halves(
-                scaled_dot_product_attention(qh, kh, vc.transpose(1, 2), self.softmax_scale, gqa).transpose(1, 2),
+                scaled_dot_product_attention(qh, kh, vc.transpose(1, 2), self.softmax_scale, gqa, documents)
+                .transpose(1, 2),
                 pairs,
             )
             for vc in values
         ]
 
-    def _forward_flash_attn(self, q, k, v, lam):
-        flash_attn = load_flash_attn_func()
+    def _forward_flash_attn(self, q, k, v, lam, documents):
         q, k, values, pairs, _ = library_layout(q, k, v)  # flash-attn's GQA pairs heads as SDPA's does
+        if documents is not None:
+            return [paired_halves(flash_attn_documents(q, k, vc, self.softmax_scale, documents), pairs)
+                    for vc in values]
+        flash_attn = load_flash_attn_func()
         return [paired_halves(flash_attn(q, k, vc, causal=True, softmax_scale=self.softmax_scale), pairs)
                 for vc in values]
 
-    def _forward_triton(self, q, k, v, lam):
+    def _forward_triton(self, q, k, v, lam, documents):
         diff_flash_attn = fused_kernel_package().diff_flash_attn
         norm = self.sublayer_norm
         # The DIFF epilogue inside the kernel: RMSNorm over each head's 2d columns, its weight, and (1 − λ_init).
@@ -232,4 +238,4 @@ class DifferentialCoreAttention(CoreAttentionBase):
                                norm_weight=norm.weight if norm is not None else None,
                                norm_eps=norm.eps if norm is not None and norm.eps is not None
                                else torch.finfo(q.dtype).eps,
-                               output_scale=self.output_scale)
+                               output_scale=self.output_scale, document_ids=documents_of(documents))

@@ -12,12 +12,14 @@ from megatron.core.transformer.spec_utils import build_module
 from diff_transformer.models.attention.base import (
     CoreAttentionBase,
     eager_attention_probs,
+    flash_attn_documents,
     load_flash_attn_func,
     reference_dtype,
     scaled_dot_product_attention,
 )
 from diff_transformer.models.attention.epilogue import EPILOGUE_IMPLS, diff_epilogue, paired_halves
 from diff_transformer.models.attention_maps import AttentionMaps
+from diff_transformer.models.documents import documents_of
 from diff_transformer.models.ring_attention import IMPLEMENTATIONS as RING_IMPLEMENTATIONS
 from diff_transformer.models.ring_attention import differential_ring_attention, fused_kernel_package, ring_attention
 
@@ -43,58 +45,62 @@ class DiffV2CoreAttention(CoreAttentionBase):
                 packed_seq_params=None) -> torch.Tensor:
         if attention_bias is None:
             raise ValueError("DiffV2CoreAttention needs the per-token λ logits from DiffV2SelfAttention (attention_bias)")
-        self._check_call(attn_mask_type, None, packed_seq_params)
+        documents = self._check_call(attn_mask_type, None, packed_seq_params)
         s, b, two_h, d = query.shape
         if two_h % 2 or (two_h // 2) % key.shape[2]:
             raise ValueError(f"{two_h} query heads over {key.shape[2]} KV heads: head pairs must share a KV group")
         lam = torch.sigmoid(attention_bias.float()).transpose(0, 1)  # (b, s, H)
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # (b, s, heads, d)
         if self.backend == "triton" and self.ring is None:
-            out = self._forward_triton(q, k, v, lam)
+            out = self._forward_triton(q, k, v, lam, documents)
             return out.to(query.dtype).transpose(0, 1).reshape(s, b, two_h // 2 * d)
         if self.backend == "triton":  # the fused ring: y = O1 − λ·O2 (b, s, H, d) in fp32, the maps already combined
-            halves = [differential_ring_attention(q, k, v, lam, self.softmax_scale, self.ring, shared_k=True)
-                      .unsqueeze(2)]
+            halves = [differential_ring_attention(q, k, v, lam, self.softmax_scale, self.ring, shared_k=True,
+                                                  document_ids=documents_of(documents)).unsqueeze(2)]
         else:
             forward = self._forward_ring if self.ring is not None else getattr(self, f"_forward_{self.backend}")
-            halves = [paired_halves(forward(q, k, v), "interleaved")]  # (b, s, 2H, d); eager's in fp32
+            halves = [paired_halves(forward(q, k, v, documents), "interleaved")]  # (b, s, 2H, d); eager's in fp32
         impl = "unfused" if self.backend == "eager" else self.epilogue
         return diff_epilogue(halves, lam, None, 0.0, 1.0, impl=impl).to(query.dtype)
 
-    def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
+    def attention_maps(self, query, key, value, attention_bias=None, rows=None, document_ids=None) -> AttentionMaps:
         if attention_bias is None:
             raise ValueError("DiffV2CoreAttention needs the per-token λ logits from DiffV2SelfAttention (attention_bias)")
-        rows, logits, probs = self._softmax_maps(query, key, rows)
+        rows, logits, probs = self._softmax_maps(query, key, rows, document_ids=document_ids)
         # λ of head h at query position t: (b, H, rows, 1)
         lam = torch.sigmoid(attention_bias.float()).permute(1, 2, 0)[..., rows].unsqueeze(-1)
         a1, a2 = probs[:, 0::2], probs[:, 1::2]
         return AttentionMaps(
             components={"A1": a1, "A2": a2}, logits={"A1": logits[:, 0::2], "A2": logits[:, 1::2]},
-            combined=a1 - lam * a2, rows=rows, lam=lam,
+            combined=a1 - lam * a2, rows=rows, lam=lam, document_ids=document_ids,
         )
 
-    def _forward_ring(self, q, k, v):
+    def _forward_ring(self, q, k, v, documents):
         """The sequence split over the context-parallel group: one map around the ring (models/ring_attention.py)."""
         (o,) = ring_attention([q.transpose(1, 2)], k.transpose(1, 2), v.transpose(1, 2), (slice(None),),
-                              self.softmax_scale, self.ring, self.backend)
+                              self.softmax_scale, self.ring, self.backend, document_ids=documents_of(documents))
         return o.transpose(1, 2)
 
-    def _forward_eager(self, q, k, v):
+    def _forward_eager(self, q, k, v, documents):
         groups = q.shape[2] // k.shape[2]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-        return torch.matmul(eager_attention_probs(q, k, self.softmax_scale), v.to(reference_dtype(q))).transpose(1, 2)
+        probs = eager_attention_probs(q, k, self.softmax_scale, documents_of(documents))
+        return torch.matmul(probs, v.to(reference_dtype(q))).transpose(1, 2)
 
-    def _forward_sdpa(self, q, k, v):
+    def _forward_sdpa(self, q, k, v, documents):
         gqa = q.shape[2] != k.shape[2]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        return scaled_dot_product_attention(q, k, v, self.softmax_scale, gqa).transpose(1, 2)
+        return scaled_dot_product_attention(q, k, v, self.softmax_scale, gqa, documents).transpose(1, 2)
 
-    def _forward_flash_attn(self, q, k, v):
+    def _forward_flash_attn(self, q, k, v, documents):
+        if documents is not None:
+            return flash_attn_documents(q, k, v, self.softmax_scale, documents)
         return load_flash_attn_func()(q, k, v, causal=True, softmax_scale=self.softmax_scale)
 
-    def _forward_triton(self, q, k, v, lam):
-        return fused_kernel_package().diff_flash_attn_v2(q, k, v, lam, causal=True, softmax_scale=self.softmax_scale)
+    def _forward_triton(self, q, k, v, lam, documents):
+        return fused_kernel_package().diff_flash_attn_v2(q, k, v, lam, causal=True, softmax_scale=self.softmax_scale,
+                                                         document_ids=documents_of(documents))
 
 
 class DiffV2SelfAttention(SelfAttention):

@@ -55,11 +55,12 @@ class SignedMaskCoreAttention(MapControlCoreAttention):
 
         return None, apply_gate
 
-    def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
-        rows, logits, probs = self._softmax_maps(query, key, rows)
+    def attention_maps(self, query, key, value, attention_bias=None, rows=None, document_ids=None) -> AttentionMaps:
+        rows, logits, probs = self._softmax_maps(query, key, rows, document_ids=document_ids)
         heads = probs.shape[1]
         cols = torch.arange(probs.shape[-1], device=probs.device)
         gate = self.gate(rows, cols, self.tp_rank * heads, heads).detach()
-        return AttentionMaps(components={"A": probs}, logits={"A": logits}, combined=probs * gate, rows=rows)
+        return AttentionMaps(components={"A": probs}, logits={"A": logits}, combined=probs * gate, rows=rows,
+                             document_ids=document_ids)
 
 

@@ -31,6 +31,8 @@ class TopKCoreAttention(MapControlCoreAttention):
     def transforms(self, first_head, num_heads):
         return functools.partial(keep_top_k, k=self.topk), None
 
-    def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
-        rows, logits, probs = self._softmax_maps(query, key, rows, functools.partial(keep_top_k, k=self.topk))
-        return AttentionMaps(components={"A": probs}, logits={"A": logits}, combined=probs, rows=rows)
+    def attention_maps(self, query, key, value, attention_bias=None, rows=None, document_ids=None) -> AttentionMaps:
+        rows, logits, probs = self._softmax_maps(query, key, rows, functools.partial(keep_top_k, k=self.topk),
+                                                 document_ids)
+        return AttentionMaps(components={"A": probs}, logits={"A": logits}, combined=probs, rows=rows,
+                             document_ids=document_ids)

@@ -14,12 +14,14 @@ from diff_transformer.models.attention.base import (
     TP_REPLICATED_ATTR,
     CoreAttentionBase,
     eager_attention_probs,
+    flash_attn_documents,
     lambda_init_for_layer,
     load_flash_attn_func,
     reference_dtype,
     scaled_dot_product_attention,
 )
 from diff_transformer.models.attention_maps import AttentionMaps
+from diff_transformer.models.documents import documents_of
 from diff_transformer.models.ring_attention import ring_attention
 
 class VanillaCoreAttention(CoreAttentionBase):
@@ -27,9 +29,10 @@ class VanillaCoreAttention(CoreAttentionBase):
 
     supports_context_parallel = True
 
-    def attention_maps(self, query, key, value, attention_bias=None, rows=None) -> AttentionMaps:
-        rows, logits, probs = self._softmax_maps(query, key, rows)
-        return AttentionMaps(components={"A": probs}, logits={"A": logits}, combined=probs, rows=rows)
+    def attention_maps(self, query, key, value, attention_bias=None, rows=None, document_ids=None) -> AttentionMaps:
+        rows, logits, probs = self._softmax_maps(query, key, rows, document_ids=document_ids)
+        return AttentionMaps(components={"A": probs}, logits={"A": logits}, combined=probs, rows=rows,
+                             document_ids=document_ids)
 
     def forward(
         self,
@@ -41,17 +44,19 @@ class VanillaCoreAttention(CoreAttentionBase):
         attention_bias=None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        self._check_call(attn_mask_type, attention_bias, packed_seq_params)
+        documents = self._check_call(attn_mask_type, attention_bias, packed_seq_params)
         s, b, heads, d = query.shape
         if self.ring is not None:  # the sequence split over the context-parallel group (models/ring_attention.py)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            (out,) = ring_attention([q], k, v, (slice(None),), self.softmax_scale, self.ring, self.backend)
+            (out,) = ring_attention([q], k, v, (slice(None),), self.softmax_scale, self.ring, self.backend,
+                                    document_ids=documents_of(documents))
             return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
         if self.backend == "flash_attn":
-            out = load_flash_attn_func()(
-                query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
-                causal=True, softmax_scale=self.softmax_scale,
-            )
+            q, k, v = (t.transpose(0, 1) for t in (query, key, value))
+            if documents is not None:
+                out = flash_attn_documents(q, k, v, self.softmax_scale, documents)
+            else:
+                out = load_flash_attn_func()(q, k, v, causal=True, softmax_scale=self.softmax_scale)
             return out.transpose(0, 1).reshape(s, b, heads * d)
         if self.backend == "triton":
             raise ValueError(
@@ -62,9 +67,10 @@ class VanillaCoreAttention(CoreAttentionBase):
         groups = q.shape[1] // k.shape[1]
         if self.backend == "eager":
             k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-            out = torch.matmul(eager_attention_probs(q, k, self.softmax_scale), v.to(reference_dtype(q))).to(q.dtype)
+            probs = eager_attention_probs(q, k, self.softmax_scale, documents_of(documents))
+            out = torch.matmul(probs, v.to(reference_dtype(q))).to(q.dtype)
         else:
-            out = scaled_dot_product_attention(q, k, v, self.softmax_scale, groups > 1)
+            out = scaled_dot_product_attention(q, k, v, self.softmax_scale, groups > 1, documents)
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
 
 
