@@ -58,6 +58,12 @@ class DataConfig:
     def validate(self) -> None:
         validate(self)
 
+    def describe(self) -> str:
+        """What the data is, as run.json's data_source and every figure's title name it."""
+        if self.source == "bundled":
+            return "the bundled corpus (Shakespeare, King James Bible)"
+        return "shards " + ", ".join("/".join(str(p).rstrip("/").split("/")[-2:]) for p in self.blend)
+
 
 def resolve_path(path: str) -> str:
     """An absolute path; a relative one is taken from the repository root."""

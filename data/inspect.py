@@ -102,6 +102,26 @@ def epochs_implied(summaries: Sequence[ShardSummary], train_tokens: int) -> List
     return [s.weight * train_tokens / s.split_tokens[0] if s.split_tokens[0] else float("inf") for s in summaries]
 
 
+# Past about four passes, repeated tokens are worth much less than fresh ones (Muennighoff et al. 2023).
+EPOCHS_WARNING = 4.0
+
+
+def epochs_lines(summaries: Sequence[ShardSummary], train_tokens: int,
+                 threshold: float = EPOCHS_WARNING) -> tuple[List[str], List[str]]:
+    """(one line per blend entry: its epochs over the planned training, warnings for those above ``threshold``)."""
+    lines, warnings = [], []
+    for summary, epochs in zip(summaries, epochs_implied(summaries, train_tokens)):
+        name = "/".join(summary.prefix.rstrip("/").split("/")[-2:])
+        lines.append(f"{name}: {epochs:.2f} epochs of its train split ({summary.split_tokens[0]:,} tokens, weight "
+                     f"{summary.weight:.3f}) over {train_tokens:,} planned train tokens")
+        if epochs > threshold:
+            warnings.append(f"{summary.prefix} is seen {epochs:.1f} times over training (above {threshold:g} epochs, "
+                            "repeated tokens are worth much less than fresh ones): add data to the blend, lower its "
+                            "weight, or train fewer steps (python -m data.inspect --config RUN_DIR/config.yaml "
+                            "shows every shard)")
+    return lines, warnings
+
+
 def report(summaries: Sequence[ShardSummary], *, seq_length: int, global_batch_size: int, train_steps: int) -> str:
     train_tokens = train_steps * global_batch_size * seq_length
     lines = [f"{'shard':<60} {'weight':>7} {'documents':>10} {'tokens':>14} {'train':>14} {'valid':>12} "

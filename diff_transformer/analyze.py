@@ -10,7 +10,8 @@ Writes analysis.json (one run; <label>/analysis.json per run and comparison.md f
 --out (default outputs/analyze/<time>): per layer and head, and averaged, the entropy, Gini, top-1% and top-k mass,
 first-token mass and sink rate of each map; for DIFF kinds A1 vs A2 cosine and KL on relevant and irrelevant keys,
 negative entries of A1 − λA2, and the effective rank of λ·A2, A1 and A1 − λ·A2; the largest attention logits and
-hidden states per layer; λ per layer, and over the run's checkpoints when given a run directory.
+hidden states per layer; λ per layer, and over training when given a run directory (from its metrics.jsonl, or its
+checkpoints where they hold more points).
 Definitions: diff_transformer/attention_metrics.py and diff_transformer/evaluation/attention_analysis.py.
 """
 
@@ -40,7 +41,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--needles", type=int, default=6, help="--niah: needles per prompt (default 6)")
     parser.add_argument("--asked", type=int, default=2, help="--niah: needles asked (default 2)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-trajectory", action="store_true", help="skip λ over the run's checkpoints")
+    parser.add_argument("--no-trajectory", action="store_true", help="skip λ over training (metrics.jsonl or checkpoints)")
     parser.add_argument("--document-mask", choices=DOCUMENT_MASK_CHOICES, default="run",
                         help="maps within the documents the EOD tokens delimit (data.document_mask): as the run "
                              "trained (default), on or off")
@@ -130,9 +131,9 @@ def probe_batch(model, run, args, documents) -> tuple:
                                  seed=args.seed)
         config.validate(max_length=run.seq_length,
                         min_length=niah.NeedleFactory(tokenizer, config.value_digits).minimum_length(
-                            args.needles, args.asked))
+                            args.needles, args.asked), length_flag="--length")
         probes = []
-        for sample in niah.generate(config, tokenizer, haystack):
+        for sample in niah.generate(config, tokenizer, haystack, length_flag="--length"):
             relevant = torch.zeros(length, dtype=torch.bool)
             for needle in sample.needles:
                 if needle.asked:
@@ -157,17 +158,25 @@ def probe_batch(model, run, args, documents) -> tuple:
 
 def analyze_one(model, run, args, documents) -> Dict:
     from diff_transformer.evaluation.attention_analysis import analyze as analyze_attention
+    from diff_transformer.evaluation import report
     from diff_transformer.evaluation.attention_analysis import lambda_trajectory
 
     probes, description = probe_batch(model, run, args, documents)
     result = {"run": {"label": run.label, "checkpoint": run.checkpoint, "step": run.step, "attention": run.attention,
-                      "device": str(model.device)},
+                      "device": str(model.device), "data": report.data_label(run.config)},
               "probe": description, "topk": args.topk}
     result.update(analyze_attention(model, probes, args.topk))
     if model.lambdas():
         result["lambda"] = model.lambdas()
     if not args.no_trajectory:
-        result["lambda_trajectory"] = lambda_trajectory(model, run.checkpoints())
+        # λ over training from metrics.jsonl (every logging step, no loading) unless the checkpoints hold more points
+        logged = report.lambda_over_training(run.run_dir, run.step)
+        checkpoints = run.checkpoints()
+        if logged and len(logged) >= len(checkpoints):
+            result["lambda_trajectory"], result["lambda_trajectory_source"] = logged, "metrics.jsonl"
+        else:
+            result["lambda_trajectory"] = lambda_trajectory(model, checkpoints)
+            result["lambda_trajectory_source"] = "checkpoints"
     return result
 
 

@@ -9,12 +9,18 @@ ablation sweep: final validation loss over seeds and paired differences.
 
 Runs are read from run directories (`run.json` + `metrics.jsonl`, found recursively under each path) or from the W&B
 API. Per variant (run.json "variant": the attention kind and its ablation keys) the final validation losses are fitted
-with L(N) = E + A * (N / N_ref)^(-alpha); each variant's parameter ratio is N_variant / N_reference at which both fits
-give the same loss (the paper, DIFF against the Transformer: 62.2% at 6.8B). The reference is --reference (default
-vanilla), except for DIFF V2, which is compared with its own baseline (vanilla with model.num_kv_heads=Hkv/2: the same
-query and KV heads; run.json "baseline_variant") when that was trained. The token ratio does the same along one run of
-each, on the largest model both trained, with L(D) over the validation losses at its evaluation steps (the paper: 63.7%
-at 3B). Uncertainties come from the fits' covariances, propagated to the ratios by sampling the fitted parameters.
+with L(N) = E + A * (N / N_ref)^(-alpha) as Hoffmann et al. 2022 (approach 3) and Besiroglu et al. 2024 fit it: a
+Huber loss on log-loss, the log-sum-exp form, the best of a grid of starts, 68% intervals from bootstrap refits (runs
+resampled within each size where every size has several seeds, else the fit's residuals resampled over the runs). A
+law is fitted only to more sizes than it has parameters: with 3 sizes the reduced form A * N^(-alpha) (E fixed at 0,
+or at --fixed-E), with fewer none, and the report says which. Each variant's parameter ratio is N_variant /
+N_reference at which both fits give the same loss (the paper, DIFF against the Transformer: 62.2% at 6.8B), marked
+extrapolated where either size lies outside the sizes trained. The reference is --reference (default vanilla),
+except for DIFF V2, which is compared with its own baseline (vanilla with model.num_kv_heads=Hkv/2: the same query
+and KV heads; run.json "baseline_variant") when that was trained. The token ratio does the same along one run of
+each, on the largest model both trained, with L(D) over the validation losses at its evaluation steps (the paper:
+63.7% at 3B). Every run gets a convergence note (tokens per parameter against ~20; loss still falling at the end).
+The summary JSON holds numbers or null with the reason, never NaN.
 
 --table groups runs by their variant and reports the mean ± standard deviation of the final validation loss over seeds,
 and each variant minus the --reference variants (default vanilla and diff) paired by seed, with a paired t-test
@@ -29,11 +35,16 @@ from pathlib import Path
 from typing import Sequence
 
 from diff_transformer.cli import EXIT_REFUSED, USER_ERRORS, ArgumentParser, print_error
-from diff_transformer.analysis.plots import plot_comparison, plot_variant_spread
+from diff_transformer.analysis.plots import data_label, plot_comparison, plot_variant_spread
 from diff_transformer.analysis.runs import PARAMETER_COUNTS, RunMismatchError, check_comparable, load_runs
-from diff_transformer.analysis.scaling import compare_runs, format_report
+from diff_transformer.analysis.scaling import BOOTSTRAP_SAMPLES, compare_runs, format_report
 from diff_transformer.analysis.variants import format_table, seed_spread
 from diff_transformer.analysis.wandb_runs import load_wandb_runs, log_to_wandb
+
+
+def _json(summary) -> str:
+    """Strict JSON (a NaN or an infinity raises rather than being written as the non-standard NaN)."""
+    return json.dumps(summary, indent=2, allow_nan=False, default=lambda value: value.item()) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,6 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--token-fit-from", type=float, default=0.1, help="fit L(D) on evaluations past this fraction of training")
     parser.add_argument("--at", type=float, nargs="+", default=[], metavar="N",
                         help="also report the parameter ratio at these DIFF sizes, e.g. --at 6.8e9 (extrapolated)")
+    parser.add_argument("--fixed-E", type=float, default=None, metavar="E",
+                        help="fit the reduced form E + A*N^-alpha with E fixed at this loss (needs 3 sizes, not 4)")
+    parser.add_argument("--bootstrap", type=int, default=BOOTSTRAP_SAMPLES, metavar="N",
+                        help=f"bootstrap resamples per fit for the intervals (default {BOOTSTRAP_SAMPLES})")
     parser.add_argument("--allow-unfinished", action="store_true", help="compare runs that stopped before max_steps")
     parser.add_argument("--title", help="figure title")
     parser.add_argument("--table", action="store_true",
@@ -55,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "its own baseline when it was trained); with --table: variants every other one is "
                              "compared with, paired by seed (default vanilla diff)")
     args = parser.parse_args(argv)
+    if args.bootstrap < 0:
+        parser.error(f"--bootstrap {args.bootstrap}: give a number of resamples ≥ 0 (10 or more for intervals)")
     if bool(args.paths) == bool(args.wandb):
         parser.error("give run or sweep directories, or --wandb ENTITY/PROJECT/GROUP (one of the two)")
     try:
@@ -72,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"--reference {reference!r} is not a variant of these runs; they have: "
                                  f"{', '.join(variants)}")
             comparison = compare_runs(runs, args.parameters, args.token_ratio_model, args.token_fit_from,
-                                      not args.allow_unfinished, args.at, reference)
+                                      not args.allow_unfinished, args.at, reference, args.fixed_E, args.bootstrap)
     except (RunMismatchError,) + USER_ERRORS as error:
         print_error(error)
         return EXIT_REFUSED
@@ -85,13 +102,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = Path(f"{'variants' if args.table else 'compare'}-{args.wandb.rstrip('/').split('/')[-1]}.png")
     if args.table:
         print(format_table(stats))
-        plot_variant_spread(stats, out, args.title)
-        out.with_suffix(".json").write_text(json.dumps([s.summary() for s in stats], indent=2, default=float) + "\n")
+        plot_variant_spread(stats, out, args.title, data_label(runs))
+        out.with_suffix(".json").write_text(_json([s.summary() for s in stats]))
         print(f"\nfigure: {out}\nsummary: {out.with_suffix('.json')}")
         return 0
     print(format_report(comparison))
     plot_comparison(comparison, out, args.title)
-    out.with_suffix(".json").write_text(json.dumps(comparison.summary(), indent=2, default=float) + "\n")
+    out.with_suffix(".json").write_text(_json(comparison.summary()))
     print(f"\nfigure: {out}\nsummary: {out.with_suffix('.json')}")
     if args.wandb:
         print(f"logged to W&B: {log_to_wandb(comparison, out, args.wandb)}")

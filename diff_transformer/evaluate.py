@@ -162,7 +162,8 @@ def evaluate(args: argparse.Namespace) -> int:
             for label in labels:
                 report.write_json(staging / report.slug(label) / "eval.json", results[label])
         if "ppl" in tasks:
-            plots.plot_position_loss({k: v["ppl"] for k, v in results.items()}, staging / "ppl_by_position.png")
+            plots.plot_position_loss({k: v["ppl"] for k, v in results.items()}, staging / "ppl_by_position.png",
+                                     {k: v["run"] for k, v in results.items()})
         if "niah" in tasks:
             niah_results = {k: v["niah"] for k, v in results.items()}
             plots.plot_niah_heatmaps(niah_results, staging / "niah_accuracy.png")
@@ -176,6 +177,7 @@ def evaluate(args: argparse.Namespace) -> int:
 
 
 def evaluate_one(model, run, args, tasks: List[str], config) -> Dict:
+    from diff_transformer.evaluation import report
     from diff_transformer.evaluation import tasks as task_lib
     from diff_transformer.evaluation.inference import load_run_tokenizer
     from diff_transformer.training.accounting import memory_gib
@@ -184,6 +186,7 @@ def evaluate_one(model, run, args, tasks: List[str], config) -> Dict:
     tokenizer = load_run_tokenizer(run)
     result: Dict = {"run": {"label": run.label, "checkpoint": run.checkpoint, "step": run.step,
                             "attention": run.attention, "seq_length": run.seq_length,
+                            "data": report.data_label(run.config),
                             "evaluated_length": model.seq_length, "rope_base": model.cfg.model.rope_base,
                             "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""),
                             "world_size": model.world_size * model.cp, "context_parallel": model.cp}}

@@ -1,4 +1,5 @@
-"""Quickstart: train the tiny DIFF model and its mirrored baseline on the bundled corpus, then plot both.
+"""Quickstart: train the tiny DIFF model and its mirrored baseline (on the bundled corpus unless data.* overrides say
+otherwise), then plot both.
 
     python -m diff_transformer.quickstart [--out DIR] [--steps N] [extra Hydra overrides...]
 
@@ -36,6 +37,12 @@ def train(kind: str, run_dir: Path, steps: int | None, extra: Sequence[str]) -> 
     subprocess.run(cmd, cwd=REPO, check=True)
 
 
+def trained_on(run_dir: Path) -> str:
+    """The data a run trained on, as its run.json names it (what the figure's title says)."""
+    description = json.loads((run_dir / "run.json").read_text())
+    return description.get("data_source") or "unrecorded data"
+
+
 def throughput(records: List[dict]) -> float:
     """Median tokens/s over the run, skipping the first steps (warm-up, allocation)."""
     rates = [r["tokens_per_s"] for r in records[len(records) // 10 + 1:]] or [r["tokens_per_s"] for r in records]
@@ -59,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(out / kind / "metrics.jsonl") as f:
             runs[kind] = [json.loads(line) for line in f if line.strip()]
 
-    png = plot_loss_curves(runs, out / "loss_curves.png")
+    png = plot_loss_curves(runs, out / "loss_curves.png", trained_on(out / KINDS[0]))
     summary = {}
     for kind, records in runs.items():
         vals = [r["val_loss"] for r in records if "val_loss" in r]

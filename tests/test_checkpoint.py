@@ -76,7 +76,7 @@ def test_a_checkpoint_is_found_from_a_latest_file_a_run_dir_or_a_checkpoints_dir
     (root / LATEST_FILE).write_text(checkpoint_name(4) + "\n")
     for given in (root / LATEST_FILE, tmp_path / "run", root, newest):
         assert resolve_checkpoint_path(str(given)) == str(newest), given
-    assert main(["inspect", str(root / LATEST_FILE)]) == 0  # the README's command
+    assert main(["inspect", str(root / LATEST_FILE)]) == 0  # the command docs/checkpoints.md gives
     assert f"checkpoint   {newest}" in capsys.readouterr().out
     assert main(["inspect", str(tmp_path)]) == 2
     assert "is not a checkpoint: give a step_* checkpoint directory" in capsys.readouterr().err

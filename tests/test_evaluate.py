@@ -363,3 +363,59 @@ def test_auto_diagnostics_follow_the_cost_estimate():
     smoke[0].trainer.attention_diagnostics = "on"
     quickstart[0].trainer.attention_diagnostics = "off"
     assert diagnostics_enabled(*smoke) and not diagnostics_enabled(*quickstart)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# What evaluate and analyze show while they run and in their figures (in process, on made-up results)
+# ------------------------------------------------------------------------------------------------------------------
+def test_progress_lines_say_how_far_and_how_long(capsys):
+    from diff_transformer.evaluation.report import Progress
+
+    clock = iter([0.0, 2.0, 6.0, 12.0, 30.0])
+    progress = Progress("diff: validation perplexity", 40, every=5.0, clock=lambda: next(clock))
+    for _ in range(4):
+        progress.update(10)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["diff: validation perplexity: 20/40 (50%), 0:06 elapsed, ETA 0:06",
+                     "diff: validation perplexity: 30/40 (75%), 0:12 elapsed, ETA 0:04",
+                     "diff: validation perplexity: 40/40 (100%), 0:30 elapsed, ETA 0:00"]
+
+
+def test_lambda_over_training_comes_from_metrics_jsonl(tmp_path):
+    from diff_transformer.evaluation.report import lambda_over_training
+
+    rows = [{"step": s, "loss": 5.0, **({"lambda": [0.2 + s / 100, 0.5]} if s % 2 == 0 else {})} for s in range(1, 9)]
+    rows.append({"step": 4, "loss": 4.0, "lambda": [9.0, 9.0]})  # replayed after a resume: the last record wins
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 9, "lam')
+    trajectory = lambda_over_training(str(tmp_path), up_to_step=6)
+    assert [t["step"] for t in trajectory] == [2, 4, 6] and trajectory[1]["lambda"] == [9.0, 9.0]
+    assert lambda_over_training(None, 6) == [] and lambda_over_training(str(tmp_path / "none"), 6) == []
+
+
+def test_analysis_and_position_figures_colour_each_kind_and_name_the_data(tmp_path, monkeypatch):
+    import matplotlib
+    from matplotlib.colors import to_rgb
+
+    from diff_transformer.evaluation import plots
+
+    saved = {}
+    monkeypatch.setattr(plots, "_save", lambda fig, path: saved.setdefault(path.name, fig))
+    data = "shards wiki/train"
+    layers = [{"layer": i, "mean": {"combined/entropy": 1.0 + i}} for i in (1, 2)]
+    results = {label: {"run": {"attention": kind, "data": data}, "probe": {"source": "validation"}, "layers": layers,
+                       "lambda_trajectory": [{"step": s, "lambda": [0.2, 0.3]} for s in range(1, 30)] if kind == "diff"
+                       else [], "lambda_trajectory_source": "metrics.jsonl"}
+               for label, kind in (("diff_step_4", "diff"), ("vanilla_step_4", "vanilla"))}
+    plots.plot_analysis(results, tmp_path / "analysis.png")
+    fig = saved["analysis.png"]
+    entropy = fig.axes[0]
+    colours = {line.get_label(): to_rgb(line.get_color()) for line in entropy.get_lines()}
+    assert colours["diff_step_4"] == to_rgb("tab:red") and colours["vanilla_step_4"] == to_rgb("tab:blue")
+    assert fig._suptitle.get_text() == f"Attention per layer on validation probes (data: {data})"
+    assert fig.axes[1].get_title() == "λ per layer over training (metrics.jsonl)"
+    ppl = {label: {"validation": {"position_nll": [3.0, 2.5, 2.0], "perplexity": 8.0}} for label in results}
+    plots.plot_position_loss(ppl, tmp_path / "ppl.png", {label: r["run"] for label, r in results.items()})
+    title = saved["ppl.png"].axes[0].get_title()
+    assert title == f"Loss by position (validation split of {data})"
+    for fig in saved.values():
+        matplotlib.pyplot.close(fig)

@@ -270,6 +270,11 @@ def test_paper_scaling_sweep_reproduces_the_recipe():
     assert params["model.attention"] == "diff,vanilla"
 
 
+@pytest.mark.parametrize("sweep", ["tiny", "ablations", "paper_scaling"])
+def test_sweeps_log_to_wandb_offline_like_every_run(sweep):
+    assert compose([f"+sweep={sweep}"]).logging.wandb.mode == "offline"
+
+
 def test_tiny_sweep_sizes_span_1_to_10m_parameters():
     cfg = compose(["+sweep=tiny"])
     sizes = cfg.hydra.sweeper.params["model"].split(",")

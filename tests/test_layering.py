@@ -17,6 +17,7 @@ ALLOWED = {
     "diff_transformer.fileio": (),
     "diff_transformer.cli": (),  # the exit statuses and one-line errors every entry point shares
     "diff_transformer.attention_metrics": (),  # plain-tensor metrics: torch only
+    "diff_transformer.figure_style": (),  # one colour per attention kind in every figure: stdlib only
     "kernels": ("kernels", "diff_transformer.fileio"),
     "diff_transformer.compat": (),
     "diff_transformer.distributed": ("diff_transformer.compat",),
@@ -33,14 +34,14 @@ ALLOWED = {
     "diff_transformer.evaluation": (
         "diff_transformer.evaluation", "diff_transformer.training", "diff_transformer.models",
         "diff_transformer.config", "diff_transformer.distributed", "diff_transformer.fileio", "data",
-        "diff_transformer.attention_metrics",
+        "diff_transformer.attention_metrics", "diff_transformer.figure_style",
     ),
     # engine=deepspeed: the trainer's subclass; it reads no config schema or data module of its own
     "diff_transformer.training.deepspeed_engine": (
         "diff_transformer.training", "diff_transformer.models", "diff_transformer.compat",
         "diff_transformer.distributed", "diff_transformer.fileio",
     ),
-    "diff_transformer.analysis": ("diff_transformer.analysis",),
+    "diff_transformer.analysis": ("diff_transformer.analysis", "diff_transformer.figure_style"),
     # Hugging Face interchange: reads and writes checkpoints, so above training
     "diff_transformer.hf": (
         "diff_transformer.hf", "diff_transformer.training", "diff_transformer.models", "diff_transformer.config",

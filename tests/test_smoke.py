@@ -27,7 +27,9 @@ def test_smoke_experiment_loss_falls_and_run_dir_is_complete(tmp_path):
     assert (tmp_path / "config.yaml").read_text().count("attention: diff") == 1
     info = json.loads((tmp_path / "run.json").read_text())
     assert info["model"] == "debug" and info["num_parameters"] > 0
+    assert info["data_source"] == "the bundled corpus (Shakespeare, King James Bible)"  # what figures' titles say
     log = (tmp_path / "train.log").read_text()
     assert "parameters" in log and "estimated memory per GPU" in log
-    assert "step 30/30" in log and "tok/s" in log and "ETA" in log
+    assert "step 30/30" in log and "tok/s (last 20 steps)" in log and "ETA" in log  # rate and ETA over a window
+    assert "epochs of its train split" in log  # how often the run sees its data, said before it starts
     assert "resolved config" in proc.stdout

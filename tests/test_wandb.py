@@ -53,19 +53,23 @@ def read_wandb_records(path):
     return records
 
 
-def offline_runs(run_dir):
-    """(run id, group, tags, {step: {key: value}}) of each offline run under the run directory, oldest first."""
+def offline_runs(run_dir, with_details=False):
+    """(run id, group, tags, {step: {key: value}}) of each offline run under the run directory, oldest first; with
+    details also its display name and the keys its summary updates set."""
     runs = []
     for wandb_file in sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb")):
-        run_id, group, tags, history = None, None, None, {}
+        run_id, group, tags, history, name, summary = None, None, None, {}, None, set()
         for record in read_wandb_records(wandb_file):
             kind = record.WhichOneof("record_type")
             if kind == "run":
-                run_id, group, tags = record.run.run_id, record.run.run_group, list(record.run.tags)
+                run_id, group, tags, name = (record.run.run_id, record.run.run_group, list(record.run.tags),
+                                             record.run.display_name)
             elif kind == "history":
                 items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
                 history[record.history.step.num] = items
-        runs.append((run_id, group, tags, history))
+            elif kind == "summary":
+                summary |= {item.key or "/".join(item.nested_key) for item in record.summary.update}
+        runs.append((run_id, group, tags, history) + ((name, summary) if with_details else ()))
     return runs
 
 
@@ -86,12 +90,13 @@ def nan_guarded_run(tmp_path_factory):
     ]
     stopped = run_train(run, common + ["failures.inject_nan_at_steps=[2,5,6]"], expect_rc=1)
     stopped_metrics = read_metrics(run)
-    run_train(run, common)
-    return run, stopped, stopped_metrics
+    resumed = run_train(run, common)
+    rerun = run_train(run, common)  # finished: nothing to train, no W&B segment opened
+    return run, stopped, stopped_metrics, resumed, rerun
 
 
 def test_nan_steps_are_skipped_counted_and_stop_the_run_with_a_checkpoint(nan_guarded_run):
-    run, stopped, metrics = nan_guarded_run
+    run, stopped, metrics, *_ = nan_guarded_run
     assert "error: 2 bad steps in a row up to step 6" in stopped.stderr and "Traceback" not in stopped.stderr
     steps = by_step(metrics)
     assert sorted(steps) == [1, 2, 3, 4, 5, 6]
@@ -108,7 +113,7 @@ def test_nan_steps_are_skipped_counted_and_stop_the_run_with_a_checkpoint(nan_gu
 
 
 def test_resume_after_the_stop_continues_without_duplicate_steps(nan_guarded_run):
-    run, _, before = nan_guarded_run
+    run, _, before, *_ = nan_guarded_run
     after = read_metrics(run)
     assert [r["step"] for r in after] == list(range(1, 9))
     for kept, original in zip(after[:6], before):  # the records up to the checkpoint stay as they were
@@ -118,7 +123,7 @@ def test_resume_after_the_stop_continues_without_duplicate_steps(nan_guarded_run
 
 
 def test_wandb_offline_history_matches_metrics_and_resume_keeps_the_run_id(nan_guarded_run):
-    run, _, _ = nan_guarded_run
+    run, *_ = nan_guarded_run
     runs = offline_runs(run)
     assert len(runs) == 2, "one offline run per process start"
     (first_id, group, tags, first), (second_id, _, _, second) = runs
@@ -134,3 +139,22 @@ def test_wandb_offline_history_matches_metrics_and_resume_keeps_the_run_id(nan_g
                 assert same_value(logged[key], record[key]), (record["step"], key, logged[key], record[key])
         for layer, lam in enumerate(record.get("lambda", []), start=1):  # λ: on logging steps
             assert logged[f"lambda/layer_{layer:02d}"] == lam
+
+
+def test_wandb_runs_are_named_resumes_name_every_segment_and_a_finished_run_is_not_reopened(nan_guarded_run):
+    import subprocess
+    import sys
+
+    run, _, _, resumed, rerun = nan_guarded_run
+    (run_id, _, _, _, name, summary), (second_id, _, _, _, _, second_summary) = offline_runs(run, with_details=True)
+    assert name == "smoke-debug-diff-seed1234"  # the sweep or experiment, size, variant and seed: not a timestamp
+    # The summary holds the losses (its footer lists keys sorted, ten at most): no attn/*, lambda/* or lr first.
+    assert {k for k in summary | second_summary if not k.startswith("_")} == {"loss", "val_loss"}
+    pattern = f"{run}/wandb/offline-run-*-{run_id}"
+    assert (f"W&B run {run_id}: 2 offline segments (one per start); upload all with: wandb sync {pattern}"
+            in resumed.stdout)
+    assert "already at max_steps=8" in rerun.stdout and len(offline_runs(run)) == 2
+    segments = sorted(str(p) for p in run.glob(f"wandb/offline-run-*-{run_id}"))
+    dry_run = subprocess.run([sys.executable, "-m", "wandb", "sync", "--dry-run", *segments], capture_output=True,
+                             text=True, timeout=120)
+    assert "Would sync 2 run(s)" in dry_run.stdout + dry_run.stderr

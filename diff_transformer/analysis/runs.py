@@ -44,9 +44,19 @@ class RunRecord:
     variant: str = ""  # the attention kind and its ablation keys (run.json "variant"); the kind for older runs
     seed: int | None = None
     baseline_variant: str | None = None  # the variant this one is compared with at equal size (DIFF V2's baseline)
+    data_source: str | None = None  # run.json "data_source": what a title says it trained on
 
     def __post_init__(self):
         self.variant = self.variant or self.attention
+
+    @property
+    def data_label(self) -> str:
+        """What the run trained on, for titles: run.json's data_source, else its shard names."""
+        if self.data_source:
+            return self.data_source
+        shards = self.data.get("shards") if isinstance(self.data, dict) else None
+        names = [s.get("name", "?") for s in shards or [] if isinstance(s, dict)]
+        return f"shards {', '.join(names)}" if names else "unrecorded data"
 
     @property
     def token_budget(self) -> int:
@@ -109,6 +119,7 @@ def record_from_description(name: str, source: str, description: dict, rows: Ite
         variant=str(description.get("variant") or ""),
         seed=int(description["seed"]) if description.get("seed") is not None else None,
         baseline_variant=description.get("baseline_variant"),
+        data_source=description.get("data_source"),
     )
 
 

@@ -2,14 +2,20 @@
 ablation keys), the parameter ratio N_variant / N_reference at equal loss (the paper, DIFF against the Transformer:
 62.2% at 6.8B), and the token ratio along one run of each (63.7% at 3B), for every variant present against a
 reference (default ``vanilla``), DIFF V2 against its own baseline (``vanilla model.num_kv_heads=Hkv/2``, recorded in
-its run.json) when that was trained. Uncertainties come from the fits' covariances, propagated to the ratios by
-sampling."""
+its run.json) when that was trained.
+
+The fits follow Hoffmann et al. 2022 (approach 3) and Besiroglu et al. 2024: the law in log-sum-exp form,
+log L = LSE(e, a − α·log(x/x_ref)) with E = exp(e) and A = exp(a), a Huber loss (δ = 1e-3) on the log-losses, the best
+of a grid of starts; 68% intervals are percentiles of refits to bootstrap resamples (runs resampled within each size
+where every size has several seeds, otherwise the fit's residuals resampled over the points). A law is fitted only to
+more distinct x than it has parameters: E + A·x^-α to ≥ 4, the reduced form with E fixed (at 0 unless asked) to ≥ 3.
+A ratio whose matched size lies outside the sizes measured is marked extrapolated. Every number stored is finite or
+null with a reason."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Sequence
 
 import numpy as np
@@ -21,171 +27,475 @@ from diff_transformer.analysis.runs import (
     RunRecord,
     check_comparable,
 )
+from diff_transformer.figure_style import human_number
 
 LABELS = {DIFF: "DIFF", BASELINE: "the Transformer"}
+HUBER_DELTA = 1e-3
+BOOTSTRAP_SAMPLES = 200
+INTERVAL_PERCENTILES = (15.865, 84.135)  # the central 68%
+ALPHA_BOUNDS = (1e-4, 10.0)
+E_START_FRACTIONS = (1e-3, 0.5, 0.8, 0.9, 0.95, 0.99)  # of the lowest loss
+ALPHA_STARTS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5)
+COMPUTE_OPTIMAL_TOKENS_PER_PARAMETER = 20  # Hoffmann et al. 2022
+FIT_METHOD = (f"Huber loss (δ={HUBER_DELTA:g}) on log-loss, log-sum-exp form, best of a grid of starts "
+              "(Hoffmann et al. 2022, approach 3)")
 
 
 def label(variant: str) -> str:
     return LABELS.get(variant, variant)
 
 
+def format_ratio(ratio: float) -> str:
+    """62.2%, 1216.4%, or past 100x a multiple: a ratio that stays readable however wild the refits get."""
+    if ratio < 10:
+        return f"{100 * ratio:.1f}%"
+    return f"{ratio:.0f}x" if ratio < 1000 else "over 1000x"
+
+
+class FitRefused(ValueError):
+    """Too few distinct points for the law asked for, or losses no power law describes."""
+
+
 @dataclasses.dataclass
 class PowerLawFit:
-    """L(x) = E + A * (x / x_ref)^(-alpha), with the covariance of (E, A, alpha)."""
+    """L(x) = E + A·(x/x_ref)^-α (E fitted, or fixed at ``fixed_E``), with the parameters of its bootstrap refits."""
 
     E: float
     A: float
     alpha: float
     x_ref: float
-    covariance: np.ndarray
     num_points: int
+    num_x: int  # distinct x: what the law is fitted across
+    x_min: float
+    x_max: float
+    fixed_E: float | None
+    bootstrap: np.ndarray  # (resamples, 3): E, A, alpha of each refit
+    bootstrap_method: str
+
+    @property
+    def num_parameters(self) -> int:
+        return 3 if self.fixed_E is None else 2
 
     @property
     def params(self) -> np.ndarray:
         return np.array([self.E, self.A, self.alpha])
 
     @property
-    def stderr(self) -> np.ndarray:
-        with np.errstate(invalid="ignore"):
-            return np.sqrt(np.diag(self.covariance))
-
-    @property
-    def has_uncertainty(self) -> bool:
-        return bool(np.all(np.isfinite(self.covariance)))
-
-    @property
     def A_unscaled(self) -> float:
         """A for L = E + A * x^(-alpha) in raw units of x."""
         return self.A * self.x_ref**self.alpha
+
+    @property
+    def alpha_at_bound(self) -> bool:
+        return self.alpha >= ALPHA_BOUNDS[1] * 0.999
+
+    def form(self, unit: str = "x", coefficient: str = "A", exponent: str = "α") -> str:
+        power = f"{coefficient}·{unit}^-{exponent}"
+        if self.fixed_E is None:
+            return f"E + {power}"
+        return f"{power} (E fixed at 0)" if self.fixed_E == 0 else f"E + {power} (E fixed at {self.fixed_E:g})"
+
+    def interval(self, name: str) -> tuple[float, float] | None:
+        """The 68% bootstrap interval of E, A or alpha; None for a fixed E or without resamples."""
+        if len(self.bootstrap) < 10 or (name == "E" and self.fixed_E is not None):
+            return None
+        column = {"E": 0, "A": 1, "alpha": 2}[name]
+        low, high = np.percentile(self.bootstrap[:, column], INTERVAL_PERCENTILES)
+        return float(low), float(high)
+
+    @property
+    def interval_reason(self) -> str | None:
+        return None if len(self.bootstrap) >= 10 else f"{len(self.bootstrap)} bootstrap refits; intervals need 10"
+
+    @property
+    def warnings(self) -> list[str]:
+        found = []
+        if self.alpha_at_bound:
+            found.append(f"α at its bound ({ALPHA_BOUNDS[1]:g}): the points do not constrain the law")
+        if self.fixed_E is None and self.E < 1e-6:
+            found.append("E fitted to 0: the points show no floor (a pure power law fits them as well)")
+        return found
 
     def __call__(self, x: np.ndarray | float) -> np.ndarray:
         return self.E + self.A * (np.asarray(x, dtype=np.float64) / self.x_ref) ** (-self.alpha)
 
     def inverse(self, loss: np.ndarray | float) -> np.ndarray:
         """x at which the law reaches `loss` (nan where loss is at or below the asymptote E)."""
-        gap = np.asarray(loss, dtype=np.float64) - self.E
-        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            return np.where(gap > 0, self.x_ref * (np.maximum(gap, 1e-300) / self.A) ** (-1.0 / self.alpha), np.nan)
+        return _inverse(np.asarray(loss, dtype=np.float64), self.E, self.A, self.alpha, self.x_ref)
 
-    def describe(self, unit: str) -> str:
-        E_err, A_err, alpha_err = self.stderr if self.has_uncertainty else (math.nan,) * 3
-        return (
-            f"L({unit}) = {self.E:.4f}±{E_err:.4f} + {self.A:.4f}±{A_err:.4f} * ({unit}/{self.x_ref:.3g})"
-            f"^-({self.alpha:.3f}±{alpha_err:.3f})  [{self.num_points} points]"
-        )
+    def describe(self, unit: str = "N", coefficient: str = "A", exponent: str = "α", points: str = "sizes") -> str:
+        def value(name, number, digits):
+            interval = self.interval(name)
+            shown = f"{number:.{digits}g}"
+            return f"{shown} [{interval[0]:.{digits}g}, {interval[1]:.{digits}g}]" if interval else shown
+
+        terms = [] if self.fixed_E is not None else [f"E = {value('E', self.E, 5)}"]
+        terms += [f"{coefficient} = {value('A', self.A, 4)}", f"{exponent} = {value('alpha', self.alpha, 3)}"]
+        spread = (f"68% bootstrap intervals in brackets ({len(self.bootstrap)} resamples: {self.bootstrap_method})"
+                  if self.interval_reason is None else f"no intervals: {self.interval_reason}")
+        text = (f"L({unit}) = {self.form(f'({unit}/{human_number(self.x_ref)})', coefficient, exponent)}: "
+                f"{', '.join(terms)}; {self.num_x} {points}, {spread}")
+        return text + "".join(f"; {warning}" for warning in self.warnings)
+
+    def summary(self) -> dict:
+        intervals = {name: self.interval(name) for name in ("E", "A", "alpha")}
+        return {
+            "form": self.form(),
+            "E": self.E,
+            "E_fixed": self.fixed_E is not None,
+            "A": self.A,
+            "alpha": self.alpha,
+            "x_ref": self.x_ref,
+            "interval_68": None if self.interval_reason else {k: list(v) if v else None for k, v in intervals.items()},
+            "interval_reason": self.interval_reason
+            or ("E is fixed, not fitted" if self.fixed_E is not None else None),
+            "bootstrap": {"resamples": len(self.bootstrap), "method": self.bootstrap_method},
+            "fit": FIT_METHOD,
+            "num_points": self.num_points,
+            "num_x": self.num_x,
+            "x_range": [self.x_min, self.x_max],
+            "warnings": self.warnings,
+        }
 
 
-def fit_power_law(x: Sequence[float], loss: Sequence[float]) -> PowerLawFit:
-    """Least-squares fit of L = E + A (x/x_ref)^-alpha; needs 3 points, 4+ for an uncertainty."""
-    from scipy.optimize import OptimizeWarning, curve_fit
+def _inverse(loss, E, A, alpha, x_ref):
+    gap = loss - E
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        return np.where((gap > 0) & (A > 0) & (alpha > 0),
+                        x_ref * (np.maximum(gap, 1e-300) / np.maximum(A, 1e-300)) ** (-1.0 / alpha), np.nan)
 
+
+def _log_law(theta: np.ndarray, log_s: np.ndarray, log_E: float | None):
+    """log L and its Jacobian for a batch: theta (B, 3) = (e, a, alpha), or (B, 2) = (a, alpha) with e fixed at
+    log_E (-inf: E = 0); log_s (B, n). Returns (B, n) and (B, n, p)."""
+    if log_E is None:
+        e, a, alpha = theta[:, 0:1], theta[:, 1:2], theta[:, 2:3]
+    else:
+        e, a, alpha = log_E, theta[:, 0:1], theta[:, 1:2]
+    power = a - alpha * log_s
+    predicted = np.logaddexp(e, power)
+    share = np.exp(power - predicted)  # the power term's share of L
+    columns = [share, -share * log_s]
+    if log_E is None:
+        columns.insert(0, 1.0 - share)
+    return predicted, np.stack(columns, axis=2)
+
+
+def _huber(residual: np.ndarray) -> np.ndarray:
+    size = np.abs(residual)
+    return np.where(size <= HUBER_DELTA, 0.5 * residual**2, HUBER_DELTA * (size - 0.5 * HUBER_DELTA)).sum(axis=1)
+
+
+def _grid_starts(log_s: np.ndarray, loss: np.ndarray, log_E: float | None) -> np.ndarray:
+    """(starts, p): E at fractions of the lowest loss x α on a grid, A matching the losses' geometric mean."""
+    E_starts = [f * loss.min() for f in E_START_FRACTIONS] if log_E is None else [0.0]
+    starts = []
+    for E0 in E_starts:
+        gap = np.maximum(loss - (E0 if log_E is None else math.exp(log_E)), 1e-9 * loss.min())
+        for alpha0 in ALPHA_STARTS:
+            a0 = float(np.mean(np.log(gap) + alpha0 * log_s))
+            starts.append([math.log(E0), a0, alpha0] if log_E is None else [a0, alpha0])
+    return np.array(starts)
+
+
+def _bounds(log_loss: np.ndarray, log_E: float | None) -> tuple[np.ndarray, np.ndarray]:
+    if log_E is None:
+        return np.array([-30.0, -60.0, ALPHA_BOUNDS[0]]), np.array([float(log_loss.max()), 60.0, ALPHA_BOUNDS[1]])
+    return np.array([-60.0, ALPHA_BOUNDS[0]]), np.array([60.0, ALPHA_BOUNDS[1]])
+
+
+def _huber_fit(log_s: np.ndarray, log_loss: np.ndarray, log_E: float | None, theta: np.ndarray,
+               iterations: int = 200) -> tuple[np.ndarray, np.ndarray]:
+    """Minimise the Huber loss of the log-residuals for a batch of problems at once (rows of log_s, log_loss, theta:
+    one start each) by Levenberg-Marquardt on iteratively reweighted least squares, within the bounds; a row stops
+    once no step improves it. Returns (theta, loss) per row."""
+    lower, upper = _bounds(log_loss, log_E)
+    theta = np.clip(np.array(theta, dtype=np.float64), lower, upper)
+    predicted, jacobian = _log_law(theta, log_s, log_E)
+    objective = _huber(predicted - log_loss)
+    damping = np.full(len(theta), 1e-3)
+    eye = np.eye(theta.shape[1])
+    active = np.arange(len(theta))
+    for _ in range(iterations):
+        s, y, J, p, t, d = log_s[active], log_loss[active], jacobian[active], predicted[active], theta[active], \
+            damping[active]
+        residual = p - y
+        weighted = J * np.minimum(1.0, HUBER_DELTA / np.maximum(np.abs(residual), 1e-300))[..., None]
+        normal = np.matmul(weighted.transpose(0, 2, 1), J)
+        gradient = np.matmul(weighted.transpose(0, 2, 1), residual[..., None])
+        scale = np.diagonal(normal, axis1=1, axis2=2) + 1e-12
+        step = np.linalg.solve(normal + d[:, None, None] * eye * scale[:, None, :], -gradient)[..., 0]
+        trial = np.clip(t + step, lower, upper)
+        trial_predicted, trial_jacobian = _log_law(trial, s, log_E)
+        trial_objective = _huber(trial_predicted - y)
+        better = trial_objective < objective[active]
+        taken = active[better]
+        theta[taken], predicted[taken], jacobian[taken] = trial[better], trial_predicted[better], trial_jacobian[better]
+        objective[taken] = trial_objective[better]
+        damping[active] = np.where(better, d / 3, d * 4)
+        active = active[(damping[active] <= 1e10) & (objective[active] > 1e-30)]
+        if len(active) == 0:
+            break
+    return theta, objective
+
+
+def _as_params(theta: np.ndarray, log_E: float | None) -> tuple[float, float, float]:
+    if log_E is None:
+        return math.exp(theta[0]), math.exp(theta[1]), float(theta[2])
+    return (0.0 if log_E == -math.inf else math.exp(log_E)), math.exp(theta[0]), float(theta[1])
+
+
+def fit_power_law(
+    x: Sequence[float],
+    loss: Sequence[float],
+    fixed_E: float | None = None,
+    points: str = "sizes",
+    num_bootstrap: int = BOOTSTRAP_SAMPLES,
+    seed: int = 0,
+) -> PowerLawFit:
+    """Fit L = E + A (x/x_ref)^-alpha (E fixed at ``fixed_E`` when given) by a Huber loss on log L from a grid of
+    starts, and refit it to ``num_bootstrap`` resamples. Refuses fewer distinct x than parameters + 1, naming both."""
     x = np.asarray(x, dtype=np.float64)
     loss = np.asarray(loss, dtype=np.float64)
     if x.shape != loss.shape or x.ndim != 1:
         raise ValueError(f"x and loss must be 1-D and the same length, got {x.shape} and {loss.shape}")
-    if len(np.unique(x)) < 3:
-        raise ValueError(f"a fit of E + A x^-alpha needs 3 distinct x, got {len(np.unique(x))}: {x.tolist()}")
-    if np.any(x <= 0) or not np.all(np.isfinite(loss)):
-        raise ValueError(f"x must be positive and losses finite, got x={x.tolist()} loss={loss.tolist()}")
+    if np.any(x <= 0) or not np.all(np.isfinite(loss)) or np.any(loss <= 0):
+        raise ValueError(f"x and losses must be positive and finite, got x={x.tolist()} loss={loss.tolist()}")
+    num_parameters = 3 if fixed_E is None else 2
+    distinct = len(np.unique(x))
+    if distinct < num_parameters + 1:
+        form = "E + A·x^-α" if fixed_E is None else "A·x^-α with E fixed"
+        raise FitRefused(f"a fit of {form} needs ≥ {num_parameters + 1} {points}; have {distinct}")
+    if fixed_E is not None and fixed_E >= loss.min():
+        raise FitRefused(f"E fixed at {fixed_E:g} is not below every loss (the lowest is {loss.min():.4f})")
     x_ref = float(np.exp(np.mean(np.log(x))))
-    scaled = x / x_ref
+    log_s, log_loss = np.log(x / x_ref), np.log(loss)
+    log_E = None if fixed_E is None else (math.log(fixed_E) if fixed_E > 0 else -math.inf)
+    starts = _grid_starts(log_s, loss, log_E)
+    thetas, objectives = _huber_fit(np.tile(log_s, (len(starts), 1)), np.tile(log_loss, (len(starts), 1)), log_E,
+                                    starts)
+    theta = thetas[int(np.argmin(objectives))]
+    E, A, alpha = _as_params(theta, log_E)
+    if A <= 1e-20 or (fixed_E is None and alpha <= ALPHA_BOUNDS[0] * 1.001):
+        raise FitRefused(f"losses {np.round(loss, 4).tolist()} do not fall with x {x.tolist()}; "
+                         "a power law E + A·x^-α cannot describe them")
+    predicted = _log_law(theta[None], log_s[None], log_E)[0][0]
+    # Each resample refitted from the fit's optimum and from every seventh grid start, the best kept.
+    resampled_s, resampled_log_loss, method = _resamples(log_s, log_loss, predicted, num_parameters,
+                                                         np.random.default_rng(seed), num_bootstrap, points)
+    refit_starts = np.concatenate([theta[None], starts[::7]])
+    k = len(refit_starts)
+    thetas, objectives = _huber_fit(np.repeat(resampled_s, k, axis=0), np.repeat(resampled_log_loss, k, axis=0),
+                                    log_E, np.tile(refit_starts, (len(resampled_s), 1)))
+    best = np.argmin(objectives.reshape(-1, k), axis=1)
+    refits = [_as_params(t, log_E) for t in thetas.reshape(-1, k, len(theta))[np.arange(len(best)), best]]
+    return PowerLawFit(E, A, alpha, x_ref, len(x), distinct, float(x.min()), float(x.max()), fixed_E,
+                       np.array(refits, dtype=np.float64).reshape(-1, 3), method)
 
-    def law(s, E, A, alpha):
-        return E + A * s ** (-alpha)
 
-    # Start from the best alpha on a grid, with E and A solved linearly for each: the 3-parameter fit is then local.
-    best = None
-    for alpha in np.linspace(0.02, 3.0, 150):
-        design = np.stack([np.ones_like(scaled), scaled ** (-alpha)], axis=1)
-        (E, A), *_ = np.linalg.lstsq(design, loss, rcond=None)
-        if A <= 0 or E < 0:
-            continue
-        residual = float(np.sum((design @ np.array([E, A]) - loss) ** 2))
-        if best is None or residual < best[0]:
-            best = (residual, E, A, alpha)
-    if best is None:
-        raise ValueError(
-            f"losses {loss.tolist()} do not fall with x {x.tolist()}; a power law E + A x^-alpha cannot describe them"
-        )
-    _, E0, A0, alpha0 = best
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", OptimizeWarning)
-        params, covariance = curve_fit(
-            law, scaled, loss, p0=[E0, A0, alpha0], bounds=([0.0, 0.0, 1e-4], [np.inf, np.inf, 10.0]), maxfev=20000
-        )
-    if len(x) <= 3:
-        covariance = np.full((3, 3), np.inf)
-    return PowerLawFit(float(params[0]), float(params[1]), float(params[2]), x_ref, np.asarray(covariance), len(x))
+def _resamples(log_s, log_loss, predicted, num_parameters, rng, count, points):
+    """Bootstrap resamples of (log x, log L) as (count, n) arrays and how they were drawn: the points at each x
+    resampled when every x has several (seeds), otherwise the fit's residuals resampled over all points (scaled by
+    sqrt(n / (n − p)) for the fitted parameters)."""
+    n = len(log_s)
+    strata = [np.flatnonzero(log_s == value) for value in np.unique(log_s)]
+    if all(len(stratum) >= 2 for stratum in strata):
+        index = np.concatenate([stratum[rng.integers(0, len(stratum), (count, len(stratum)))] for stratum in strata],
+                               axis=1)
+        return log_s[index], log_loss[index], (f"the {n} {points} resampled within each x "
+                                               f"({min(map(len, strata))}-{max(map(len, strata))} seeds each)")
+    residuals = log_loss - predicted
+    noise = residuals[rng.integers(0, n, (count, n))] * math.sqrt(n / (n - num_parameters))
+    return np.tile(log_s, (count, 1)), predicted + noise, f"the fit's residuals resampled over the {n} {points}"
+
+
+def fit_supported_law(x: Sequence[float], loss: Sequence[float], name: str, notes: list[str],
+                      fixed_E: float | None = None, points: str = "sizes", unit: str = "N",
+                      num_bootstrap: int = BOOTSTRAP_SAMPLES) -> tuple[PowerLawFit | None, str | None]:
+    """The fullest law the points support: E + A·x^-α with ≥ 4 distinct x, else A·x^-α with E fixed at 0 with 3
+    (or E fixed at ``fixed_E`` when given); returns (fit, None) or (None, why there is none). Notes say which."""
+    distinct = len(np.unique(np.asarray(x, dtype=np.float64)))
+    if fixed_E is None and distinct == 3:
+        notes.append(f"{name}: a fit of E + A·{unit}^-α needs ≥ 4 {points}; have 3: fitted the reduced form "
+                     f"A·{unit}^-α (E fixed at 0) instead")
+        fixed_E = 0.0
+    elif fixed_E is None and distinct < 3:
+        reason = (f"fit needs ≥ 4 {points} (≥ 3 for A·{unit}^-α with E fixed at 0); have {distinct}")
+        notes.append(f"{name}: no fit: {reason}")
+        return None, reason
+    try:
+        return fit_power_law(x, loss, fixed_E, points, num_bootstrap), None
+    except FitRefused as error:
+        notes.append(f"{name}: no fit: {error}")
+        return None, str(error)
 
 
 @dataclasses.dataclass
 class RatioEstimate:
-    """x_diff / x_baseline at equal loss, with a 68% interval from sampling both fits' parameters."""
+    """x_variant / x_reference at equal loss: the fits' point estimate and a 68% interval from pairing their
+    bootstrap refits. ``ratio`` is None (with ``reason``) where no reference size reaches the variant's loss;
+    ``extrapolated`` says which size lies outside the measured range, if any."""
 
     at: float
     loss: float
-    ratio: float
-    low: float
-    high: float
-    std: float
-    valid_fraction: float
+    ratio: float | None
+    low: float | None
+    high: float | None
+    valid_fraction: float | None
+    reason: str | None = None
+    interval_reason: str | None = None
+    extrapolated: str | None = None
+
+    @property
+    def std(self) -> float | None:
+        """Half the 68% interval's width: a standard deviation that heavy tails cannot blow up."""
+        return None if self.low is None else (self.high - self.low) / 2
+
+    @property
+    def matched(self) -> float | None:
+        return self.at / self.ratio if self.ratio else None
+
+    @property
+    def unconstrained(self) -> bool:
+        """The refits disagree by more than a factor of 4 either side: the sizes do not pin the ratio down."""
+        return self.low is not None and (self.high > 4 * self.ratio or self.low < self.ratio / 4)
+
+    def summary(self) -> dict:
+        return {**dataclasses.asdict(self), "std": self.std, "matched": self.matched,
+                "unconstrained": self.unconstrained,
+                "interval_68": None if self.low is None else [self.low, self.high]}
 
     def describe(self, what: str, unit: str, variant: str = DIFF, reference: str = BASELINE) -> str:
         name, other = label(variant), label(reference)
-        if not math.isfinite(self.ratio):
-            return (
-                f"{name} at {human_number(self.at)} {unit} (loss {self.loss:.4f}) is below {other}'s fitted "
-                f"asymptote: no {what} of {other} matches it"
-            )
-        spread = (
-            f" (68% interval {100 * self.low:.1f}-{100 * self.high:.1f}%, ±{100 * self.std:.1f}%)"
-            if math.isfinite(self.std)
-            else " (no uncertainty: each fit needs 4 or more points)"
-        )
-        return (
-            f"{name} at {human_number(self.at)} {unit} (loss {self.loss:.4f}) matches {other} at "
-            f"{human_number(self.at / self.ratio)} {unit}: {what} ratio {100 * self.ratio:.1f}%{spread}"
-        )
+        if self.ratio is None:
+            return f"{name} at {human_number(self.at)} {unit} (loss {self.loss:.4f}): no {what} ratio: {self.reason}"
+        spread = (f", 68% bootstrap interval {format_ratio(self.low)} to {format_ratio(self.high)}"
+                  + (" (unconstrained)" if self.unconstrained else "") if self.low is not None
+                  else f" (no interval: {self.interval_reason})")
+        text = (f"{name} at {human_number(self.at)} {unit} (loss {self.loss:.4f}) matches {other} at "
+                f"{human_number(self.matched)} {unit}: {what} ratio {format_ratio(self.ratio)}{spread}")
+        return text + (f" [extrapolated: {self.extrapolated}]" if self.extrapolated else "")
 
 
-def _sample_params(fit: PowerLawFit, rng: np.random.Generator, num_samples: int) -> np.ndarray:
-    samples = rng.multivariate_normal(fit.params, fit.covariance, size=num_samples, method="eigh")
-    return samples
+def _outside(value: float, low: float, high: float) -> str | None:
+    if value < low * (1 - 1e-9):
+        return "below"
+    if value > high * (1 + 1e-9):
+        return "above"
+    return None
 
 
-def matching_ratio(
-    diff_fit: PowerLawFit,
-    baseline_fit: PowerLawFit,
-    at: float,
-    num_samples: int = 4000,
-    seed: int = 0,
-) -> RatioEstimate:
-    """Ratio at / x_b where baseline_fit(x_b) equals diff_fit(at): how much of the baseline's size (or data) DIFF needs."""
-    loss = float(diff_fit(at))
-    ratio = float(at / baseline_fit.inverse(loss))
-    if not (diff_fit.has_uncertainty and baseline_fit.has_uncertainty):
-        return RatioEstimate(at, loss, ratio, math.nan, math.nan, math.nan, math.nan)
-    rng = np.random.default_rng(seed)
-    d = _sample_params(diff_fit, rng, num_samples)
-    b = _sample_params(baseline_fit, rng, num_samples)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        sampled_loss = d[:, 0] + d[:, 1] * (at / diff_fit.x_ref) ** (-d[:, 2])
-        gap = sampled_loss - b[:, 0]
-        valid = (gap > 0) & (b[:, 1] > 0) & (b[:, 2] > 0) & (d[:, 2] > 0)
-        x_b = baseline_fit.x_ref * (gap[valid] / b[valid, 1]) ** (-1.0 / b[valid, 2])
-        ratios = at / x_b
-    ratios = ratios[np.isfinite(ratios)]
-    if len(ratios) < 10:
-        return RatioEstimate(at, loss, ratio, math.nan, math.nan, math.nan, len(ratios) / num_samples)
-    low, high = np.percentile(ratios, [15.865, 84.135])
-    # Half the central 68% width: a standard deviation that heavy tails of the sampled ratios cannot blow up.
-    return RatioEstimate(at, loss, ratio, float(low), float(high), float((high - low) / 2), len(ratios) / num_samples)
+def matching_ratio(variant_fit: PowerLawFit, reference_fit: PowerLawFit, at: float, unit: str = "parameters",
+                   variant: str = DIFF, reference: str = BASELINE) -> RatioEstimate:
+    """Ratio at / x_r where reference_fit(x_r) equals variant_fit(at): how much of the reference's size (or data) the
+    variant needs, with a 68% interval over paired bootstrap refits (a refit whose reference never reaches the
+    variant's loss counts as ratio 0)."""
+    loss = float(variant_fit(at))
+    matched = float(reference_fit.inverse(loss))
+    extrapolated = []
+    side = _outside(at, variant_fit.x_min, variant_fit.x_max)
+    if side:
+        extrapolated.append(f"{label(variant)} at {human_number(at)} {unit} lies {side} its measured range "
+                            f"({human_number(variant_fit.x_min)}-{human_number(variant_fit.x_max)})")
+    if not math.isfinite(matched):
+        return RatioEstimate(at, loss, None, None, None, None,
+                             reason=f"the loss is at or below {label(reference)}'s fitted asymptote "
+                                    f"E={reference_fit.E:.4f}: no {label(reference)} size matches it",
+                             extrapolated="; ".join(extrapolated) or None)
+    side = _outside(matched, reference_fit.x_min, reference_fit.x_max)
+    if side:
+        extrapolated.append(f"{label(reference)} at {human_number(matched)} {unit} lies {side} its measured range "
+                            f"({human_number(reference_fit.x_min)}-{human_number(reference_fit.x_max)})")
+    count = min(len(variant_fit.bootstrap), len(reference_fit.bootstrap))
+    low = high = valid_fraction = interval_reason = None
+    if count < 10:
+        interval_reason = f"{count} paired bootstrap refits; an interval needs 10"
+    else:
+        v, r = variant_fit.bootstrap[:count], reference_fit.bootstrap[:count]
+        with np.errstate(over="ignore"):
+            losses = v[:, 0] + v[:, 1] * (at / variant_fit.x_ref) ** (-v[:, 2])
+        x_r = _inverse(losses, r[:, 0], r[:, 1], r[:, 2], reference_fit.x_ref)
+        valid = np.isfinite(x_r) & (x_r > 0)
+        with np.errstate(over="ignore"):
+            ratios = np.minimum(np.where(valid, at / np.where(valid, x_r, 1.0), 0.0), 1e12)
+        low, high = (float(q) for q in np.percentile(ratios, INTERVAL_PERCENTILES))
+        valid_fraction = float(valid.mean())
+    return RatioEstimate(at, loss, at / matched, low, high, valid_fraction, None, interval_reason,
+                         "; ".join(extrapolated) or None)
+
+
+@dataclasses.dataclass
+class Convergence:
+    """How far one run got: tokens per parameter against the compute-optimal ~20, and whether its loss still fell at
+    the end (the last 10% of logged steps against the 10% before, beyond twice their standard error)."""
+
+    run: str
+    tokens_per_parameter: float
+    still_falling: bool | None
+    fall: float | None
+    basis: str
+
+    def describe(self) -> str:
+        budget = (f"{self.tokens_per_parameter:.2g} tokens per parameter "
+                  f"(≈{COMPUTE_OPTIMAL_TOKENS_PER_PARAMETER} is compute-optimal)")
+        if self.still_falling is None:
+            return f"{self.run}: {budget}; {self.basis}"
+        trend = "still falling at the end" if self.still_falling else "flat at the end"
+        return f"{self.run}: {budget}; loss {trend} ({-self.fall:+.4f} {self.basis})"
+
+
+    def summary(self) -> dict:
+        return dataclasses.asdict(self) | {"note": self.describe()}
+
+
+STILL_FALLING_NATS = 1e-3  # a validation loss that fell by more than this over the last quarter is still falling
+
+
+def convergence_of(run: RunRecord, parameter_count: str = "total") -> Convergence:
+    """From the validation losses of the last quarter of training where it has two evaluations or more (the same
+    held-out samples every time, so their change is not batch noise), else the train loss's last 10% of steps
+    against the 10% before (beyond twice their standard error)."""
+    tokens_per_parameter = run.token_budget / max(1, run.parameters(parameter_count))
+    late = run.val_steps >= run.last_step - 0.25 * run.last_step
+    if np.count_nonzero(late) >= 2:
+        values = run.val_loss[late]
+        fall = float(values[0] - values[-1])
+        steps = int(run.val_steps[late][-1] - run.val_steps[late][0])
+        return Convergence(run.name, tokens_per_parameter, fall > STILL_FALLING_NATS, fall,
+                           f"in validation loss over the last {steps} steps")
+    loss = run.train_loss
+    window = len(loss) // 10
+    if window >= 2:
+        last, before = loss[-window:], loss[-2 * window:-window]
+        fall = float(before.mean() - last.mean())
+        error = math.sqrt(before.var(ddof=1) / window + last.var(ddof=1) / window)
+        return Convergence(run.name, tokens_per_parameter, fall > 2 * error, fall,
+                           "in train loss over the last 10% of steps")
+    if len(run.val_loss) >= 2:
+        fall = float(run.val_loss[-2] - run.val_loss[-1])
+        return Convergence(run.name, tokens_per_parameter, fall > 0, fall, "in validation loss between the last two evaluations")
+    return Convergence(run.name, tokens_per_parameter, None, None, "too few logged steps to tell a trend")
+
+
+def convergence_summary(convergences: Sequence[Convergence]) -> str | None:
+    """One line for a report or a figure when runs are short of converged, else None."""
+    falling = [c for c in convergences if c.still_falling]
+    budgets = [c.tokens_per_parameter for c in convergences]
+    short = min(budgets) < COMPUTE_OPTIMAL_TOKENS_PER_PARAMETER / 4
+    if not falling and not short:
+        return None
+    spread = f"{min(budgets):.2g}" if f"{min(budgets):.2g}" == f"{max(budgets):.2g}" else \
+        f"{min(budgets):.2g}-{max(budgets):.2g}"
+    return (f"{len(falling)} of {len(convergences)} run{'s' if len(convergences) != 1 else ''} still falling at the "
+            f"end; {spread} tokens per parameter "
+            f"(≈{COMPUTE_OPTIMAL_TOKENS_PER_PARAMETER} is compute-optimal): the fits describe these budgets, "
+            "not converged models")
 
 
 @dataclasses.dataclass
 class PairComparison:
     """One variant against its reference: the parameter ratio at each of its trained sizes (and any asked for), and
-    the token ratio along the largest model both trained."""
+    the token ratio along the largest model both trained; the notes say why either is missing."""
 
     variant: str
     reference: str
@@ -193,39 +503,35 @@ class PairComparison:
     token_pair: tuple[RunRecord, RunRecord] | None
     token_fits: dict[str, PowerLawFit]
     token_ratio: RatioEstimate | None
+    parameter_ratio_note: str | None = None
+    token_note: str | None = None
 
     def summary(self) -> dict:
         return {
             "variant": self.variant,
             "reference": self.reference,
-            "parameter_ratios": [dataclasses.asdict(r) for r in self.parameter_ratios],
+            "parameter_ratios": [r.summary() for r in self.parameter_ratios],
+            "parameter_ratio_note": self.parameter_ratio_note,
             "token_ratio_runs": [r.name for r in self.token_pair] if self.token_pair else None,
-            "token_fits": {k: _fit_dict(v) for k, v in self.token_fits.items()},
-            "token_ratio": dataclasses.asdict(self.token_ratio) if self.token_ratio else None,
+            "token_fits": {k: v.summary() for k, v in self.token_fits.items()},
+            "token_ratio": self.token_ratio.summary() if self.token_ratio else None,
+            "token_note": self.token_note,
         }
-
-
-def _fit_dict(fit: PowerLawFit) -> dict:
-    return {
-        "E": fit.E,
-        "A": fit.A,
-        "alpha": fit.alpha,
-        "x_ref": fit.x_ref,
-        "stderr": fit.stderr.tolist() if fit.has_uncertainty else None,
-        "num_points": fit.num_points,
-    }
 
 
 @dataclasses.dataclass
 class Comparison:
-    """Every variant's size fit, and each variant against its reference (``pairs``; DIFF's first). The first pair's
-    ratios are also ``parameter_ratios``, ``token_pair``, ``token_fits`` and ``token_ratio``: the figure's."""
+    """Every variant's size fit (or why it has none), each variant against its reference (``pairs``; DIFF's first),
+    and each run's convergence. The first pair's ratios are also ``parameter_ratios``, ``token_pair``,
+    ``token_fits`` and ``token_ratio``: the figure's."""
 
     runs: list[RunRecord]
     parameter_count: str
     size_fits: dict[str, PowerLawFit]
     pairs: list[PairComparison]
     notes: list[str]
+    size_fit_reasons: dict[str, str] = dataclasses.field(default_factory=dict)
+    convergence: dict[str, Convergence] = dataclasses.field(default_factory=dict)
 
     @property
     def primary(self) -> PairComparison | None:
@@ -247,11 +553,16 @@ class Comparison:
     def token_ratio(self) -> RatioEstimate | None:
         return self.primary.token_ratio if self.primary else None
 
+    @property
+    def convergence_note(self) -> str | None:
+        return convergence_summary(list(self.convergence.values()))
+
     def summary(self) -> dict:
         primary = self.primary.summary() if self.primary else {
             "parameter_ratios": [], "token_ratio_runs": None, "token_fits": {}, "token_ratio": None}
         return {
             "parameter_count": self.parameter_count,
+            "fit_method": FIT_METHOD,
             "runs": [
                 {
                     "name": r.name,
@@ -262,15 +573,19 @@ class Comparison:
                     "parameters": r.parameters(self.parameter_count),
                     "final_val_loss": r.final_val_loss,
                     "tokens": r.token_budget,
+                    "data": r.data_label,
+                    "convergence": self.convergence[r.name].summary() if r.name in self.convergence else None,
                 }
                 for r in self.runs
             ],
-            "size_fits": {k: _fit_dict(v) for k, v in self.size_fits.items()},
+            "size_fits": {k: v.summary() for k, v in self.size_fits.items()},
+            "size_fits_missing": dict(self.size_fit_reasons),
             "parameter_ratios": primary["parameter_ratios"],
             "token_ratio_runs": primary["token_ratio_runs"],
             "token_fits": primary["token_fits"],
             "token_ratio": primary["token_ratio"],
             "pairs": [pair.summary() for pair in self.pairs],
+            "convergence_note": self.convergence_note,
             "notes": self.notes,
         }
 
@@ -311,24 +626,22 @@ def _largest_pair(runs: Sequence[RunRecord], model: str | None, count: str, vari
     return (chosen[variant], chosen[reference]) if chosen else None
 
 
-def _token_comparison(pair: tuple[RunRecord, RunRecord], token_fit_from: float, notes: list[str]):
+def _token_comparison(pair: tuple[RunRecord, RunRecord], token_fit_from: float, notes: list[str],
+                      num_bootstrap: int):
+    """Each run's L(D) over its evaluations past ``token_fit_from`` of training, and the token ratio at the end."""
     fits: dict[str, PowerLawFit] = {}
     for run in pair:
         keep = run.val_tokens >= token_fit_from * run.token_budget
-        if np.count_nonzero(keep) < 3:
-            notes.append(
-                f"{run.name}: {np.count_nonzero(keep)} evaluations past {token_fit_from:.0%} of training; "
-                "the token fit needs 3 (lower trainer.eval_interval)"
-            )
-            return fits, None
-        try:
-            fits[run.variant] = fit_power_law(run.val_tokens[keep], run.val_loss[keep])
-        except ValueError as error:
-            notes.append(f"{run.name}: no token fit: {error}")
-            return fits, None
+        fit, reason = fit_supported_law(run.val_tokens[keep], run.val_loss[keep], f"{run.name} (token fit)", notes,
+                                        points=f"evaluations past {token_fit_from:.0%} of training", unit="D",
+                                        num_bootstrap=num_bootstrap)
+        if fit is None:
+            return fits, None, f"{run.name}: {reason} (lower trainer.eval_interval)"
+        fits[run.variant] = fit
     variant_run, reference_run = pair
-    ratio = matching_ratio(fits[variant_run.variant], fits[reference_run.variant], float(variant_run.val_tokens[-1]))
-    return fits, ratio
+    ratio = matching_ratio(fits[variant_run.variant], fits[reference_run.variant], float(variant_run.val_tokens[-1]),
+                           "tokens", variant_run.variant, reference_run.variant)
+    return fits, ratio, None
 
 
 def compare_runs(
@@ -339,9 +652,12 @@ def compare_runs(
     require_finished: bool = True,
     at_parameters: Sequence[float] = (),
     reference: str = BASELINE,
+    fixed_E: float | None = None,
+    num_bootstrap: int = BOOTSTRAP_SAMPLES,
 ) -> Comparison:
-    """Fit the scaling laws of every variant and compute both ratios of each against its reference (see
-    :func:`reference_pairs`); refuses runs that are not comparable."""
+    """Fit the scaling laws of every variant (the fullest form the sizes support, or E fixed at ``fixed_E``) and
+    compute both ratios of each against its reference (see :func:`reference_pairs`); refuses runs that are not
+    comparable."""
     if parameter_count not in PARAMETER_COUNTS:
         raise ValueError(f"parameter_count={parameter_count!r}; use one of {PARAMETER_COUNTS}")
     runs = list(runs)
@@ -349,18 +665,16 @@ def compare_runs(
     variants = list(dict.fromkeys(r.variant for r in runs))
     notes: list[str] = []
     size_fits: dict[str, PowerLawFit] = {}
+    reasons: dict[str, str] = {}
     for kind in variants:
         of_kind = [r for r in runs if r.variant == kind]
-        sizes = {r.parameters(parameter_count) for r in of_kind}
-        if len(sizes) < 3:
-            notes.append(f"{kind}: {len(sizes)} model size(s); a scaling-law fit needs 3 (4+ for an uncertainty)")
-            continue
-        try:
-            size_fits[kind] = fit_power_law(
-                [r.parameters(parameter_count) for r in of_kind], [r.final_val_loss for r in of_kind]
-            )
-        except ValueError as error:  # the curves are still worth drawing
-            notes.append(f"{kind}: no scaling-law fit: {error}")
+        fit, reason = fit_supported_law([r.parameters(parameter_count) for r in of_kind],
+                                        [r.final_val_loss for r in of_kind], kind, notes, fixed_E,
+                                        num_bootstrap=num_bootstrap)
+        if fit is not None:
+            size_fits[kind] = fit
+        else:
+            reasons[kind] = reason
     pair_names, pair_notes = reference_pairs(runs, reference)
     notes += pair_notes
     if token_ratio_model is not None and not any(
@@ -369,53 +683,65 @@ def compare_runs(
                          f"models: {sorted({r.model for r in runs})}")
     pairs = []
     for variant, ref in pair_names:
-        parameter_ratios = []
+        parameter_ratios, ratio_note = [], None
         if variant in size_fits and ref in size_fits:
             # At each size of the variant trained, then at any size asked for (an extrapolation of both fits).
             sizes = sorted({r.parameters(parameter_count) for r in runs if r.variant == variant})
-            parameter_ratios = [matching_ratio(size_fits[variant], size_fits[ref], n) for n in sizes]
-            parameter_ratios += [matching_ratio(size_fits[variant], size_fits[ref], float(n)) for n in at_parameters]
+            parameter_ratios = [matching_ratio(size_fits[variant], size_fits[ref], float(n), "parameters", variant,
+                                               ref) for n in list(sizes) + list(at_parameters)]
+        else:
+            ratio_note = "; ".join(f"{label(k)}: no size fit ({reasons[k]})" for k in (variant, ref) if k in reasons)
         token_pair = _largest_pair(runs, token_ratio_model, parameter_count, variant, ref)
         token_fits: dict[str, PowerLawFit] = {}
-        token_ratio = None
+        token_ratio = token_note = None
         if token_pair is None:
-            notes.append(f"{variant} vs {ref}: no model size has runs of both: no token ratio")
+            token_note = "no model size has runs of both: no token ratio"
+            notes.append(f"{variant} vs {ref}: {token_note}")
         else:
-            token_fits, token_ratio = _token_comparison(token_pair, token_fit_from, notes)
-        pairs.append(PairComparison(variant, ref, parameter_ratios, token_pair, token_fits, token_ratio))
-    return Comparison(runs, parameter_count, size_fits, pairs, notes)
-
-
-def human_number(n: float) -> str:
-    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g}{suffix}"
-    return f"{n:.3g}"
+            token_fits, token_ratio, token_note = _token_comparison(token_pair, token_fit_from, notes, num_bootstrap)
+        pairs.append(PairComparison(variant, ref, parameter_ratios, token_pair, token_fits, token_ratio, ratio_note,
+                                    token_note))
+    convergence = {r.name: convergence_of(r, parameter_count) for r in runs}
+    return Comparison(runs, parameter_count, size_fits, pairs, notes, reasons, convergence)
 
 
 def format_report(comparison: Comparison) -> str:
     count = comparison.parameter_count
     width = max([9] + [len(r.variant) for r in comparison.runs])
-    lines = [f"{'run':<40} {'variant':<{width}} {'params (' + count + ')':>22} {'tokens':>10} {'final val loss':>15}"]
+    lines = [f"data: {comparison.runs[0].data_label}",
+             f"{'run':<40} {'variant':<{width}} {'params (' + count + ')':>22} {'tokens':>10} {'final val loss':>15}"]
     for r in sorted(comparison.runs, key=lambda r: (r.variant, r.parameters(count))):
         lines.append(
             f"{r.name:<40} {r.variant:<{width}} {r.parameters(count):>22,} {human_number(r.token_budget):>10} "
             f"{r.final_val_loss:>15.4f}"
         )
     lines.append("")
+    lines.append(f"fits: {FIT_METHOD}")
     for kind, fit in comparison.size_fits.items():
         lines.append(f"scaling fit {kind:<{width}} {fit.describe('N')}")
+    for kind, reason in comparison.size_fit_reasons.items():
+        lines.append(f"scaling fit {kind:<{width}} none: {reason}")
     for pair in comparison.pairs:
         lines.append("")
         lines.append(f"{label(pair.variant)} against {label(pair.reference)}:")
         for estimate in pair.parameter_ratios:
             lines.append("  " + estimate.describe("parameter", "parameters", pair.variant, pair.reference))
+        if pair.parameter_ratio_note:
+            lines.append(f"  no parameter ratio: {pair.parameter_ratio_note}")
         if pair.token_pair is not None:
             for kind, fit in pair.token_fits.items():
-                lines.append(f"  token fit {kind:<{width}} {fit.describe('D')}")
+                lines.append(f"  token fit {kind:<{width}} {fit.describe('D', 'B', 'β', 'evaluations')}")
             if pair.token_ratio is not None:
                 lines.append(f"  along {pair.token_pair[0].name} vs {pair.token_pair[1].name}: "
                              + pair.token_ratio.describe("token", "tokens", pair.variant, pair.reference))
+        if pair.token_note:
+            lines.append(f"  no token ratio: {pair.token_note}")
+    lines.append("")
+    lines.append("convergence:")
+    for run in sorted(comparison.runs, key=lambda r: (r.variant, r.parameters(count))):
+        lines.append("  " + comparison.convergence[run.name].describe())
+    if comparison.convergence_note:
+        lines.append(f"note: {comparison.convergence_note}")
     for note in comparison.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)

@@ -36,7 +36,15 @@ class PairedDelta:
     def outside_noise(self) -> bool:
         return self.n >= 2 and self.p_value < SIGNIFICANCE
 
+    def summary(self) -> dict:
+        finite = {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None)
+                  for k, v in dataclasses.asdict(self).items() if k != "reference"}
+        reason = None if self.n >= 2 else ("no seed in common" if self.n == 0 else "one seed in common")
+        return {"reference": self.reference, **finite, "reason": reason, "outside_noise": self.outside_noise}
+
     def describe(self) -> str:
+        if self.n == 0:
+            return "no seed in common"
         if self.n < 2:
             return f"{self.mean:+.4f} (1 seed)"
         verdict = "outside noise" if self.outside_noise else "inside noise"
@@ -66,10 +74,12 @@ class VariantStats:
         return float(np.std(self.values, ddof=1)) if self.n > 1 else math.nan
 
     def summary(self) -> dict:
+        """JSON-ready: every number finite, or null with the reason next to it."""
         return {
             "variant": self.variant, "model": self.model, "parameters": self.parameters, "seeds": self.seeds,
-            "final_val_losses": self.values, "mean": self.mean, "std": self.std,
-            "deltas": {k: dataclasses.asdict(v) | {"outside_noise": v.outside_noise} for k, v in self.deltas.items()},
+            "final_val_losses": self.values, "mean": self.mean, "std": self.std if self.n > 1 else None,
+            "std_reason": None if self.n > 1 else "one seed",
+            "deltas": {k: v.summary() for k, v in self.deltas.items()},
         }
 
 

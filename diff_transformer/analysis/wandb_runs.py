@@ -51,6 +51,7 @@ def load_wandb_runs(path: str, api: Any = None) -> list[RunRecord]:
             "seq_length": _lookup(sources, "seq_length") or _lookup([config], "model.seq_length"),
             "max_steps": _lookup(sources, "max_steps") or _lookup([config], "trainer.max_steps"),
             "data": _lookup([config.get("run") or {}], "data") or _lookup([config], "data"),
+            "data_source": _lookup([config.get("run") or {}, summary], "data_source"),
         }
         rows = ({"step": row.get("_step") if row.get("step") is None else row.get("step"), **row}
                 for row in run.scan_history(keys=None))

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from diff_transformer import attention_metrics as am
+from diff_transformer.evaluation.report import Progress
 from diff_transformer.models.attention_maps import capture_attention, capture_layer_outputs
 
 MAP_METRICS = ("entropy", "gini", "top1pct_mass", "topk_mass", "first_token_mass")
@@ -108,6 +109,7 @@ def analyze(model, probes: List[Probe], topk: int = 8) -> Dict[str, Any]:
 
     accumulators: Dict[int, _LayerAccumulator] = {}
     differential = {}
+    progress = Progress(f"{model.run.label}: attention analysis, probe sequences", len(probes))
     for probe in probes:
         def on_maps(layer, maps_for, probe=probe):
             maps = maps_for(None)
@@ -136,6 +138,7 @@ def analyze(model, probes: List[Probe], topk: int = 8) -> Dict[str, Any]:
         with capture_attention([model.model], on_maps), \
                 capture_layer_outputs([model.model], TransformerLayer, on_output):
             model.logits(tokens)
+        progress.update()
     layers = [_layer_summary(layer, accumulators[layer], differential[layer]) for layer in sorted(accumulators)]
     return {"layers": layers, "mean": _average_over_layers(layers)}
 

@@ -39,19 +39,22 @@ class NiahConfig:
     seed: int = 0
     value_digits: int = 4
 
-    def validate(self, max_length: Optional[int] = None, min_length: Optional[int] = None) -> None:
+    def validate(self, max_length: Optional[int] = None, min_length: Optional[int] = None,
+                 length_flag: str = "--lengths") -> None:
+        """Refuse bad settings, naming the command's flags (``length_flag``: evaluate's --lengths, analyze's
+        --length)."""
         if self.needles < 1 or not 1 <= self.asked <= self.needles:
             raise ValueError(f"--needles {self.needles} --asked {self.asked}: need 1 <= asked <= needles")
         if not self.lengths:
-            raise ValueError("niah needs at least one context length (--lengths)")
+            raise ValueError(f"niah needs at least one context length ({length_flag})")
         for length in self.lengths:
             if max_length is not None and length > max_length:
                 raise ValueError(f"niah context length {length} is above the model's maximum sequence length "
-                                 f"{max_length} (model.seq_length); use --lengths up to {max_length}")
+                                 f"{max_length} (model.seq_length); use {length_flag} up to {max_length}")
             if min_length is not None and length < min_length:
                 raise ValueError(f"niah context length {length} is too short for {self.needles} needles and "
                                  f"{self.asked} queries with this tokenizer (at least {min_length} tokens); use longer "
-                                 "--lengths or fewer --needles")
+                                 f"{length_flag} or fewer --needles")
         for depth in self.depths:
             if not 0.0 <= depth <= 1.0:
                 raise ValueError(f"niah depth {depth} must lie in [0, 1]")
@@ -140,7 +143,7 @@ def needles_length(factory: NeedleFactory, pairs: Sequence[Tuple[str, str]], ask
 
 
 def make_sample(factory: NeedleFactory, haystack: np.ndarray, length: int, depth: float, needles: int, asked: int,
-                rng: random.Random) -> Sample:
+                rng: random.Random, length_flag: str = "--lengths") -> Sample:
     pairs = factory.draw(rng, needles)
     sentences = [factory.sentence(k, v) for k, v in pairs]
     order = list(range(needles))
@@ -150,8 +153,8 @@ def make_sample(factory: NeedleFactory, haystack: np.ndarray, length: int, depth
     haystack_len = length - sum(len(s[0]) for s in sentences) - query_tokens
     if haystack_len < 1:
         raise ValueError(f"niah context length {length} is too short for {needles} needles and {asked} queries "
-                         f"({length - haystack_len + 1} tokens at least with this tokenizer); use longer --lengths "
-                         "or fewer --needles")
+                         f"({length - haystack_len + 1} tokens at least with this tokenizer); use longer "
+                         f"{length_flag} or fewer --needles")
     start = rng.randrange(0, len(haystack) - haystack_len + 1)
     hay = [int(t) for t in haystack[start:start + haystack_len]]
     # insertion points in the haystack: the asked block at depth d, the others uniform
@@ -183,7 +186,7 @@ def make_sample(factory: NeedleFactory, haystack: np.ndarray, length: int, depth
     return Sample(tokens, length, depth, needle_list, queries, haystack_mask)
 
 
-def generate(config: NiahConfig, tokenizer, haystack: np.ndarray) -> List[Sample]:
+def generate(config: NiahConfig, tokenizer, haystack: np.ndarray, length_flag: str = "--lengths") -> List[Sample]:
     """Every sample of every (length, depth) cell; the same for the same seed, tokenizer and haystack."""
     factory = NeedleFactory(tokenizer, config.value_digits)
     if len(haystack) < max(config.lengths):
@@ -193,7 +196,8 @@ def generate(config: NiahConfig, tokenizer, haystack: np.ndarray) -> List[Sample
     for length in config.lengths:
         for depth in config.depths:
             rng = random.Random(f"{config.seed}/{length}/{depth}")
-            samples += [make_sample(factory, haystack, length, depth, config.needles, config.asked, rng)
+            samples += [make_sample(factory, haystack, length, depth, config.needles, config.asked, rng,
+                                    length_flag)
                         for _ in range(config.samples)]
     return samples
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from diff_transformer.distributed import all_reduce_values
+from diff_transformer.evaluation.report import Progress
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ class PerplexityResult:
                 "stride": self.stride, "position_nll": self.position_nll}
 
 
-def stream_perplexity(model, stream: np.ndarray, stride: Optional[int] = None, batch_size: int = 8) -> PerplexityResult:
+def stream_perplexity(model, stream: np.ndarray, stride: Optional[int] = None, batch_size: int = 8,
+                      what: str = "perplexity") -> PerplexityResult:
     """Sliding-window NLL of ``stream`` (1-D token ids) under ``model`` (an InferenceModel). Under torchrun the
     windows are split over the ranks and the sums reduced, so every rank returns the same result."""
     L = model.seq_length
@@ -73,6 +75,7 @@ def stream_perplexity(model, stream: np.ndarray, stride: Optional[int] = None, b
     count = 0
     position_sum = torch.zeros(L, dtype=torch.float64, device=device)
     position_count = 0
+    progress = Progress(f"{what}: windows of {L} tokens", len(mine), enabled=model.global_rank == 0)
     for batch in _batches_of_equal_length(mine, batch_size):
         tokens = torch.from_numpy(np.stack([stream[w.start:w.stop].astype(np.int64) for w in batch]))
         nll = model.token_nll(tokens).double()  # (b, n): target at stream index start + 1 + j
@@ -84,6 +87,7 @@ def stream_perplexity(model, stream: np.ndarray, stride: Optional[int] = None, b
         if n == L:
             position_sum += nll.sum(0)
             position_count += len(batch)
+        progress.update(len(batch))
     totals = all_reduce_values([float(nll_sum), count, position_count] + position_sum.cpu().tolist(),
                                group=model.data_group)
     nll_total, count, position_count = totals[0], int(totals[1]), int(totals[2])

@@ -8,6 +8,26 @@ from typing import Any, Dict, List
 import numpy as np
 
 from diff_transformer.evaluation.niah import REGIONS
+from diff_transformer.figure_style import kind_color
+
+LINE_STYLES = ("-", "--", "-.", ":")
+
+
+def _run_styles(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """Plot keywords per run label: its kind's colour (DIFF red, the Transformer blue, ...), and a line style that
+    tells apart several runs of one kind."""
+    seen: Dict[str, int] = {}
+    styles = {}
+    for label, run in runs.items():
+        kind = (run or {}).get("attention", "")
+        index = seen[kind] = seen.get(kind, -1) + 1
+        styles[label] = {"color": kind_color(kind), "linestyle": LINE_STYLES[index % len(LINE_STYLES)]}
+    return styles
+
+
+def _data_of(runs: Dict[str, Dict[str, Any]]) -> str:
+    labels = list(dict.fromkeys((run or {}).get("data") or "unrecorded data" for run in runs.values()))
+    return "; ".join(labels)
 
 
 def _pyplot():
@@ -27,19 +47,24 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def plot_position_loss(results: Dict[str, Dict[str, Any]], path: Path) -> Path:
-    """Validation NLL at each position of the window, one line per run."""
+def plot_position_loss(results: Dict[str, Dict[str, Any]], path: Path,
+                       runs: Dict[str, Dict[str, Any]] | None = None) -> Path:
+    """Validation NLL at each position of the window, one line per run (``runs``: each label's run description,
+    for its kind's colour and its data)."""
     plt = _pyplot()
+    runs = runs or {label: {} for label in results}
+    styles = _run_styles(runs)
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, ppl in results.items():
         curve = np.array([np.nan if v is None else v for v in ppl["validation"]["position_nll"]], dtype=float)
-        ax.plot(np.arange(1, len(curve) + 1), curve, label=f"{label} (ppl {ppl['validation']['perplexity']:.1f})")
+        ax.plot(np.arange(1, len(curve) + 1), curve, label=f"{label} (ppl {ppl['validation']['perplexity']:.1f})",
+                **styles[label])
     ax.set_xlabel("position in the window (tokens of context)")
     ax.set_ylabel("validation NLL (nats)")
     ax.set_xscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title("Loss by position")
+    ax.set_title(f"Loss by position (validation split of {_data_of(runs)})", fontsize=9)
     return _save(fig, path)
 
 
@@ -104,6 +129,7 @@ def plot_analysis(results: Dict[str, Dict[str, Any]], path: Path) -> Path:
     panels = [p for p in ANALYSIS_PANELS
               if any(r["layers"][0]["mean"].get(p[0]) is not None for r in results.values())]
     trajectories = {label: r["lambda_trajectory"] for label, r in results.items() if r.get("lambda_trajectory")}
+    styles = _run_styles({label: r.get("run") for label, r in results.items()})
     count = len(panels) + (1 if trajectories else 0)
     cols = 3
     rows = (count + cols - 1) // cols
@@ -115,23 +141,31 @@ def plot_analysis(results: Dict[str, Dict[str, Any]], path: Path) -> Path:
             values = [layer["mean"].get(key) for layer in result["layers"]]
             if all(v is None for v in values):
                 continue
-            ax.plot(layers, [np.nan if v is None else v for v in values], marker="o", label=label)
+            ax.plot(layers, [np.nan if v is None else v for v in values], marker="o", label=label, **styles[label])
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("layer", fontsize=8)
         ax.xaxis.set_major_locator(_pyplot().MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     if trajectories:
         ax = flat[len(panels)]
+        sources = set()
         for label, trajectory in trajectories.items():
             steps = [t["step"] for t in trajectory]
             per_layer = np.array([t["lambda"] for t in trajectory])
+            sources.add(results[label].get("lambda_trajectory_source", "checkpoints"))
+            shades = plt.get_cmap("viridis")(np.linspace(0, 0.9, per_layer.shape[1]))
             for layer in range(per_layer.shape[1]):
-                ax.plot(steps, per_layer[:, layer], marker=".", label=f"{label}: layer {layer + 1}")
-        ax.set_title("λ per layer over checkpoints", fontsize=9)
+                ax.plot(steps, per_layer[:, layer], marker="." if len(steps) <= 20 else None, color=shades[layer],
+                        linestyle=styles[label]["linestyle"], label=f"{label}: layer {layer + 1}")
+        ax.set_title("λ per layer over training" + (" (metrics.jsonl)" if sources == {"metrics.jsonl"} else
+                                                    " (checkpoints)" if sources == {"checkpoints"} else ""), fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
     for ax in flat[count:]:
         ax.axis("off")
     flat[0].legend(fontsize=7)
+    probes = {(r.get("probe") or {}).get("source", "?") for r in results.values()}
+    fig.suptitle(f"Attention per layer on {', '.join(sorted(probes))} probes (data: "
+                 f"{_data_of({label: r.get('run') for label, r in results.items()})})", fontsize=10)
     return _save(fig, path)

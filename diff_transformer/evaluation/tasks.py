@@ -13,6 +13,7 @@ import torch
 from diff_transformer import attention_metrics as am
 from diff_transformer.distributed import all_gather_objects, all_reduce_values
 from diff_transformer.evaluation import niah
+from diff_transformer.evaluation.report import Progress
 from diff_transformer.evaluation.perplexity import read_text_documents, stream_perplexity, text_stream, validation_stream
 from diff_transformer.models.attention_maps import capture_attention
 
@@ -22,12 +23,13 @@ def run_ppl(model, tokenizer, texts: Sequence[str], max_tokens: Optional[int], s
     """Perplexity on the run's validation split and on each --text file."""
     out: Dict[str, Dict] = {}
     stream, sources = validation_stream(model.run.config, max_tokens, tokenizer_override)
-    result = stream_perplexity(model, stream, stride, batch_size).summary()
+    result = stream_perplexity(model, stream, stride, batch_size, f"{model.run.label}: validation perplexity").summary()
     result["sources"] = sources
     out["validation"] = result
     for path in texts:
         stream = text_stream(read_text_documents(path), tokenizer, max_tokens)
-        result = stream_perplexity(model, stream, stride, batch_size).summary()
+        result = stream_perplexity(model, stream, stride, batch_size,
+                                   f"{model.run.label}: {os.path.basename(path)} perplexity").summary()
         result["file"] = os.path.abspath(path)
         out[f"text:{os.path.basename(path)}"] = result
     return out
@@ -46,8 +48,10 @@ def run_niah(model, tokenizer, config: niah.NiahConfig, haystack: np.ndarray, ba
     results: Dict[int, List[bool]] = {}
     region_sums: Dict[int, torch.Tensor] = {}  # layer -> (regions,) summed over rows (mean over heads)
     rows_seen = 0
+    progress = Progress(f"{model.run.label}: NIAH samples", len(mine), enabled=model.global_rank == 0)
     for start in range(0, len(mine), batch_size):
         batch = mine[start:start + batch_size]
+        progress.update(len(batch))
         for length in sorted({samples[i].length for i in batch}):
             indices = [i for i in batch if samples[i].length == length]
             group = [samples[i] for i in indices]

@@ -679,3 +679,19 @@ def _heap_in_use() -> int:
     libc.mallinfo2.restype = MallInfo2
     info = libc.mallinfo2()
     return info.uordblks + info.hblkhd
+
+
+# Above this share of the parameters in the embeddings, the tokenizer, not the layers, decides the model's size.
+EMBEDDING_SHARE_WARNING = 0.5
+
+
+def embedding_share_warning(num_parameters: int, num_non_embedding_parameters: int, vocab_size: int,
+                            hidden_size: int) -> str | None:
+    """A warning when the (input and output) embeddings hold most of the model, else None."""
+    share = 1 - num_non_embedding_parameters / max(1, num_parameters)
+    if share <= EMBEDDING_SHARE_WARNING:
+        return None
+    return (f"the embeddings are {share:.0%} of the model's {num_parameters:,} parameters (vocabulary {vocab_size:,} x "
+            f"hidden size {hidden_size}): the layers being compared are the small part; a smaller tokenizer "
+            "(data.bundled_vocab_size, or python -m data.tokenizer train with a smaller vocabulary) or a wider model "
+            "leaves more of the budget to them")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -128,22 +129,36 @@ def truncate_metrics(path: str, last_step: int) -> int:
     return dropped
 
 
-class MetricsWriter:
-    """Appends one JSON object per step to ``metrics.jsonl`` on the logging rank, and mirrors it to W&B."""
+# The progress line's tok/s and ETA are measured over at least this many steps (and over the log and evaluation
+# intervals): one step's rate swings by 30x on a shared machine, and only a window holding an evaluation sees its cost.
+PROGRESS_WINDOW_STEPS = 20
 
-    def __init__(self, run_dir: str, max_steps: int, enabled: bool, wandb_run=None, resume_step: Optional[int] = None):
+# What a W&B run's summary holds (its console footer and overview list the summary's keys sorted, first ten): the losses.
+WANDB_SUMMARY_KEYS = ("loss", "val_loss")
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to ``metrics.jsonl`` on the logging rank, and mirrors it to W&B (whose summary
+    keeps the losses only: every other series is history)."""
+
+    def __init__(self, run_dir: str, max_steps: int, enabled: bool, wandb_run=None, resume_step: Optional[int] = None,
+                 window_steps: int = PROGRESS_WINDOW_STEPS):
+        self.run_dir = run_dir
+        # (wall time, step, tokens, seconds training) of the last steps: the progress line's rate and ETA
+        self._window: collections.deque = collections.deque(maxlen=window_steps + 1)
         self.path = os.path.join(run_dir, METRICS_FILE)
         self.max_steps = max_steps
         self.enabled = enabled
         self.wandb_run = wandb_run
-        self._start_time = time.time()
-        self._start_step: Optional[int] = None
+        self._wandb_keys: set = set()
         if enabled and resume_step is not None:
             truncate_metrics(self.path, resume_step)
 
     def log(self, record: Dict[str, Any]) -> None:
         if not self.enabled:
             return
+        step_time = record.get("step_time") or 0.0
+        self._window.append((time.time(), record["step"], record.get("tokens_per_s", 0.0) * step_time, step_time))
         line = memoryview((json.dumps(record) + "\n").encode("utf-8"))
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -169,22 +184,33 @@ class MetricsWriter:
                     flat.update({f"{key}/layer_{i + 1:02d}": v for i, v in enumerate(value)})
                 else:
                     flat[key] = value
+            for key in flat.keys() - self._wandb_keys:
+                if key not in WANDB_SUMMARY_KEYS:
+                    self.wandb_run.define_metric(key, summary="none")
+                self._wandb_keys.add(key)
             self.wandb_run.log(flat, step=record["step"])
 
     def progress_line(self, record: Dict[str, Any]) -> str:
+        """step, loss, lr, grad norm, tok/s and ETA; tok/s and ETA over the window of the last steps logged (tok/s:
+        training time only; ETA: wall-clock, evaluations and saves included)."""
         step = record["step"]
-        if self._start_step is None:
-            self._start_step = step - 1
-            self._start_time = time.time() - record.get("step_time", 0.0)
-        done = step - self._start_step
-        rate = (time.time() - self._start_time) / max(done, 1)
-        eta = rate * (self.max_steps - step)
+        window = list(self._window) or [(time.time(), step, 0.0, 0.0)]
+        steps = window[1:] or window  # the steps between the window's first wall-clock mark and its last
+        tokens = sum(w[2] for w in steps)
+        training = sum(w[3] for w in steps)
+        tokens_per_s = tokens / training if training > 0 else record.get("tokens_per_s", 0.0)
+        (first_time, first_step, *_), (last_time, last_step, *_) = window[0], window[-1]
+        if last_step > first_step:
+            per_step = (last_time - first_time) / (last_step - first_step)
+        else:  # one step in the window: its own time
+            per_step = window[-1][3] or record.get("step_time", math.nan)
+        eta = per_step * (self.max_steps - step)
         parts = [
             f"step {step}/{self.max_steps}",
             f"loss {record['loss']:.4f}",
             f"lr {record['lr']:.3e}",
             f"grad_norm {record['grad_norm']:.3f}" if record.get("grad_norm") is not None else None,
-            f"{record['tokens_per_s']:,.0f} tok/s",
+            f"{tokens_per_s:,.0f} tok/s (last {len(steps)} step{'s' if len(steps) != 1 else ''})",
             f"val_loss {record['val_loss']:.4f}" if "val_loss" in record else None,
             f"ETA {format_duration(eta)}",
         ]
@@ -192,7 +218,36 @@ class MetricsWriter:
 
     def close(self) -> None:
         if self.wandb_run is not None:
+            offline = getattr(getattr(self.wandb_run, "settings", None), "mode", None) == "offline"
+            run_id = self.wandb_run.id
             self.wandb_run.finish()
+            if offline:
+                logger.info("%s", wandb_sync_line(self.run_dir, run_id))
+
+
+def wandb_segments(run_dir: str, run_id: str) -> list:
+    """The offline folders of one W&B run under a run directory: one per process start (a resume adds one)."""
+    import glob
+
+    return sorted(glob.glob(os.path.join(run_dir, "wandb", f"offline-run-*-{run_id}")))
+
+
+def wandb_sync_line(run_dir: str, run_id: str) -> str:
+    """The command that uploads every segment of the run, not only the last one wandb names."""
+    segments = wandb_segments(run_dir, run_id)
+    pattern = os.path.join(run_dir, "wandb", f"offline-run-*-{run_id}")
+    return (f"W&B run {run_id}: {len(segments)} offline segment{'s' if len(segments) != 1 else ''} (one per start); "
+            f"upload all with: wandb sync {pattern}")
+
+
+def wandb_run_name(cfg: Any) -> str:
+    """Model size, attention variant and seed (after the sweep's or experiment's name): what tells runs apart in
+    W&B's run list, where the run directory's timestamp would not."""
+    from diff_transformer.models.layer_specs import variant_label
+
+    parts = [] if cfg.name == "default" else [cfg.name]
+    parts += [cfg.model.name, variant_label(cfg.model).replace(" ", "_"), f"seed{cfg.seed}"]
+    return "-".join(parts)
 
 
 def wandb_credentials_problem(cfg: Any) -> Optional[str]:
@@ -234,7 +289,7 @@ def init_wandb(cfg: Any, run_dir: str, resolved_config: Dict[str, Any], run_id: 
         project=wcfg.project,
         entity=wcfg.entity,
         group=cfg.name,
-        name=os.path.basename(os.path.normpath(run_dir)),
+        name=wandb_run_name(cfg),
         tags=tags,
         config=resolved_config,
         dir=run_dir,

@@ -46,6 +46,7 @@ from diff_transformer.training.accounting import (
     attention_keys_per_token,
     check_memory_plan,
     choose_context_parallel,
+    embedding_share_warning,
     estimate_memory_per_gpu,
     memory_gib,
     model_flops_per_token,
@@ -84,7 +85,7 @@ from diff_transformer.training.failures import (
     requeue_current_job,
 )
 from diff_transformer.training.metrics import (
-    MetricsWriter, RunLogFailed, init_wandb, setup_console_logging, start_run_log,
+    PROGRESS_WINDOW_STEPS, MetricsWriter, RunLogFailed, init_wandb, setup_console_logging, start_run_log,
 )
 from diff_transformer.training.profiling import StepProfiler
 from diff_transformer.training.run_directory import check_start, move_old_run_aside, write_launch_record
@@ -359,6 +360,11 @@ class Trainer:
             f"{self.num_parameters:,}", f"{self.num_non_embedding_parameters:,}",
             self.tokenizer.vocab_size, self.padded_vocab,
         )
+        embeddings = embedding_share_warning(self.num_parameters, self.num_non_embedding_parameters,
+                                             self.tokenizer.vocab_size, cfg.model.hidden_size)
+        if embeddings:
+            logger.warning("warning: %s", embeddings)
+        self._log_epochs()
         if cfg.model.attention == "diff_v2":
             self._log_v2_baseline()
         if cfg.model.attention == "dex":
@@ -387,6 +393,18 @@ class Trainer:
                 "trainer.recompute=selective: nothing to recompute with model.attention_backend=%s, whose kernel "
                 "keeps no attention map and recomputes it in its own backward", cfg.model.attention_backend,
             )
+
+    def _log_epochs(self) -> None:
+        """How many passes over each blend entry's train split the planned steps make; a warning above a few."""
+        from data.inspect import epochs_lines, summarise_blend
+
+        t = self.cfg.trainer
+        summaries = summarise_blend(self.prepared.prefixes, self.prepared.weights, self.cfg.data.split)
+        lines, warnings = epochs_lines(summaries, t.max_steps * self.tokens_per_step)
+        for line in lines:
+            logger.info("data: %s", line)
+        for warning in warnings:
+            logger.warning("warning: %s", warning)
 
     def _memory_switches_line(self) -> str:
         p, t = self.cfg.parallel, self.cfg.trainer
@@ -711,6 +729,7 @@ class Trainer:
             "global_batch_size": self.cfg.trainer.global_batch_size,
             "max_steps": self.cfg.trainer.max_steps,
             "data": self._data_description(),
+            "data_source": self.cfg.data.describe(),
             "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "cp": self.cfg.parallel.cp,
                        "dp": self.dp_size},
             "engine": self.cfg.engine.name,
@@ -757,7 +776,13 @@ class Trainer:
 
     def fit(self) -> List[Dict[str, Any]]:
         """Train to ``trainer.max_steps``; returns early (after a checkpoint) when a preemption signal arrives, and
-        raises TrainingDiverged (after a checkpoint) after too many bad steps in a row."""
+        raises TrainingDiverged (after a checkpoint) after too many bad steps in a row. A run resumed at max_steps
+        trains nothing and opens no W&B segment."""
+        if self.step >= self.cfg.trainer.max_steps:
+            if self.rank == 0:
+                logger.info("already at max_steps=%d (resumed from %s): nothing to train; raise trainer.max_steps to "
+                            "train on", self.cfg.trainer.max_steps, self.resumed_from)
+            return []
         self.write_run_info()
         writer = self._open_metrics()
         signals = PreemptionSignals(self.cfg.failures.signals, grace_period_seconds(self.cfg.failures),
@@ -801,9 +826,11 @@ class Trainer:
             if wandb_run is not None:  # compare --wandb reads the run description from here
                 with open(os.path.join(self.run_dir, "run.json")) as f:
                     wandb_run.config.update({"run": json.load(f)}, allow_val_change=True)
+        t = self.cfg.trainer
         return MetricsWriter(
-            self.run_dir, self.cfg.trainer.max_steps, enabled=self.rank == 0, wandb_run=wandb_run,
+            self.run_dir, t.max_steps, enabled=self.rank == 0, wandb_run=wandb_run,
             resume_step=self.step if self.resumed_from else None,
+            window_steps=max(t.log_interval, t.eval_interval, PROGRESS_WINDOW_STEPS),
         )
 
     def _train_and_measure(self, train_iter: Iterator) -> Dict[str, Any]:
