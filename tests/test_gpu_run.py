@@ -18,9 +18,9 @@ STEPS = {
 }
 
 
-def gpu_run(out, *args, timeout=900):
+def gpu_run(out, *args, timeout=900, ledger="ledger.tsv"):
     env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, TMPDIR=str(out.parent),
-               GPU_RUN_LEDGER=str(out.parent / "ledger.tsv"))
+               GPU_RUN_LEDGER=str(out.parent / ledger))
     return subprocess.run(["bash", "benchmarks/gpu_run.sh", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -60,7 +60,9 @@ def test_measured_steps_are_skipped_and_the_deadline_is_kept(dry_run):
     assert again.returncode == 0, again.stdout[-3000:]
     skipped = [line for line in again.stdout.splitlines() if line.startswith("=== ") and "measured already" in line]
     assert len(skipped) == len(STEPS["first"]), again.stdout[-3000:]
-    late = gpu_run(out.parent / "late", "--dry-run", "second", "--deadline", "30", timeout=120)
+    # a fresh ledger: nothing of the second plan measured yet, and a deadline that fits none of its steps
+    late = gpu_run(out.parent / "late", "--dry-run", "second", "--deadline", "30", timeout=120,
+                   ledger="late_ledger.tsv")
     assert late.returncode == 1  # steps that did not run are not a success
     rows = summary_rows(out.parent / "late")
     assert all(status.startswith("skipped: ") for status in rows.values()), rows
