@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from diff_transformer.cli import EXIT_REFUSED, USER_ERRORS, ArgumentParser, print_error, quiet_library_notices
-from diff_transformer.evaluate import DOCUMENT_MASK_CHOICES, check_out, check_runs_exist
+from diff_transformer.cli import ArgumentParser
+from diff_transformer.evaluate import DOCUMENT_MASK_CHOICES, run_command
 
 COMMAND = "diff_transformer.analyze"  # the mark of its output directories: a rerun may replace them
 
@@ -53,16 +52,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv)
-    quiet_library_notices()
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    try:
-        check_runs_exist(args.runs)
-        check_out(args, COMMAND)
-        return analyze(args)
-    except USER_ERRORS as error:
-        print_error(error)
-        return EXIT_REFUSED
+    return run_command(parse_args(argv), COMMAND, analyze)
 
 
 def analyze(args: argparse.Namespace) -> int:

@@ -107,17 +107,22 @@ def check_out(args: argparse.Namespace, command: str) -> None:
         check_output(args.out, list(args.runs) + list(getattr(args, "text", [])), command, args.force)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv)
+def run_command(args: argparse.Namespace, command: str, body) -> int:
+    """What ``evaluate`` and ``analyze`` share around their work: the runs and ``--out`` checked before anything is
+    loaded, and a user's error as one ``error:`` line with exit status 2."""
     quiet_library_notices()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         check_runs_exist(args.runs)
-        check_out(args, COMMAND)
-        return evaluate(args)
+        check_out(args, command)
+        return body(args)
     except USER_ERRORS as error:
         print_error(error)
         return EXIT_REFUSED
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return run_command(parse_args(argv), COMMAND, evaluate)
 
 
 def evaluate(args: argparse.Namespace) -> int:
