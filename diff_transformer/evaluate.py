@@ -171,9 +171,10 @@ def evaluate(args: argparse.Namespace) -> int:
                                      {k: v["run"] for k, v in results.items()})
         if "niah" in tasks:
             niah_results = {k: v["niah"] for k, v in results.items()}
-            plots.plot_niah_heatmaps(niah_results, staging / "niah_accuracy.png")
+            run_of = {k: v["run"] for k, v in results.items()}
+            plots.plot_niah_heatmaps(niah_results, staging / "niah_accuracy.png", run_of)
             if any(r["attention_allocation"] for r in niah_results.values()):  # none under context parallelism
-                plots.plot_attention_allocation(niah_results, staging / "niah_attention.png")
+                plots.plot_attention_allocation(niah_results, staging / "niah_attention.png", run_of)
         table = comparison_table(results, tasks)
         (staging / "comparison.md").write_text(table)
     print(table)

@@ -392,7 +392,7 @@ def test_lambda_over_training_comes_from_metrics_jsonl(tmp_path):
     assert lambda_over_training(None, 6) == [] and lambda_over_training(str(tmp_path / "none"), 6) == []
 
 
-def test_analysis_and_position_figures_colour_each_kind_and_name_the_data(tmp_path, monkeypatch):
+def test_evaluate_and_analyze_figures_colour_each_kind_and_name_the_data(tmp_path, monkeypatch):
     import matplotlib
     from matplotlib.colors import to_rgb
 
@@ -417,5 +417,20 @@ def test_analysis_and_position_figures_colour_each_kind_and_name_the_data(tmp_pa
     plots.plot_position_loss(ppl, tmp_path / "ppl.png", {label: r["run"] for label, r in results.items()})
     title = saved["ppl.png"].axes[0].get_title()
     assert title == f"Loss by position (validation split of {data})"
+    regions = ("answer", "distractors", "haystack", "queries")
+    niah = {label: {"config": {"needles": 2, "asked": 1, "depths": [0.0, 1.0], "lengths": [64]}, "accuracy": 0.5,
+                    "accuracy_by_length_depth": [[0.0, 1.0]],
+                    "attention_allocation": {"1": dict.fromkeys(regions, 0.25), "2": dict.fromkeys(regions, 0.25)}}
+            for label in results}
+    run_of = {label: r["run"] for label, r in results.items()}
+    plots.plot_attention_allocation(niah, tmp_path / "niah_attention.png", run_of)
+    fig = saved["niah_attention.png"]
+    assert [ax.get_title() for ax in fig.axes] == ["the answer needle", "the other needles", "the haystack", "the query"]
+    for ax in fig.axes:  # each panel: one line per run, in its kind's colour
+        assert {line.get_label(): to_rgb(line.get_color()) for line in ax.get_lines()} == {
+            "diff_step_4": to_rgb("tab:red"), "vanilla_step_4": to_rgb("tab:blue")}
+    assert fig._suptitle.get_text().endswith(f"haystack: validation split of {data})")
+    plots.plot_niah_heatmaps(niah, tmp_path / "niah_accuracy.png", run_of)
+    assert saved["niah_accuracy.png"]._suptitle.get_text() == f"NIAH accuracy (haystack: validation split of {data})"
     for fig in saved.values():
         matplotlib.pyplot.close(fig)

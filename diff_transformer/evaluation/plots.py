@@ -11,6 +11,8 @@ from diff_transformer.evaluation.niah import REGIONS
 from diff_transformer.figure_style import kind_color
 
 LINE_STYLES = ("-", "--", "-.", ":")
+REGION_TITLES = {"answer": "the answer needle", "distractors": "the other needles", "haystack": "the haystack",
+                 "queries": "the query"}
 
 
 def _run_styles(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
@@ -68,9 +70,12 @@ def plot_position_loss(results: Dict[str, Dict[str, Any]], path: Path,
     return _save(fig, path)
 
 
-def plot_niah_heatmaps(results: Dict[str, Dict[str, Any]], path: Path) -> Path:
-    """Accuracy by context length (rows) and depth (columns), one panel per run."""
+def plot_niah_heatmaps(results: Dict[str, Dict[str, Any]], path: Path,
+                       runs: Dict[str, Dict[str, Any]] | None = None) -> Path:
+    """Accuracy by context length (rows) and depth (columns), one panel per run (``runs``: each label's run
+    description, for its data)."""
     plt = _pyplot()
+    runs = runs or {label: {} for label in results}
     fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.6), squeeze=False)
     for ax, (label, result) in zip(axes[0], results.items()):
         grid = np.array(result["accuracy_by_length_depth"], dtype=float)
@@ -82,29 +87,37 @@ def plot_niah_heatmaps(results: Dict[str, Dict[str, Any]], path: Path) -> Path:
             ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
         ax.set_xlabel("depth of the asked needles")
         ax.set_ylabel("context length")
-        ax.set_title(f"{label}\nN={cfg['needles']}, R={cfg['asked']}: {result['accuracy']:.2f}", fontsize=9)
+        ax.set_title(f"{label}\nN={cfg['needles']}, R={cfg['asked']}: accuracy {result['accuracy']:.2f}", fontsize=9)
         fig.colorbar(image, ax=ax, fraction=0.046)
+    fig.suptitle(f"NIAH accuracy (haystack: validation split of {_data_of(runs)})", fontsize=10)
     return _save(fig, path)
 
 
-def plot_attention_allocation(results: Dict[str, Dict[str, Any]], path: Path) -> Path:
-    """Share of the answer rows' attention on each region, by layer; one line style per run, one colour per region."""
+def plot_attention_allocation(results: Dict[str, Dict[str, Any]], path: Path,
+                              runs: Dict[str, Dict[str, Any]] | None = None) -> Path:
+    """Share of the answer rows' attention on each region by layer: one panel per region (the answer needle, the other
+    needles, the haystack, the query), one line per run in its kind's colour (``runs``: each label's run
+    description, for its kind and its data)."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    styles = ["-", "--", "-.", ":"]
-    for k, (label, result) in enumerate(results.items()):
-        allocation = result["attention_allocation"]
-        layers = sorted(allocation, key=int)
-        for c, region in enumerate(REGIONS):
-            ax.plot([int(x) for x in layers], [allocation[x][region] for x in layers], styles[k % len(styles)],
-                    color=f"C{c}", marker="o", label=f"{label}: {region}")
-    ax.set_xlabel("layer")
-    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
-    ax.set_ylabel("share of attention (answer rows)")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    ax.set_title("NIAH attention allocation")
+    runs = runs or {label: {} for label in results}
+    styles = _run_styles(runs)
+    fig, axes = plt.subplots(1, len(REGIONS), figsize=(3.2 * len(REGIONS), 3.4), sharey=True)
+    for ax, region in zip(axes, REGIONS):
+        for label, result in results.items():
+            allocation = result["attention_allocation"]
+            layers = sorted(allocation, key=int)
+            ax.plot([int(x) for x in layers], [allocation[x][region] for x in layers], marker="o", label=label,
+                    **styles[label])
+        ax.set_title(REGION_TITLES.get(region, region), fontsize=9)
+        ax.set_xlabel("layer")
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("share of the answer rows' attention")
+    axes[0].legend(fontsize=7)
+    config = next(iter(results.values()))["config"]
+    fig.suptitle(f"NIAH: where the answer rows attend (N={config['needles']}, R={config['asked']}; "
+                 f"haystack: validation split of {_data_of(runs)})", fontsize=10)
     return _save(fig, path)
 
 
