@@ -187,26 +187,20 @@ def build_model_chunk(
     )
 
 
-# Core-attention backends left out of trainer.compile's graphs: their kernels are launched from Python (the fused
-# kernel's launcher plans its blocks there; flash-attn's own op), as is the context-parallel ring. eager and sdpa are
-# traced with the rest of the layer, so that inductor fuses the DIFF epilogue and λ with it.
-EAGER_UNDER_COMPILE = ("triton", "flash_attn")
-
-
 def compile_transformer_layers(chunk: torch.nn.Module) -> int:
     """``trainer.compile``: regional compilation (torchtitan's), each transformer layer of ``chunk`` under
-    ``torch.compile``, its core attention too unless its backend is one of :data:`EAGER_UNDER_COMPILE` or it rings
-    over context parallelism: inductor fuses the norms, RoPE, SwiGLU, the bias-dropout-add, the residuals (and with
-    sdpa the DIFF epilogue) into a few kernels. Every layer runs the same code, so the layers share their compiled
-    graphs (parameters are inputs). megatron-core 0.16.1 breaks the graphs in places (its linear layers' warning when
-    no TP group is passed; the viewless output at the end of a layer; with an eager core attention, the activation
-    offloading context around it leaves its attention block uncompiled but for its linear layers): each region is
-    compiled on its own, the results stay exact. Returns the number of layers compiled."""
+    ``torch.compile`` but its core attention, which stays eager (the fused Triton kernel's launcher plans in Python,
+    flash-attn and the context-parallel ring are their own kernels): inductor fuses the norms, RoPE, SwiGLU, the
+    bias-dropout-add and the residuals around it. Every layer runs the same code, so the layers share one compiled
+    graph per region (parameters are its inputs). Returns the number of layers compiled."""
+    import warnings
+
+    # megatron-core's linear layers warn (once) when no TP group is passed: a logging call, not a graph break
+    torch._dynamo.config.reorderable_logging_functions.add(warnings.warn)
     layers = list(chunk.decoder.layers) if getattr(chunk, "decoder", None) is not None else []
     for layer in layers:
         core = layer.self_attention.core_attention
-        if getattr(core, "backend", "sdpa") in EAGER_UNDER_COMPILE or getattr(core, "ring", None) is not None:
-            core.forward = torch.compiler.disable(core.forward, recursive=True)
+        core.forward = torch.compiler.disable(core.forward, recursive=True)
         layer.compile(dynamic=False)
     return len(layers)
 

@@ -259,8 +259,8 @@ class Trainer:
 
             compiled = compile_transformer_layers(chunk)
             if self.rank == 0:
-                logger.info("trainer.compile: %d transformer layers under torch.compile; the first step compiles",
-                            compiled)
+                logger.info("trainer.compile: %d transformer layers under torch.compile (the core attention eager); "
+                            "the first step compiles", compiled)
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
         ddp_config = DistributedDataParallelConfig(
