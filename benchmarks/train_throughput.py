@@ -114,7 +114,6 @@ def run(overrides, tp: int, run_dir: Path) -> dict:
         "estimate_gib": info.get("memory_estimate_gib"), "backend": info.get("attention_backend"),
         "choice": json.loads(choice_path.read_text()) if choice_path.exists() else None,
         "first_loss": records[0]["loss"], "last_loss": records[-1]["loss"], "profile": profile,
-        "first_step_s": records[0]["step_time"],  # with trainer.compile=true: the compilation
     }
 
 
@@ -166,14 +165,12 @@ def report(args, rows) -> str:
         f"step). Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
         f"{torch.__version__}.",
         "",
-        "| attention (backend) | TP | recompute | ms/step | first step s | tokens/s | MFU | peak GiB | plan GiB | plan / peak "
-        "| first loss | last loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-        *[f"| {r['label']} | {r['tp']} | {r['recompute'] or 'none'} | {r['step_time_s'] * 1e3:.1f} | {r['first_step_s']:.1f} "
-          f"| {r['tokens_per_s']:,.0f} "
+        "| attention (backend) | TP | recompute | ms/step | tokens/s | MFU | peak GiB | plan GiB | plan / peak | first loss | last loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *[f"| {r['label']} | {r['tp']} | {r['recompute'] or 'none'} | {r['step_time_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} "
           f"| {_percent(r['mfu'])} | {r['memory_gib']:.2f} | {r['estimate_gib']:.2f} | {r['estimate_gib'] / r['memory_gib']:.2f} "
           f"| {r['first_loss']:.3f} | {r['last_loss']:.3f} |" for r in rows],
-        *[f"| {r['label']} | {r['tp']} | | failed: {r['failed']} | | | | | | | | |" for r in failed],
+        *[f"| {r['label']} | {r['tp']} | | failed: {r['failed']} | | | | | | | |" for r in failed],
         "",
     ]
     by = {}

@@ -113,9 +113,6 @@ class TrainerConfig:
     fusions: str = "auto"
     diff_epilogue: str = "triton"  # the DIFF epilogue when fusions are on: triton (one kernel each way) | compile
     profile_step: Optional[int] = None  # write profile_step_<N>.json: step N's time by kind of work (torch.profiler)
-    # regional compilation: every transformer layer under torch.compile but its core attention (the attention kernels
-    # stay as they are); the first step compiles (logged), later ones run inductor's fused kernels
-    compile: bool = False
     # draw the initial weights on the GPU (seconds instead of minutes for billions of parameters); they then depend
     # on the TP layout, unlike the default CPU initialisation (and a resume or weights-only start loads them anyway)
     init_on_gpu: bool = False
@@ -451,7 +448,6 @@ def validate(cfg: Any, world_size: int) -> None:
             f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}"
         )
     validate_recompute(t, m.num_layers // p.pp)
-    validate_compile(cfg)
     validate_parallel_switches(p, m.seq_length, dp)
     # the attention kinds are megatron-core ModuleSpecs: imported here, after the checks that need none of them
     from diff_transformer.models.attention import BACKENDS, EPILOGUE_IMPLS
@@ -538,25 +534,6 @@ def validate_dex(m: Any) -> None:
                 f"model.dex.heads for layer {layer} is {list(selected)}: give distinct head indices in 0..{heads - 1} "
                 f"(the {heads} softmax heads of model.num_heads={m.num_heads})"
             )
-
-
-def validate_compile(cfg: Any) -> None:
-    """``trainer.compile``: regional compilation of megatron-core's transformer layers, with the switches it has been
-    checked with (exact against eager in ``tests/test_compile.py``)."""
-    t = cfg.trainer
-    if not t.compile:
-        return
-    if t.recompute != "none":
-        raise ValueError(
-            f"trainer.compile=true with trainer.recompute={t.recompute}: recomputation re-enters megatron-core's "
-            "checkpoint function inside the compiled layers, which is not supported; use trainer.recompute=none or "
-            "trainer.compile=false"
-        )
-    if cfg.engine.name != "megatron":
-        raise ValueError(
-            f"trainer.compile=true with engine.name={cfg.engine.name}: regional compilation is built for the megatron "
-            "engine; use engine=megatron or trainer.compile=false"
-        )
 
 
 def validate_recompute(t: Any, layers_per_stage: int) -> None:

@@ -187,24 +187,6 @@ def build_model_chunk(
     )
 
 
-def compile_transformer_layers(chunk: torch.nn.Module) -> int:
-    """``trainer.compile``: regional compilation (torchtitan's), each transformer layer of ``chunk`` under
-    ``torch.compile`` but its core attention, which stays eager (the fused Triton kernel's launcher plans in Python,
-    flash-attn and the context-parallel ring are their own kernels): inductor fuses the norms, RoPE, SwiGLU, the
-    bias-dropout-add and the residuals around it. Every layer runs the same code, so the layers share one compiled
-    graph per region (parameters are its inputs). Returns the number of layers compiled."""
-    import warnings
-
-    # megatron-core's linear layers warn (once) when no TP group is passed: a logging call, not a graph break
-    torch._dynamo.config.reorderable_logging_functions.add(warnings.warn)
-    layers = list(chunk.decoder.layers) if getattr(chunk, "decoder", None) is not None else []
-    for layer in layers:
-        core = layer.self_attention.core_attention
-        core.forward = torch.compiler.disable(core.forward, recursive=True)
-        layer.compile(dynamic=False)
-    return len(layers)
-
-
 def finalize_model_grads(model: List[torch.nn.Module], num_tokens=None, pg_collection=None, **kwargs):
     """megatron-core's finalize_model_grads, then the TP sum of gradients of TP-replicated parameters.
 

@@ -254,13 +254,6 @@ class Trainer:
         )
         if self.cfg.model.attention == "dex" and not self.cfg.model.dex.train_base:
             freeze_all_but_dex(chunk)  # before DDP and the optimizer, which then hold only the trainable ones
-        if self.cfg.trainer.compile:
-            from diff_transformer.models.gpt import compile_transformer_layers
-
-            compiled = compile_transformer_layers(chunk)
-            if self.rank == 0:
-                logger.info("trainer.compile: %d transformer layers under torch.compile (the core attention eager); "
-                            "the first step compiles", compiled)
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
         ddp_config = DistributedDataParallelConfig(
@@ -798,7 +791,6 @@ class Trainer:
         self._flops_per_token = model_flops_per_token(self.cfg, self.num_non_embedding_parameters, self.padded_vocab,
                                                       self._masked_attention_keys())
         self._peak_flops = peak_flops_per_device(self.cfg)
-        self._compile_step_logged = False
         self.diagnostics = self._attention_diagnostics()
         history = []
         try:
@@ -858,9 +850,6 @@ class Trainer:
             if profiled:
                 profiler.synchronize()
             step_time = time.perf_counter() - start
-        if self.cfg.trainer.compile and not self._compile_step_logged and self.rank == 0:
-            self._compile_step_logged = True
-            logger.info("trainer.compile: the first step of this process (compiling) took %.1f s", step_time)
         if profiled and self.rank == 0:
             path = profiler.write(self.run_dir, self.step, step_time)
             logger.info("step %d profiled: %s", self.step, path)
