@@ -12,8 +12,11 @@ warm-up (the first 20% of steps, at least 2) without the profiled step, tokens/s
 memory plan's estimate, the attention backend ``auto`` chose (and its timings), the kernel torch's SDPA dispatcher
 picks for each attention call, and one step's time by kind of work (``trainer.profile_step``: GEMM, attention, DIFF
 epilogue, norms, other elementwise, optimizer, communication, idle). ``--fit-gib`` picks the cheapest
-``trainer.recompute`` (none, selective, full) whose memory plan fits that many GiB. Ratios are only meaningful
-between rows of the same run on the same machine. Writes ``<out>/train_throughput_<machine>_<date>.md``.
+``trainer.recompute`` (none, selective, full) whose memory plan fits that many GiB. ``--compile off on`` runs each
+configuration eagerly and with ``trainer.compile=true`` (each layer under torch.compile); every row shows its first
+step's time (which under compile includes compiling) apart from the median. Hydra overrides after the options go to
+every run. Ratios are only meaningful between rows of the same run on the same machine. Writes
+``<out>/train_throughput_<model>_<machine>_<date>.md``.
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ def run(overrides, tp: int, run_dir: Path) -> dict:
     warmup = max(2, len(records) // 5)
     kept = [r for r in records[warmup:] if profile is None or r["step"] != profile["step"]] or records[-1:]
     step_time = statistics.median(r["step_time"] for r in kept)
+    first = records[0]
     mfu = [r["mfu"] for r in kept if r.get("mfu") is not None]
     choice_path = run_dir / "attention_backend.json"
     return {
@@ -113,12 +117,17 @@ def run(overrides, tp: int, run_dir: Path) -> dict:
         "memory_gib": max(r.get("memory_gib") or 0.0 for r in records),
         "estimate_gib": info.get("memory_estimate_gib"), "backend": info.get("attention_backend"),
         "choice": json.loads(choice_path.read_text()) if choice_path.exists() else None,
-        "first_loss": records[0]["loss"], "last_loss": records[-1]["loss"], "profile": profile,
+        "first_step_s": first["step_time"] if first["step"] == 1 else None,
+        "first_loss": first["loss"], "last_loss": records[-1]["loss"], "profile": profile,
     }
 
 
 def _percent(value) -> str:
     return "" if value is None else f"{100 * value:.1f}%"
+
+
+def _seconds(value) -> str:
+    return "" if value is None else f"{value:.2f}"
 
 
 def profile_table(rows) -> list[str]:
@@ -156,28 +165,39 @@ def report(args, rows) -> str:
                         f"--micro-batches {args.micro_batches} --micro-batch-size {args.micro_batch_size}",
                         *([f"--seq-length {args.seq_length}"] if args.seq_length else []),
                         f"--tp {' '.join(map(str, args.tp))} --kinds {' '.join(args.kinds)}",
+                        f"--compile {' '.join(args.compile)}",
                         *([f"--fit-gib {args.fit_gib:g}"] if args.fit_gib else []), *args.overrides])
     lines = [
         f"# Training throughput, `{args.model}` at sequence {seq}, {machine_name()}, {datetime.date.today()}",
         "",
         f"Command: `{command}` ({args.micro_batches} micro-batches of {args.micro_batch_size} per step and "
         f"data-parallel rank; bf16 on a GPU, fp32 on a CPU; median step time after the warm-up, without the profiled "
-        f"step). Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
-        f"{torch.__version__}.",
+        f"step; first step: step 1's time, which with compile on includes compiling the layers). Machine: "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}.",
         "",
-        "| attention (backend) | TP | recompute | ms/step | tokens/s | MFU | peak GiB | plan GiB | plan / peak | first loss | last loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-        *[f"| {r['label']} | {r['tp']} | {r['recompute'] or 'none'} | {r['step_time_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} "
+        "| attention (backend) | TP | recompute | compile | ms/step | first step s | tokens/s | MFU | peak GiB "
+        "| plan GiB | plan / peak | first loss | last loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *[f"| {r['label']} | {r['tp']} | {r['recompute'] or 'none'} | {'on' if r['compile'] else 'off'} "
+          f"| {r['step_time_s'] * 1e3:.1f} | {_seconds(r['first_step_s'])} | {r['tokens_per_s']:,.0f} "
           f"| {_percent(r['mfu'])} | {r['memory_gib']:.2f} | {r['estimate_gib']:.2f} | {r['estimate_gib'] / r['memory_gib']:.2f} "
           f"| {r['first_loss']:.3f} | {r['last_loss']:.3f} |" for r in rows],
-        *[f"| {r['label']} | {r['tp']} | | failed: {r['failed']} | | | | | | | |" for r in failed],
+        *[f"| {r['label']} | {r['tp']} | | {'on' if r['compile'] else 'off'} | failed: {r['failed']} | | | | | | | | |"
+          for r in failed],
         "",
     ]
     by = {}
     for r in rows:  # the first row of each kind stands for it in the ratios
-        by.setdefault((r["kind"], r["tp"]), r)
+        by.setdefault((r["kind"], r["tp"], r["compile"]), r)
     for r in rows:
-        base = by.get(("vanilla", r["tp"]))
+        eager = by.get((r["kind"], r["tp"], False))
+        if r["compile"] and eager is not None:
+            lines.append(f"- **{r['label']} / {eager['label']} tokens/s at TP={r['tp']}: "
+                         f"{r['tokens_per_s'] / eager['tokens_per_s']:.3f}**; first step "
+                         f"{_seconds(r['first_step_s'])} s against {_seconds(eager['first_step_s'])} s; peak memory "
+                         f"{r['memory_gib'] / eager['memory_gib']:.3f}×")
+    for r in rows:
+        base = by.get(("vanilla", r["tp"], r["compile"]))
         if r["kind"] != "vanilla" and base is not None:
             lines.append(f"- **{r['label']} / {base['label']} tokens/s at TP={r['tp']}: "
                          f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}**; peak memory "
@@ -194,6 +214,44 @@ def report(args, rows) -> str:
     return "\n".join(lines) + "\n"
 
 
+def measure(args, tp: int, spec: str, compile_mode: str, profile_step: int, tmp: Path) -> dict:
+    """One configuration's row: attention kind[:backend] ``spec`` at TP ``tp``, trainer.compile ``compile_mode`` (the
+    user's overrides come last and win)."""
+    kind, _, backend = spec.partition(":")
+    overrides = [
+        f"model={args.model}", f"model.attention={kind}", f"parallel.tp={tp}",
+        f"trainer.max_steps={args.steps}", f"trainer.micro_batch_size={args.micro_batch_size}",
+        f"trainer.global_batch_size={args.micro_batch_size * args.micro_batches}",
+        *([f"model.seq_length={args.seq_length}"] if args.seq_length else []),
+        *([f"model.attention_backend={backend}"] if backend else []),
+        "trainer.eval_interval=0", "trainer.log_interval=1000000", f"optim.warmup_steps={max(1, args.steps // 10)}",
+        f"trainer.profile_step={profile_step}", "logging.wandb.mode=disabled", "checkpoint.interval=0",
+        "checkpoint.save_at_end=false", "checkpoint.check_free_space=false",
+        "failures.signals=[]",  # a time limit's SIGTERM ends the run; no checkpoint (45 GB at 3b) is saved
+        f"trainer.compile={'true' if compile_mode == 'on' else 'false'}",
+        *args.overrides,
+    ]
+    compiled = compose(overrides).trainer.compile  # what the run does, whichever option or override set it
+    recompute = None
+    if args.fit_gib:
+        recompute, estimate = fitting_recompute(overrides, tp, args.fit_gib)
+        overrides.append(f"trainer.recompute={recompute}")
+        print(f"{kind}: trainer.recompute={recompute} fits {args.fit_gib:g} GiB (plan {estimate:.1f} GiB)")
+    try:
+        kernels = sdpa_kernels(overrides)
+    except Exception as err:  # the attention kinds without an sdpa path (none today), or no memory left
+        kernels = [f"not measured: {type(err).__name__}: {err}"]
+    print(f"{kind}: SDPA kernels per layer: {kernels}", flush=True)
+    result = run(overrides, tp, tmp / f"{kind}-{backend or 'auto'}-tp{tp}-compile-{compile_mode}")
+    from diff_transformer.models.gpt import dynamo_disabled
+
+    label = f"{kind} ({result.get('backend') or backend or 'auto'})"
+    if compiled:  # under TORCHDYNAMO_DISABLE=1 (gpu_run.sh --dry-run) train.py runs the layers eagerly
+        label += " compiled" if not dynamo_disabled() else " compile (TorchDynamo off: eager)"
+    return {"kind": kind, "label": label, "tp": tp, "recompute": recompute, "compile": compiled, "kernels": kernels,
+            **result}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
@@ -206,6 +264,8 @@ def main() -> int:
                         help="attention kinds, each optionally with its backend (default auto: diff:triton, diff:sdpa)")
     parser.add_argument("--fit-gib", type=float, default=None,
                         help="pick the cheapest trainer.recompute whose memory plan fits this many GiB per GPU")
+    parser.add_argument("--compile", nargs="+", choices=("off", "on"), default=["off"],
+                        help="trainer.compile for each configuration: off, on, or both (off on) to compare them")
     parser.add_argument("--profile-step", type=int, default=None, help="step to profile (default: the last but one)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
@@ -218,41 +278,19 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for tp in args.tp:
             for spec in args.kinds:
-                kind, _, backend = spec.partition(":")
-                overrides = [
-                    f"model={args.model}", f"model.attention={kind}", f"parallel.tp={tp}",
-                    f"trainer.max_steps={args.steps}", f"trainer.micro_batch_size={args.micro_batch_size}",
-                    f"trainer.global_batch_size={args.micro_batch_size * args.micro_batches}",
-                    *([f"model.seq_length={args.seq_length}"] if args.seq_length else []),
-                    *([f"model.attention_backend={backend}"] if backend else []),
-                    "trainer.eval_interval=0", "trainer.log_interval=1000000", f"optim.warmup_steps={max(1, args.steps // 10)}",
-                    f"trainer.profile_step={profile_step}", "logging.wandb.mode=disabled", "checkpoint.interval=0",
-                    "checkpoint.save_at_end=false", "checkpoint.check_free_space=false",
-                    "failures.signals=[]",  # a time limit's SIGTERM ends the run; no checkpoint (45 GB at 3b) is saved
-                    *args.overrides,
-                ]
-                recompute = None
-                if args.fit_gib:
-                    recompute, estimate = fitting_recompute(overrides, tp, args.fit_gib)
-                    overrides.append(f"trainer.recompute={recompute}")
-                    print(f"{kind}: trainer.recompute={recompute} fits {args.fit_gib:g} GiB (plan {estimate:.1f} GiB)")
-                try:
-                    kernels = sdpa_kernels(overrides)
-                except Exception as err:  # the attention kinds without an sdpa path (none today), or no memory left
-                    kernels = [f"not measured: {type(err).__name__}: {err}"]
-                print(f"{kind}: SDPA kernels per layer: {kernels}", flush=True)
-                result = run(overrides, tp, Path(tmp) / f"{kind}-{backend or 'auto'}-tp{tp}")
-                label = f"{kind} ({result.get('backend') or backend or 'auto'})"
-                rows.append({"kind": kind, "label": label, "tp": tp, "recompute": recompute, "kernels": kernels, **result})
-                r = rows[-1]
-                write_report(report(args, rows), args.out, f"train_throughput_{args.model}", quiet=True)  # so far
-                if "failed" in r:
-                    print(f"{label} tp={tp}: FAILED ({r['failed']})", flush=True)
-                    continue
-                mfu = f"  MFU {_percent(r['mfu'])}" if r["mfu"] is not None else ""
-                print(f"{label} tp={tp}: {r['step_time_s'] * 1e3:8.1f} ms/step  {r['tokens_per_s']:10,.0f} tok/s{mfu}  "
-                      f"peak {r['memory_gib']:.2f} GiB (plan {r['estimate_gib']:.2f})  "
-                      f"loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}", flush=True)
+                for compile_mode in args.compile:
+                    rows.append(measure(args, tp, spec, compile_mode, profile_step, Path(tmp)))
+                    r = rows[-1]
+                    write_report(report(args, rows), args.out, f"train_throughput_{args.model}", quiet=True)  # so far
+                    where = f"{r['label']} tp={tp}"
+                    if "failed" in r:
+                        print(f"{where}: FAILED ({r['failed']})", flush=True)
+                        continue
+                    mfu = f"  MFU {_percent(r['mfu'])}" if r["mfu"] is not None else ""
+                    print(f"{where}: {r['step_time_s'] * 1e3:8.1f} ms/step  {r['tokens_per_s']:10,.0f} tok/s{mfu}  "
+                          f"first step {_seconds(r['first_step_s'])} s  peak {r['memory_gib']:.2f} GiB "
+                          f"(plan {r['estimate_gib']:.2f})  loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}",
+                          flush=True)
     write_report(report(args, rows), args.out, f"train_throughput_{args.model}")
     return 1 if any("failed" in r for r in rows) else 0
 

@@ -14,6 +14,9 @@ Two kinds:
   :func:`keep_fused_cross_entropy_grad_dtype`): where megatron-core without TransformerEngine or Apex falls back to
   slow paths (a host sync per parameter tensor in the gradient norm, torch's foreach AdamW, no fused RoPE), or where
   its fused path loses precision (the native fused cross-entropy's bf16 gradient), on any device.
+- **Compiled layers** (:func:`call_core_attention_eagerly`, :func:`resolve_default_tp_group_quietly`,
+  ``trainer.compile``, any device): where megatron-core's TransformerLayer forward stops torch.compile from keeping one
+  graph on each side of the core attention.
 - **DeepSpeed's NVMe optimizer resume** (:func:`restore_nvme_optimizer_memory_state`, any device): its load of a
   ZeRO-3 checkpoint with the optimizer on NVMe restores only the swapped tensors.
 - **Checkpoint workarounds** (:func:`fork_checkpoint_results_queue`, :func:`initialise_adam_state`,
@@ -159,6 +162,15 @@ PATCH_SITES = (
               "softmax, target_mask, masked_target_1d = ctx.saved_tensors"),
     PatchSite("fused cross-entropy", "megatron.core.tensor_parallel.cross_entropy",
               "VocabParallelCrossEntropy.prepare_gradient_calculation_operands"),
+    PatchSite("compiled layers", "megatron.core.transformer.attention", "Attention.forward",
+              "if self.checkpoint_core_attention and self.training:"),
+    PatchSite("compiled layers", "megatron.core.transformer.attention", "Attention.forward", "with off_interface("),
+    PatchSite("compiled layers", "megatron.core.transformer.attention", "Attention._checkpointed_attention_forward",
+              "tensor_parallel.checkpoint("),
+    PatchSite("compiled layers", "megatron.core.tensor_parallel.layers", "RowParallelLinear.forward", "tp_group=None,"),
+    PatchSite("compiled layers", "megatron.core.tensor_parallel.layers",
+              "linear_with_grad_accumulation_and_async_allreduce", "get_tensor_model_parallel_group_if_none(tp_group)"),
+    PatchSite("compiled layers", "megatron.core.utils", "get_tensor_model_parallel_group_if_none", "warnings.warn("),
     PatchSite("pinned memory", "megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank",
               "pin_memory=True"),
     PatchSite("deepspeed shm op", "deepspeed.comm.torch", "build_shm_op", "ShareMemCommBuilder"),
@@ -562,6 +574,68 @@ def keep_fused_cross_entropy_grad_dtype() -> None:
         return calculate_gradients(softmax, grad_output, target_mask, masked_target_1d, ctx.logits_dtype), None, None
 
     function.forward, function.backward = staticmethod(forward), staticmethod(backward)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compiled layers: trainer.compile (any device)
+# ---------------------------------------------------------------------------------------------------------------
+def call_core_attention_eagerly(attention: torch.nn.Module) -> None:
+    """Make megatron-core's ``attention`` (a layer's SelfAttention) run its core attention eagerly, out of the graph
+    of a compiled layer, in a training forward: the Triton kernel's launchers choose configs in Python, flash-attn
+    and the context-parallel ring call libraries and collectives that dynamo cannot trace.
+
+    A ``torch.compiler.disable``d call breaks the graph; dynamo resumes after it, but not inside a context manager of
+    a user class: ``Attention.forward`` calls the core attention inside ``with off_interface(...)``
+    (transformer/attention.py:1147; fine-grained activation offloading, off here), and a graph break there makes dynamo
+    give up the whole layer's frame (each submodule then compiles alone, nothing fused across them). Its
+    selective-recomputation branch (attention.py:1134, ``if self.checkpoint_core_attention and self.training``) calls
+    ``_checkpointed_attention_forward`` outside any context manager: every training forward takes that branch here,
+    into a disabled function that calls the core attention, through megatron's checkpoint (attention.py:415) when
+    ``trainer.recompute=selective`` asked for it. Forwards outside training do not take the branch: the trainer runs
+    them eagerly (``models.gpt.compile_layers``). Idempotent."""
+    check_megatron_core_version()
+    if getattr(attention, "_core_attention_eager", False):
+        return
+    recompute = attention.checkpoint_core_attention
+    checkpointed = attention._checkpointed_attention_forward  # megatron's own, bound before it is replaced
+
+    @torch.compiler.disable
+    def core_attention(query, key, value, attention_mask, rotary_pos_emb=None, attn_mask_type=None,
+                       attention_bias=None, packed_seq_params=None):
+        if recompute:
+            return checkpointed(query, key, value, attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                attn_mask_type=attn_mask_type, attention_bias=attention_bias,
+                                packed_seq_params=packed_seq_params)
+        return attention.core_attention(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                        attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+
+    attention._checkpointed_attention_forward = core_attention
+    attention.checkpoint_core_attention = True
+    attention._core_attention_eager = True
+
+
+def _default_tp_group(tp_group, is_expert=False, check_initialized=True):
+    """megatron-core's ``get_tensor_model_parallel_group_if_none`` (utils.py:489), the same group without its
+    deprecation warning."""
+    from megatron.core import parallel_state
+
+    if tp_group is not None or not torch.distributed.is_initialized() or not parallel_state.is_initialized():
+        return tp_group
+    if is_expert:
+        return parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
+    return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
+
+
+def resolve_default_tp_group_quietly() -> None:
+    """``RowParallelLinear.forward`` passes ``tp_group=None`` (tensor_parallel/layers.py:1281) to
+    ``linear_with_grad_accumulation_and_async_allreduce``, whose ``get_tensor_model_parallel_group_if_none``
+    (layers.py:713) then warns on rank 0 at every call (utils.py:499-506): a ``warnings.warn`` that dynamo cannot
+    trace, a graph break in the middle of every compiled attention output projection and MLP (on rank 0 only). The
+    same group, without the warning, in that module. Idempotent."""
+    check_megatron_core_version()
+    from megatron.core.tensor_parallel import layers
+
+    layers.get_tensor_model_parallel_group_if_none = _default_tp_group
 
 
 # ---------------------------------------------------------------------------------------------------------------

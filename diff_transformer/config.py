@@ -112,6 +112,9 @@ class TrainerConfig:
     # fused RoPE, SwiGLU, cross-entropy, DIFF epilogue and λ: auto (on with CUDA, off on a CPU) | on | off
     fusions: str = "auto"
     diff_epilogue: str = "triton"  # the DIFF epilogue when fusions are on: triton (one kernel each way) | compile
+    # each transformer layer under torch.compile (inductor fuses norms, RoPE, SwiGLU, residuals), its core attention
+    # eager; the first step pays the compilation; evaluation runs eagerly
+    compile: bool = False
     profile_step: Optional[int] = None  # write profile_step_<N>.json: step N's time by kind of work (torch.profiler)
     # draw the initial weights on the GPU (seconds instead of minutes for billions of parameters); they then depend
     # on the TP layout, unlike the default CPU initialisation (and a resume or weights-only start loads them anyway)
@@ -449,6 +452,7 @@ def validate(cfg: Any, world_size: int) -> None:
         )
     validate_recompute(t, m.num_layers // p.pp)
     validate_parallel_switches(p, m.seq_length, dp)
+    validate_compile(cfg)
     # the attention kinds are megatron-core ModuleSpecs: imported here, after the checks that need none of them
     from diff_transformer.models.attention import BACKENDS, EPILOGUE_IMPLS
     from diff_transformer.models.layer_specs import ATTENTION_KINDS
@@ -588,6 +592,24 @@ def validate_parallel_switches(p: Any, seq_length: int, dp: int) -> None:
         )
     if p.ddp_bucket_size is not None and p.ddp_bucket_size < 1:
         raise ValueError(f"parallel.ddp_bucket_size={p.ddp_bucket_size} must be a positive number of parameters")
+
+
+def validate_compile(cfg: Any) -> None:
+    """``trainer.compile=true`` (models.gpt.compile_layers) with what it cannot run with."""
+    if not cfg.trainer.compile:
+        return
+    if cfg.engine.name != "megatron":
+        raise ValueError(
+            f"trainer.compile=true compiles the layers of engine=megatron only; engine={cfg.engine.name} (ZeRO "
+            "partitions and gathers the parameters in hooks on every module) runs eagerly: set trainer.compile=false "
+            "or use engine=megatron"
+        )
+    if cfg.parallel.overlap_param_gather:
+        raise ValueError(
+            "trainer.compile=true does not run with parallel.overlap_param_gather=true: the parameter all-gather waits "
+            "in forward pre-hooks on every module, which torch.compile traces once and does not follow when "
+            "megatron-core turns them off and on; set one of them false"
+        )
 
 
 def _shown(value: Any) -> str:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
+import os
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -13,6 +15,7 @@ from megatron.core.distributed import finalize_model_grads as megatron_finalize_
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from diff_transformer import compat
 from diff_transformer.distributed import all_reduce_tensor
@@ -185,6 +188,38 @@ def build_model_chunk(
         position_embedding_type="rope",
         rotary_base=int(cfg.model.rope_base),
     )
+
+
+def compile_layers(chunk: torch.nn.Module) -> int:
+    """``trainer.compile``: each TransformerLayer of ``chunk`` under ``torch.compile`` in place (regional compilation,
+    torchtitan's approach: identical layers share one compiled graph, so compiling costs one layer's worth), its core
+    attention left eager (``compat.call_core_attention_eagerly``): on each side of it inductor fuses the norms, RoPE,
+    SwiGLU and the residual adds around the projections' matmuls. Returns how many layers it compiled.
+
+    Only training forwards run compiled; the others (validation, the attention diagnostics' probe, anything in eval
+    mode) run the layer eagerly: dynamo does not guard on module hooks (``torch._dynamo.config.
+    skip_nnmodule_hook_guards``), so a capture hook registered after compilation would be skipped without a word,
+    and the core attention's eager call is wired into the training branch of megatron's forward. Call before DDP
+    wraps the chunk. Compiles nothing (returns 0) when TorchDynamo is off for the process."""
+    if dynamo_disabled():
+        return 0
+    compat.resolve_default_tp_group_quietly()
+    layers = [m for m in chunk.modules() if isinstance(m, TransformerLayer)]
+    for layer in layers:
+        compat.call_core_attention_eagerly(layer.self_attention)
+        layer.compile(dynamic=False)  # sets the module's _compiled_call_impl, which nn.Module.__call__ runs
+        layer._compiled_call_impl = functools.partial(_compiled_when_training, layer, layer._compiled_call_impl)
+    return len(layers)
+
+
+def dynamo_disabled() -> bool:
+    """TorchDynamo is off for this process (``TORCHDYNAMO_DISABLE=1``, which makes ``torch.compile`` return what it
+    is given, or ``TORCH_COMPILE_DISABLE=1``)."""
+    return bool(torch._dynamo.config.disable) or os.environ.get("TORCHDYNAMO_DISABLE", "") == "1"
+
+
+def _compiled_when_training(layer: torch.nn.Module, compiled, *args, **kwargs):
+    return compiled(*args, **kwargs) if layer.training else layer._call_impl(*args, **kwargs)
 
 
 def finalize_model_grads(model: List[torch.nn.Module], num_tokens=None, pg_collection=None, **kwargs):

@@ -27,6 +27,7 @@ from diff_transformer.models.gpt import (
     FUSED_ATTENTION_BACKENDS,
     attention_parameters_per_layer,
     build_model_chunk,
+    compile_layers,
     count_parameters,
     dex_parameters,
     epilogue_impl,
@@ -116,6 +117,8 @@ class Trainer:
         self._backend_decision: Optional[Dict[str, Any]] = None  # model.attention_backend=auto's, to record
         self.launch_record: Dict[str, str] = {}  # Hydra's record of this launch (.hydra/), written at the commit
         self.tokenizer = None  # the run's tokenizer, once setup has prepared the data
+        self.compiled_layers = 0  # trainer.compile: this rank's layers under torch.compile
+        self._first_step_done = False  # the first step of this process (which compiles them) has been logged
 
     # -- setup -------------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -256,6 +259,8 @@ class Trainer:
             freeze_all_but_dex(chunk)  # before DDP and the optimizer, which then hold only the trainable ones
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
+        if self.cfg.trainer.compile:  # before DDP, whose hooks then see the compiled layers as any module
+            self.compiled_layers = compile_layers(chunk)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=p.overlap_grad_reduce,
@@ -388,11 +393,22 @@ class Trainer:
             f"; on the host {mem['host']:.2f} GiB (offloaded)" if mem.get("host") else "",
             self._memory_switches_line(),
         )
+        if cfg.trainer.compile:
+            self._log_compile()
         if cfg.trainer.recompute == "selective" and cfg.model.attention_backend in FUSED_ATTENTION_BACKENDS:
             logger.info(
                 "trainer.recompute=selective: nothing to recompute with model.attention_backend=%s, whose kernel "
                 "keeps no attention map and recomputes it in its own backward", cfg.model.attention_backend,
             )
+
+    def _log_compile(self) -> None:
+        if not self.compiled_layers:
+            logger.warning("warning: trainer.compile=true, but TorchDynamo is off in this process "
+                           "(TORCHDYNAMO_DISABLE=1 or TORCH_COMPILE_DISABLE=1): the layers run eagerly")
+            return
+        layers = f"{self.compiled_layers} layer{'s' if self.compiled_layers != 1 else ''}"
+        logger.info("trainer.compile: %s of this rank under torch.compile (the core attention eager; evaluation "
+                    "eager); the first step compiles them", layers)
 
     def _log_epochs(self) -> None:
         """How many passes over each blend entry's train split the planned steps make; a warning above a few."""
@@ -850,6 +866,10 @@ class Trainer:
             if profiled:
                 profiler.synchronize()
             step_time = time.perf_counter() - start
+        if self.compiled_layers and not self._first_step_done and self.rank == 0:
+            logger.info("trainer.compile: the first step of this process (step %d), which compiled the layers, took "
+                        "%.1f s", self.step, step_time)
+        self._first_step_done = True
         if profiled and self.rank == 0:
             path = profiler.write(self.run_dir, self.step, step_time)
             logger.info("step %d profiled: %s", self.step, path)

@@ -1,0 +1,139 @@
+"""trainer.compile: every TransformerLayer under torch.compile (inductor, C++ on a CPU), its core attention eager.
+
+The compiled model gives the eager model's loss and gradients over a few training steps (DIFF V1 on sdpa and the
+baseline), dynamo compiles each layer with no graph break but the core attention's, evaluation and the attention
+capture hooks run eagerly, train.py logs the compiling first step, and what compile cannot run with is refused."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.test_config import compose_cfg
+from tests.train_runs import REPO, read_metrics, run_train, train_env
+
+VOCAB, BATCH, SEQ, STEPS = 128, 2, 32, 3
+# The error floor, measured on the 2-core CPU (torch 2.13, inductor's C++ backend, fp32), the largest over these
+# STEPS steps: the loss equal bit for bit (relative error 0) for both kinds; the relative RMS error of a parameter's
+# gradient against eager at most 4.3e-7 (vanilla: linear_fc1.weight; diff: the norm weights, 4.2e-7), except DIFF's
+# λ vectors, 1.8e-5 (each λ gradient one sum over every output of the layer, with cancellation). Tolerances ~5x those.
+LOSS_TOLERANCE = 1e-6
+GRAD_TOLERANCE = 2e-6
+LAMBDA_GRAD_TOLERANCE = 1e-4
+
+
+def debug_cfg(kind):
+    from diff_transformer.config import Config
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), {
+        "model": {"name": "debug", "attention": kind, "attention_backend": "sdpa", "num_layers": 2, "hidden_size": 64,
+                  "num_heads": 2, "ffn_hidden_size": 176, "seq_length": SEQ},
+        "trainer": {"max_steps": STEPS, "global_batch_size": BATCH, "compile": True},
+    }))
+
+
+def rel_rms(got, want):
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("kind", ["diff", "vanilla"])
+def test_compiled_layers_give_the_eager_loss_and_gradients(kind, megatron_single_process):
+    """Both models start from the same weights and take the same steps (the eager gradients), so each step measures
+    the compiled layers' error afresh; the test fails if compile_layers compiled nothing (no dynamo graphs)."""
+    from diff_transformer.models.attention_maps import capture_attention
+    from diff_transformer.models.gpt import build_model_chunk, compile_layers
+
+    cfg = debug_cfg(kind)
+    eager, compiled = build_model_chunk(cfg, VOCAB), build_model_chunk(cfg, VOCAB)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert compile_layers(compiled) == 2
+    g = torch.Generator().manual_seed(0)
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    loss_errors, grad_errors, lambda_errors = [], [], [0.0]
+    for _ in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        results = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            loss = model(tokens, positions, None, labels=tokens).mean()
+            loss.backward()
+            results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        (loss, grads), (compiled_loss, compiled_grads) = results
+        loss_errors.append(abs((compiled_loss - loss) / loss).item())
+        for name in grads:
+            (lambda_errors if ".lambda_" in name else grad_errors).append(rel_rms(compiled_grads[name], grads[name]))
+        with torch.no_grad():  # both step on the eager gradients: the weights stay equal, each step measures afresh
+            for model in (eager, compiled):
+                for name, p in model.named_parameters():
+                    p -= 0.05 * grads[name]
+    print(f"{kind}: loss relative error {max(loss_errors):.2e}, gradients relative RMS error {max(grad_errors):.2e} "
+          f"(λ {max(lambda_errors):.2e})")
+    assert max(loss_errors) <= LOSS_TOLERANCE, loss_errors
+    assert max(grad_errors) <= GRAD_TOLERANCE and max(lambda_errors) <= LAMBDA_GRAD_TOLERANCE, (grad_errors, lambda_errors)
+
+    # compiled indeed: dynamo made graphs of the layers (one set shared by both), broken only at the core attention
+    stats, breaks = torch._dynamo.utils.counters["stats"], torch._dynamo.utils.counters["graph_break"]
+    assert stats["unique_graphs"] >= 2 and stats["calls_captured"] > 20, dict(stats)
+    assert breaks and all("torch.compiler.disable" in reason for reason in breaks), list(breaks)
+    assert all(layer._compiled_call_impl is not None for layer in compiled.decoder.layers)
+
+    # evaluation runs eagerly, so that the capture hooks (registered after compiling) see every layer
+    eager.eval(), compiled.eval()
+    graphs = stats["unique_graphs"]
+    with torch.no_grad():
+        want = eager(tokens, positions, None)
+        seen = []
+        with capture_attention([compiled], lambda layer, maps_for: seen.append(layer)):
+            got = compiled(tokens, positions, None)
+    assert seen == [1, 2] and stats["unique_graphs"] == graphs
+    assert rel_rms(got, want) < 1e-5
+    torch._dynamo.reset()
+
+
+def test_train_py_logs_the_compiling_first_step(tmp_path):
+    """The trainer compiles the layers before DDP, logs the first step's time once, and its evaluation and attention
+    diagnostics run (eagerly)."""
+    run_dir = tmp_path / "run"
+    run_train(run_dir, ["experiment=smoke", "trainer.max_steps=3", "optim.warmup_steps=1", "trainer.eval_interval=3",
+                        "trainer.eval_iters=1", "trainer.attention_diagnostics=on", "trainer.compile=true",
+                        "checkpoint.save_at_end=false"])
+    log = (run_dir / "train.log").read_text()
+    assert "trainer.compile: 2 layers of this rank under torch.compile" in log
+    assert log.count("trainer.compile: the first step of this process (step 1), which compiled the layers, took") == 1
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in records)
+    assert len(records[-1]["attn/entropy"]) == 2 and math.isfinite(records[-1]["val_loss"])
+    assert OmegaConf.load(run_dir / "config.yaml").trainer.compile is True
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["engine=deepspeed"], r"trainer.compile=true compiles the layers of engine=megatron only; engine=deepspeed"),
+        (["parallel.distributed_optimizer=true", "parallel.overlap_grad_reduce=true",
+          "parallel.overlap_param_gather=true"],
+         r"trainer.compile=true does not run with parallel.overlap_param_gather=true"),
+    ],
+    ids=["deepspeed", "param-gather"],
+)
+def test_what_compile_cannot_run_with_is_refused(overrides, message):
+    from diff_transformer.config import validate
+
+    with pytest.raises(ValueError, match=message):
+        validate(compose_cfg("trainer.compile=true", *overrides), world_size=2)
+    validate(compose_cfg("trainer.compile=false", *overrides), world_size=2)  # the same without compile runs
+
+
+def test_train_py_refuses_compile_with_deepspeed_in_one_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "experiment=smoke", "engine=deepspeed", "trainer.compile=true",
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "trainer.compile=true" in errors[0] and "engine=deepspeed" in errors[0], proc.stderr
