@@ -170,6 +170,10 @@ plan_first() {
 plan_second() {
   throughput throughput_3b 300 --model 3b --seq-length 4096 --micro-batch-size 1 --micro-batches 8 --steps 5 \
     --fit-gib 75 optim=adamw_3b
+  # regional compilation (trainer.compile): the first plan's 830m rows again, each layer under torch.compile (the
+  # eager rows are throughput_830m's); the dry run's TORCHDYNAMO_DISABLE=1 runs them eagerly, labelled so
+  throughput throughput_830m_compile 300 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 \
+    --steps 8 --compile on
   if [ $dry_run -eq 1 ]; then
     step kernel_sweep 300 '(^done in|^error)' "$py" benchmarks/kernel_tuning.py --smoke --versions v1 --budget-s 10
   else

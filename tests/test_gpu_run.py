@@ -13,7 +13,7 @@ from tests.train_runs import REPO
 PLANS = ("first", "second", "long")
 STEPS = {
     "first": ["core_attention_d128", "core_attention_d96", "throughput_830m", "kernel_tests"],
-    "second": ["throughput_3b", "kernel_sweep", "document_mask_tests", "document_mask", "eval_analyze"],
+    "second": ["throughput_3b", "throughput_830m_compile", "kernel_sweep", "document_mask_tests", "document_mask", "eval_analyze"],
     "long": ["kernel_long", "niah_long"],
 }
 
