@@ -86,11 +86,7 @@ def analyze(args: argparse.Namespace) -> int:
     finally:
         destroy_distributed()
     with report.writing_output(out, COMMAND) as staging:
-        if len(runs) == 1:
-            report.write_json(staging / "analysis.json", results[labels[0]])
-        else:
-            for label in labels:
-                report.write_json(staging / report.slug(label) / "analysis.json", results[label])
+        report.write_run_results(staging, {label: results[label] for label in labels}, "analysis.json")
         plots.plot_analysis(results, staging / "analysis.png")
         table = comparison_table(results)
         (staging / "comparison.md").write_text(table)

@@ -161,11 +161,7 @@ def evaluate(args: argparse.Namespace) -> int:
     if rank != 0:
         return 0
     with report.writing_output(out, COMMAND) as staging:
-        if len(runs) == 1:
-            report.write_json(staging / "eval.json", results[labels[0]])
-        else:
-            for label in labels:
-                report.write_json(staging / report.slug(label) / "eval.json", results[label])
+        report.write_run_results(staging, {label: results[label] for label in labels}, "eval.json")
         if "ppl" in tasks:
             plots.plot_position_loss({k: v["ppl"] for k, v in results.items()}, staging / "ppl_by_position.png",
                                      {k: v["run"] for k, v in results.items()})

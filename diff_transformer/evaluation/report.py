@@ -118,6 +118,15 @@ def write_json(path: Path, payload: Any) -> Path:
     return path
 
 
+def write_run_results(out: Path, results: Dict[str, Any], name: str) -> None:
+    """Each run's results as ``name`` in ``out``: directly for one run, else in a folder per run (its label's slug)."""
+    if len(results) == 1:
+        write_json(out / name, next(iter(results.values())))
+        return
+    for label, result in results.items():
+        write_json(out / slug(label) / name, result)
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     def cell(value: Any) -> str:
         if value is None:
