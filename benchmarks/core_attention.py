@@ -4,11 +4,14 @@
     CPU:  python benchmarks/core_attention.py --smoke           # tiny sizes, Triton interpreter; prints only
     CPU, the GPU's launch decisions: DIFF_ATTN_SIMULATE_GPU=sm_90 python benchmarks/core_attention.py --heads 2 \
           --head-dim 128 --seq-len 64 --batch 1                 # the table's configs, interpreted; prints only
+    CPU, its own backends: python benchmarks/core_attention.py --v1-backends combined sdpa --v2-epilogues \
+          --epilogues unfused --heads 2 --head-dim 32 --seq-len 512 --batch 4    # written to benchmarks/results
 
 Rows (each a ``models.attention`` module with megatron's [s, b, heads, d] inputs, so the layout work counts):
-    DIFF V1 ``triton`` (the fused kernel, first), the baseline (2H heads of d, one ``sdpa`` call), DIFF V1 ``sdpa``
-    (two library calls of the baseline's shape, equal head dims) with each DIFF epilogue (the fused Triton kernel,
-    unfused, torch.compile), DIFF V2 ``sdpa`` with each epilogue. Before timing, every DIFF row's output and
+    DIFF V1 ``triton`` (the fused kernel, first), the baseline (2H heads of d, one ``sdpa`` call), DIFF V1
+    ``combined`` (the combined map in one autograd node, the CPU's backend at short sequences; only when asked for),
+    DIFF V1 ``sdpa`` (two library calls of the baseline's shape, equal head dims) with each DIFF epilogue (the fused
+    Triton kernel, unfused, torch.compile), DIFF V2 ``sdpa`` with each epilogue. Before timing, every DIFF row's output and
     gradients are checked against ``eager`` in fp32 (bf16 inputs rounded once) at the timed head dim; a row that
     fails is reported, not timed. Also the kernel torch's SDPA dispatcher picks for each call (``torch._fused_sdp_choice``) and the
     epilogue alone at the same shape. Times are medians (``triton.testing.do_bench`` on a GPU); the ratio is each
@@ -110,11 +113,14 @@ def time_ms(fn, device, repeats) -> float:
     return statistics.median(times)
 
 
-def rows_to_time(epilogues, v2_epilogues):
+def rows_to_time(epilogues, v2_epilogues, v1_backends=("triton", "sdpa")):
     """(kind, backend, epilogue) in the order they are timed: the fused kernel first (the row a short GPU window
-    must not lose), then the baseline every ratio divides by, then the library paths by epilogue."""
-    rows = [("diff", "triton", "unfused"), ("vanilla", "sdpa", "unfused")]
-    rows += [("diff", "sdpa", e) for e in epilogues]
+    must not lose), then the baseline every ratio divides by, the combined map, then the library paths by
+    epilogue; DIFF V1's rows only for ``v1_backends``."""
+    rows = [("diff", "triton", "unfused")] if "triton" in v1_backends else []
+    rows += [("vanilla", "sdpa", "unfused")]
+    rows += [("diff", "combined", "unfused")] if "combined" in v1_backends else []
+    rows += [("diff", "sdpa", e) for e in epilogues] if "sdpa" in v1_backends else []
     rows += [("diff_v2", "sdpa", e) for e in v2_epilogues if e in epilogues]
     return rows
 
@@ -123,7 +129,8 @@ def render(results, kernels, heads, kv_heads, d, n, b, dtype, check_shape, comma
     base = next((ms for label, ms, _ in results if label.startswith("vanilla")), None)
     lines = [
         f"# Core attention, one layer forward+backward: {machine_name()}, {datetime.date.today()}", "",
-        f"torch {torch.__version__}; {str(dtype).replace('torch.', '')}; H={heads} differential heads (baseline 2H="
+        f"torch {torch.__version__}{'' if torch.cuda.is_available() else f', {torch.get_num_threads()} threads'}; "
+        f"{str(dtype).replace('torch.', '')}; H={heads} differential heads (baseline 2H="
         f"{2 * heads}), Hkv={kv_heads}, d={d}, N={n}, B={b}, causal. Command: `{command}`. Each DIFF row is checked "
         f"against eager (fp32) first at the timed head dim (H={check_shape[0]}, Hkv={check_shape[1]}, d={check_shape[2]}, "
         f"N={check_shape[3]}, B={check_shape[4]}).", "",
@@ -148,8 +155,10 @@ def main() -> int:
     parser.add_argument("--epilogues", nargs="+", default=None, metavar="EPILOGUE",
                         help="DIFF V1 sdpa rows: the epilogues to time it with, in order (default: triton, unfused, "
                              "and compile on a GPU)")
-    parser.add_argument("--v2-epilogues", nargs="+", default=["triton"], metavar="EPILOGUE",
-                        help="DIFF V2 rows: the epilogues to time it with (unfused, triton, compile)")
+    parser.add_argument("--v2-epilogues", nargs="*", default=["triton"], metavar="EPILOGUE",
+                        help="DIFF V2 rows: the epilogues to time it with (unfused, triton, compile; none: no V2 row)")
+    parser.add_argument("--v1-backends", nargs="+", default=["triton", "sdpa"], choices=["triton", "sdpa", "combined"],
+                        help="DIFF V1 rows: its backends to time (default triton, sdpa)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per row on a CPU (median)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"),
                         help="directory of the report core_attention_d<d>_N<N>_<machine>_<date>.md, rewritten after "
@@ -167,16 +176,19 @@ def main() -> int:
     heads, d, n, b = args.heads, args.head_dim, args.seq_len, args.batch
     kv_heads = args.kv_heads or heads
     epilogues = args.epilogues or (["triton", "unfused", "compile"] if device == "cuda" else ["triton", "unfused"])
-    rows = rows_to_time(epilogues, args.v2_epilogues)
+    rows = rows_to_time(epilogues, args.v2_epilogues, args.v1_backends)
     # the timed head dim (the table entry and column blocks the timed rows use), few heads and tokens
     check_shape = (2, min(kv_heads, 2) if kv_heads < heads else 2, d, 257 if device == "cuda" else 40, 2)
     command = (f"python benchmarks/core_attention.py --heads {heads} --head-dim {d} --seq-len {n} --batch {b}"
-               f"{f' --kv-heads {kv_heads}' if args.kv_heads else ''} --epilogues {' '.join(epilogues)}")
-    write = not args.smoke and device == "cuda"
+               f"{f' --kv-heads {kv_heads}' if args.kv_heads else ''} --epilogues {' '.join(epilogues)}"
+               f" --v1-backends {' '.join(args.v1_backends)} --v2-epilogues {' '.join(args.v2_epilogues)}".rstrip())
+    # a CPU's table is worth keeping without the fused kernel's row (Triton's interpreter says nothing of speed)
+    write = not args.smoke and (device == "cuda" or "triton" not in args.v1_backends)
 
     results, kernels = [], {}
     for kind, backend, epilogue in rows:
-        label = f"{kind} {backend}" + (f" + {epilogue} epilogue" if kind != "vanilla" and backend != "triton" else "")
+        own_epilogue = kind == "vanilla" or backend in ("triton", "combined")  # no separate epilogue to name
+        label = f"{kind} {backend}" + ("" if own_epilogue else f" + {epilogue} epilogue")
         try:
             error = check_against_eager(kind, backend, epilogue, check_shape, dtype, device) if kind != "vanilla" else 0.0
             if error > (3e-2 if dtype == torch.bfloat16 else 1e-4):

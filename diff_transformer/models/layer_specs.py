@@ -171,7 +171,7 @@ class AttentionKind:
 ATTENTION_KINDS: Dict[str, AttentionKind] = {
     "diff": AttentionKind(diff_layer_spec, _paired_heads, BACKENDS, ("lambda_init", "lambda_learnable", "sublayer_norm")),
     "vanilla": AttentionKind(vanilla_layer_spec, _paired_heads, ("eager", "sdpa", "flash_attn")),
-    "diff_v2": AttentionKind(diff_v2_layer_spec, _v2_heads, BACKENDS),
+    "diff_v2": AttentionKind(diff_v2_layer_spec, _v2_heads, ("eager", "sdpa", "flash_attn", "triton")),
     "vanilla_subln": AttentionKind(vanilla_subln_layer_spec, _paired_heads, ("eager", "sdpa", "flash_attn"), ("lambda_init",)),
     "vanilla_wide": AttentionKind(vanilla_layer_spec, _wide_heads, ("eager", "sdpa", "flash_attn")),
     "topk": AttentionKind(topk_layer_spec, _paired_heads, ("eager", "sdpa"), ("topk",)),

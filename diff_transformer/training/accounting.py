@@ -94,7 +94,8 @@ def core_attention_bytes_per_token(
       DIFF's fused ring (``triton``) keeps y = O1 − λ·O2 in fp32 and both maps' fp32 LSE instead, and its epilogue,
       unfused, x and x·rstd in fp32 (with the sub-layer norm);
     - maps: ``eager`` keeps fp32 softmax maps of s keys per head (DIFF: A1, A2 and A1 − λA2 over H heads; the
-      baseline one over 2H); the library kernels (sdpa's flash, cuDNN and memory-efficient kernels, on a CPU torch's
+      baseline one over 2H); DIFF's ``combined`` A1 and A2 (its combined map is recomputed), with fp32 copies of q and
+      k in its batched layout and x, its epilogue's input, in fp32; the library kernels (sdpa's flash, cuDNN and memory-efficient kernels, on a CPU torch's
       flash kernel, all with equal head dims) and ``triton`` keep none;
     - DIFF on library kernels (``library_layout``) keeps the two halves of V repeated per head pair and the two calls'
       outputs (with GQA also the map-major copies of q and k); eager its combined output in fp32; ``triton`` the
@@ -120,6 +121,8 @@ def core_attention_bytes_per_token(
         return maps + copies, True
     if backend == "triton":  # the kernel's epilogue keeps the pre-norm output (and per-row LSEs and rstd)
         return hq * a, True
+    if backend == "combined":  # both maps over H heads, fp32 q and k batched (k per query head), x in fp32
+        return 2 * h_heads * s * 4 + 2 * hq * 4 + (hkv * 4 if a == 2 else 0) + hq * 4, True
     if backend == "eager":
         kept = hq * 4  # (A1 − λ·A2)·V in fp32
     else:

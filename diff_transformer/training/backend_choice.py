@@ -5,7 +5,11 @@ Rank 0 decides, in this order, and every rank follows (``distributed.broadcast_o
 1. a resumed run keeps the backend its checkpoint trained with (its saved config), else the one recorded in the run
    directory (``attention_backend.json``): a resume computes with the same kernels, so a bit-exact GPU resume stays
    possible;
-2. without a GPU: ``sdpa``;
+2. without a GPU, by rule (reproducible: two CPU runs of one config compute alike): DIFF V1 takes ``combined``, its
+   combined map in one autograd node (``models.attention.combined_map``), at per-rank sequences up to
+   ``combined_map.MAX_SEQ`` tokens whose maps fit ``combined_map.MAP_BYTES_LIMIT``, where it beats torch's CPU flash
+   kernel, which computes each Q·Kᵀ twice in the library layout (``benchmarks/core_attention.py --v1-backends
+   combined sdpa``); every other case ``sdpa``;
 3. a kind with one candidate (the map controls: ``sdpa``; the softmax kinds without flash-attn installed; under
    context parallelism the kind's backends with a ring path: ``sdpa`` for the baselines) takes it;
 4. otherwise the fastest candidate for the run's per-rank shape, forward and backward of one layer's core attention
@@ -35,12 +39,14 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from diff_transformer.fileio import atomic_write_json
+from diff_transformer.models.attention import combined_map
 from diff_transformer.models.layer_specs import attention_kind, core_attention_class, head_dim, num_kv_heads
 
 RECORD_FILE = "attention_backend.json"
 CACHE_FILE = "attention_backends.json"
-# backends never timed: eager materialises every map (the numerics reference, never the fast one)
-NOT_CANDIDATES = ("eager",)
+# backends never timed: eager materialises every map (the numerics reference, never the fast one), and so does DIFF
+# V1's combined map, the CPU's choice at short sequences (flash kernels keep no map)
+NOT_CANDIDATES = ("eager", "combined")
 
 
 def cache_path() -> str:
@@ -61,6 +67,22 @@ def candidates(model: Any, cp: int = 1) -> List[str]:
     backends = core_attention_class(model, model.attention).ring_backends if cp > 1 else attention_kind(model).backends
     found = [b for b in backends if b not in NOT_CANDIDATES and installed(b)]
     return sorted(found, key=lambda b: b != "sdpa")
+
+
+def cpu_backend(cfg: Any) -> Dict[str, str]:
+    """The backend a run takes without a GPU, by rule (the module docstring's step 2): {"backend", "how"}."""
+    m, p = cfg.model, cfg.parallel
+    cp = p.cp or 1
+    seq = m.seq_length // cp
+    if cp > 1 or "combined" not in attention_kind(m).backends:
+        return {"backend": "sdpa", "how": "no GPU"}
+    if seq > combined_map.MAX_SEQ:
+        return {"backend": "sdpa", "how": f"no GPU; {seq} tokens a rank, over the combined map's {combined_map.MAX_SEQ}"}
+    maps = combined_map.map_bytes(cfg.trainer.micro_batch_size, m.num_heads // p.tp, seq) * (m.num_layers // p.pp)
+    if maps > combined_map.MAP_BYTES_LIMIT:
+        return {"backend": "sdpa", "how": f"no GPU; the combined maps of a stage's layers would take "
+                                          f"{maps / 2**30:.1f} GiB, over {combined_map.MAP_BYTES_LIMIT / 2**30:.0f}"}
+    return {"backend": "combined", "how": f"no GPU; {seq} tokens a rank, at most {combined_map.MAX_SEQ}"}
 
 
 def problem_key(cfg: Any, device_name: str, dtype: torch.dtype, epilogue: str,
@@ -143,7 +165,7 @@ def decide_attention_backend(
         decision.update(backend=recorded["backend"], how=f"recorded in {RECORD_FILE}",
                         timings_ms=recorded.get("timings_ms"), key=recorded.get("key"))
     elif not cuda:
-        decision.update(backend="sdpa", how="no GPU")
+        decision.update(cpu_backend(cfg))
     else:
         options = candidates(cfg.model, cfg.parallel.cp or 1)
         if len(options) == 1:

@@ -206,8 +206,8 @@ class Trainer:
             logger.info("DEX heads per layer (from %s): %s", how, self.cfg.model.dex.heads)
 
     def _resolve_attention_backend(self) -> None:
-        """model.attention_backend=auto: rank 0 decides (the resumed checkpoint's, the run directory's record, sdpa
-        without a GPU, or the fastest for this shape: ``training.backend_choice``), every rank builds with it, and the
+        """model.attention_backend=auto: rank 0 decides (the resumed checkpoint's, the run directory's record, the
+        kind's only candidate, or the fastest for this shape on this GPU or CPU: ``training.backend_choice``), every rank builds with it, and the
         config says the concrete backend from here on (the checkpoints record it)."""
         from diff_transformer.training.backend_choice import decide_attention_backend, describe
 

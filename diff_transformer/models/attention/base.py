@@ -33,7 +33,7 @@ from diff_transformer.models.documents import PackedDocuments, documents_of, sam
 from diff_transformer.models.ring_attention import IMPLEMENTATIONS as RING_IMPLEMENTATIONS
 from diff_transformer.models.ring_attention import ProcessGroupRing
 
-BACKENDS = ("eager", "sdpa", "flash_attn", "triton")
+BACKENDS = ("eager", "sdpa", "flash_attn", "triton", "combined")
 
 # Set on parameters that every tensor-parallel rank holds a full copy of and whose gradient each rank computes
 # only from its own heads: those gradients must be summed over the TP group (see ``finalize_model_grads``).
