@@ -195,11 +195,14 @@ def test_choose_takes_the_fastest_and_skips_failures():
         backend_choice.choose(["sdpa"], fake_timer({"sdpa": ValueError("boom")}, []))
 
 
-def test_auto_is_sdpa_without_a_gpu_and_recorded(tmp_path, cache_dir):
-    cfg = compose_cfg("model=debug")
-    decision = backend_choice.decide_attention_backend(cfg, str(tmp_path), torch.float32, "unfused", cuda=False)
-    assert decision["backend"] == "sdpa" and decision["how"] == "no GPU"
-    assert json.loads((tmp_path / backend_choice.RECORD_FILE).read_text())["backend"] == "sdpa"
+@pytest.mark.parametrize("kind,backend", [("diff", "combined"), ("vanilla", "sdpa")])
+def test_auto_without_a_gpu_follows_the_cpu_rule_and_is_recorded(kind, backend, tmp_path, cache_dir):
+    """Without a GPU nothing is timed (tests/test_combined_map.py has the rule's cases)."""
+    cfg = compose_cfg("model=debug", f"model.attention={kind}")
+    decision = backend_choice.decide_attention_backend(cfg, str(tmp_path), torch.float32, "unfused", cuda=False,
+                                                       measure=fake_timer({}, []))
+    assert decision["backend"] == backend and decision["how"].startswith("no GPU")
+    assert json.loads((tmp_path / backend_choice.RECORD_FILE).read_text())["backend"] == backend
     assert not cache_dir.exists()
 
 

@@ -2,7 +2,9 @@
 same launches check trainer.fusions: the TP=2 and PP=2 runs have every fusion on (fused RoPE, SwiGLU, cross-entropy,
 the Triton DIFF epilogue in Triton's interpreter), the single-process references none, and DIFF also runs fused in
 one process (with a profiled step). DIFF's runs train on short documents with document masking and per-document
-positions (several documents a sample), so the document ids also cross the pipeline stages and the TP ranks."""
+positions (several documents a sample), so the document ids also cross the pipeline stages and the TP ranks. They
+run DIFF on ``sdpa``, whose epilogue the fusions replace; the CPU's own choice for DIFF, ``combined`` (what ``auto``
+takes here), runs at TP=2 against the same single-process reference."""
 
 import json
 
@@ -20,8 +22,9 @@ PROFILED_STEP = STEPS - 1
 
 @pytest.fixture(scope="module")
 def single_process_runs(tmp_path_factory):
-    runs = {"data": {"vanilla": [], "diff": short_document_shards(tmp_path_factory.mktemp("short_documents")) + [
-        "data.document_mask=true", "data.reset_position_ids=true"]}}
+    documents = short_document_shards(tmp_path_factory.mktemp("short_documents")) + [
+        "data.document_mask=true", "data.reset_position_ids=true"]
+    runs = {"data": {"vanilla": [], "diff": documents + ["model.attention_backend=sdpa"], "diff-auto": documents}}
     for kind in ("diff", "vanilla"):
         run_dir = tmp_path_factory.mktemp(f"{kind}-tp1")
         run_train(run_dir, COMMON + runs["data"][kind] + [f"model.attention={kind}"])
@@ -60,7 +63,19 @@ def test_two_way_model_parallel_with_fusions_matches_single_process_without(kind
     assert len({round(r["loss"], 4) for r in reference}) > 1
     log = (tmp_path / "train.log").read_text()
     assert "fusions on (triton DIFF epilogue)" in log
-    assert "model.attention_backend=auto: sdpa (no GPU)" in log  # rank 0's decision, which every rank builds with
+    if kind == "vanilla":
+        assert "model.attention_backend=auto: sdpa (no GPU)" in log  # rank 0's decision, which every rank builds with
+
+
+def test_diff_on_combined_at_tp2_matches_single_process_sdpa(single_process_runs, tmp_path):
+    """auto without a GPU takes DIFF's combined map at the debug model's 64 tokens (its backward written out: λ's
+    and the norm weight's gradients are partial sums over each rank's heads, summed over the TP group); TP=2 on it
+    against the single-process sdpa run, within the tolerances of TP's reordered sums."""
+    run_train(tmp_path, COMMON + single_process_runs["data"]["diff-auto"] + ["model.attention=diff", "parallel.tp=2"],
+              nproc=2)
+    assert_same_losses(read_metrics(tmp_path), single_process_runs["diff"], "diff", loss_tol=1e-5, grad_norm_rel=1e-3)
+    assert "model.attention_backend=auto: combined (no GPU; 64 tokens a rank" in (tmp_path / "train.log").read_text()
+    assert json.loads((tmp_path / "attention_backend.json").read_text())["backend"] == "combined"
 
 
 def test_fusions_on_equal_fusions_off_in_one_process(single_process_runs):
@@ -69,7 +84,6 @@ def test_fusions_on_equal_fusions_off_in_one_process(single_process_runs):
     assert_same_losses(single_process_runs["diff-fused"], single_process_runs["diff"], "diff", loss_tol=5e-6,
                        grad_norm_rel=5e-5)
     run_dir = single_process_runs["diff-fused-dir"]
-    assert json.loads((run_dir / "attention_backend.json").read_text())["backend"] == "sdpa"
     profile = json.loads((run_dir / f"profile_step_{PROFILED_STEP}.json").read_text())
     seconds = profile["seconds"]
     assert profile["device"] == "cpu" and abs(sum(seconds.values()) - profile["step_time_s"]) < 1e-6
