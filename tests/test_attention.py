@@ -271,13 +271,13 @@ def test_triton_backend_matches_eager_values_and_grads(heads, kv_heads):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["diff", "vanilla"])
-@pytest.mark.parametrize("backend", ["sdpa", "triton", "flash_attn"])
+@pytest.mark.parametrize("backend", ["sdpa", "triton", "flash_attn", "combined"])
 def test_gpu_backends_in_bf16_match_eager_in_fp32(kind, backend):
     """On a GPU, each backend in bf16 against the fp32 eager map on the same (bf16-rounded) inputs and weights."""
     if backend == "flash_attn":
         pytest.importorskip("flash_attn")
-    if kind == "vanilla" and backend == "triton":
-        pytest.skip("the fused kernel is differential attention only")
+    if kind == "vanilla" and backend in ("triton", "combined"):
+        pytest.skip(f"{backend} is differential attention only")
     torch.manual_seed(5)
     heads, kv_heads, d, n, b = 4, 2, 64, 257, 2  # GQA, an odd N
     cls = DifferentialCoreAttention if kind == "diff" else VanillaCoreAttention
