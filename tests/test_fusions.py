@@ -243,6 +243,26 @@ def test_auto_times_once_per_gpu_and_shape_and_a_resume_keeps_its_choice(tmp_pat
     assert backend_choice.saved_backend({"model": {"attention_backend": "auto"}}) is None
 
 
+def test_a_resume_at_cp2_leaves_a_backend_without_a_ring_path(tmp_path, cache_dir):
+    """A run trained at CP=1 on a backend without a ring (the CPU's combined, flash_attn) resumes at CP=2: decided
+    afresh, and the decision says why; at CP=1 the checkpoint's backend is kept."""
+    cp2 = compose_cfg("model=debug", "parallel.cp=2")
+    decision = backend_choice.decide_attention_backend(cp2, str(tmp_path / "a"), torch.float32, "unfused",
+                                                       {"model": {"attention_backend": "combined"}}, cuda=False)
+    assert decision["backend"] == "sdpa"
+    assert decision["how"] == "no GPU; not combined (the resumed checkpoint's), which this run cannot take " \
+                              "(parallel.cp=2: eager or sdpa or triton)"
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / backend_choice.RECORD_FILE).write_text(json.dumps({"backend": "flash_attn"}))
+    recorded = backend_choice.decide_attention_backend(cp2, str(tmp_path / "b"), torch.bfloat16, "triton", cuda=True,
+                                                       device_name="NVIDIA H100", measure=fake_timer(
+                                                           {"sdpa": 3.0, "triton": 2.0}, []))
+    assert recorded["backend"] == "triton" and "not flash_attn (recorded in" in recorded["how"]
+    kept = backend_choice.decide_attention_backend(compose_cfg("model=debug"), str(tmp_path / "c"), torch.float32,
+                                                   "unfused", {"model": {"attention_backend": "combined"}}, cuda=False)
+    assert kept["backend"] == "combined" and kept["how"] == "the resumed checkpoint's"
+
+
 def test_auto_with_one_candidate_does_not_time(tmp_path, cache_dir):
     calls = []
     decision = backend_choice.decide_attention_backend(

@@ -4,7 +4,8 @@ Rank 0 decides, in this order, and every rank follows (``distributed.broadcast_o
 
 1. a resumed run keeps the backend its checkpoint trained with (its saved config), else the one recorded in the run
    directory (``attention_backend.json``): a resume computes with the same kernels, so a bit-exact GPU resume stays
-   possible;
+   possible; unless the run's layout cannot run it (a resume at ``parallel.cp`` > 1 of a run trained on a backend
+   without a ring path: ``combined``, ``flash_attn``): then the steps below decide, and the log says why;
 2. without a GPU, by rule (reproducible: two CPU runs of one config compute alike): DIFF V1 takes ``combined``, its
    combined map in one autograd node (``models.attention.combined_map``), at per-rank sequences up to
    ``combined_map.MAX_SEQ`` tokens whose maps fit ``combined_map.MAP_BYTES_LIMIT``, where it beats torch's CPU flash
@@ -34,7 +35,7 @@ import json
 import math
 import os
 import statistics
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -138,6 +139,16 @@ def saved_backend(checkpoint_config: Optional[Dict[str, Any]]) -> Optional[str]:
     return backend if backend not in (None, "auto") else None
 
 
+def candidates_here(cfg: Any) -> Tuple[str, ...]:
+    """The backends the run's kind runs on in the run's layout (under context parallelism: its ring backends)."""
+    m = cfg.model
+    return core_attention_class(m, m.attention).ring_backends if (cfg.parallel.cp or 1) > 1 else attention_kind(m).backends
+
+
+def runs_here(cfg: Any, backend: str) -> bool:
+    return backend in candidates_here(cfg)
+
+
 def decide_attention_backend(
     cfg: Any,
     run_dir: str,
@@ -159,11 +170,13 @@ def decide_attention_backend(
     record_path = os.path.join(run_dir, RECORD_FILE)
     recorded = _read_json(record_path)
     decision: Dict[str, Any] = {"timings_ms": None, "key": None}
-    if saved_backend(checkpoint_config):
-        decision.update(backend=saved_backend(checkpoint_config), how="the resumed checkpoint's")
-    elif recorded.get("backend"):
-        decision.update(backend=recorded["backend"], how=f"recorded in {RECORD_FILE}",
-                        timings_ms=recorded.get("timings_ms"), key=recorded.get("key"))
+    saved = saved_backend(checkpoint_config)
+    kept, kept_how = (saved, "the resumed checkpoint's") if saved else (recorded.get("backend"),
+                                                                        f"recorded in {RECORD_FILE}")
+    if kept and runs_here(cfg, kept):
+        decision.update(backend=kept, how=kept_how)
+        if not saved:
+            decision.update(timings_ms=recorded.get("timings_ms"), key=recorded.get("key"))
     elif not cuda:
         decision.update(cpu_backend(cfg))
     else:
@@ -187,6 +200,9 @@ def decide_attention_backend(
                 cache[key] = {"backend": chosen["backend"], "timings_ms": chosen["timings_ms"]}
                 os.makedirs(os.path.dirname(cache_path()), exist_ok=True)
                 atomic_write_json(cache_path(), cache)
+    if kept and decision["backend"] != kept:
+        decision["how"] += (f"; not {kept} ({kept_how}), which this run cannot take (parallel.cp="
+                            f"{cfg.parallel.cp or 1}: {' or '.join(candidates_here(cfg))})")
     if record:
         write_record(run_dir, decision)
     return decision
