@@ -9,7 +9,7 @@ from diff_transformer.compat import apply_cpu_patches
 from diff_transformer.models.attention import DifferentialCoreAttention
 from diff_transformer.models.attention import combined_map
 from diff_transformer.models.documents import packed_documents
-from tests.test_fusions import compose_cfg
+from tests.test_config import compose_cfg
 
 apply_cpu_patches()
 

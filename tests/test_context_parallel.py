@@ -288,6 +288,9 @@ def test_ring_exchange_refuses_a_tensor_the_group_cannot_carry(monkeypatch):
         (["parallel.cp=2", "model.attention_backend=flash_attn"], 2,
          r"model.attention_backend=flash_attn has no ring-attention path .* use model.attention_backend=sdpa \(or "
          r"eager, triton\)$"),
+        (["parallel.cp=2", "model.attention_backend=combined"], 2,
+         r"model.attention_backend=combined has no ring-attention path .* use model.attention_backend=sdpa \(or "
+         r"eager, triton\)$"),
         (["parallel.cp=2", "model.attention=vanilla", "model.attention_backend=flash_attn"], 2,
          r"model.attention_backend=flash_attn has no ring-attention path .* use model.attention_backend=sdpa \(or "
          r"eager\)$"),
@@ -299,8 +302,8 @@ def test_ring_exchange_refuses_a_tensor_the_group_cannot_carry(monkeypatch):
           "model.seq_length=12"], 8, r"splits each context-parallel rank's 6 tokens .* over parallel.tp=4"),
         (["parallel.cp=0"], 1, r"parallel.cp=0 must be positive"),
     ],
-    ids=["seq", "topk", "signed-mask", "dex", "flash-attn", "vanilla-flash-attn", "deepspeed", "world", "diagnostics",
-         "sp", "zero"],
+    ids=["seq", "topk", "signed-mask", "dex", "flash-attn", "combined", "vanilla-flash-attn", "deepspeed", "world",
+         "diagnostics", "sp", "zero"],
 )
 def test_bad_context_parallel_configs_are_refused(overrides, world, message):
     with pytest.raises(ValueError, match=message):

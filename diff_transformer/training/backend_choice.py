@@ -61,12 +61,16 @@ def installed(backend: str) -> bool:
     return module is None or importlib.util.find_spec(module) is not None
 
 
+def layout_backends(model: Any, cp: int = 1) -> Tuple[str, ...]:
+    """The backends the kind runs on at context-parallel size ``cp`` (above 1: those with a ring path)."""
+    return core_attention_class(model, model.attention).ring_backends if cp > 1 else attention_kind(model).backends
+
+
 def candidates(model: Any, cp: int = 1) -> List[str]:
     """The backends ``auto`` chooses among for this attention kind: the kind's (under context parallelism, ``cp`` > 1,
     those with a ring path), minus eager, minus those whose library is missing; ``sdpa`` first (the choice when timing
     cannot separate them)."""
-    backends = core_attention_class(model, model.attention).ring_backends if cp > 1 else attention_kind(model).backends
-    found = [b for b in backends if b not in NOT_CANDIDATES and installed(b)]
+    found = [b for b in layout_backends(model, cp) if b not in NOT_CANDIDATES and installed(b)]
     return sorted(found, key=lambda b: b != "sdpa")
 
 
@@ -139,14 +143,9 @@ def saved_backend(checkpoint_config: Optional[Dict[str, Any]]) -> Optional[str]:
     return backend if backend not in (None, "auto") else None
 
 
-def candidates_here(cfg: Any) -> Tuple[str, ...]:
-    """The backends the run's kind runs on in the run's layout (under context parallelism: its ring backends)."""
-    m = cfg.model
-    return core_attention_class(m, m.attention).ring_backends if (cfg.parallel.cp or 1) > 1 else attention_kind(m).backends
-
-
 def runs_here(cfg: Any, backend: str) -> bool:
-    return backend in candidates_here(cfg)
+    """Whether the run's kind runs on ``backend`` in the run's layout."""
+    return backend in layout_backends(cfg.model, cfg.parallel.cp or 1)
 
 
 def decide_attention_backend(
@@ -202,7 +201,7 @@ def decide_attention_backend(
                 atomic_write_json(cache_path(), cache)
     if kept and decision["backend"] != kept:
         decision["how"] += (f"; not {kept} ({kept_how}), which this run cannot take (parallel.cp="
-                            f"{cfg.parallel.cp or 1}: {' or '.join(candidates_here(cfg))})")
+                            f"{cfg.parallel.cp or 1}: {' or '.join(layout_backends(cfg.model, cfg.parallel.cp or 1))})")
     if record:
         write_record(run_dir, decision)
     return decision

@@ -6,9 +6,9 @@
 The forward is the eager reference's arithmetic; the backward is written out (the softmax backward, λ's and the
 norm's gradients), so one layer is about a dozen kernels each way, where autograd over the same definition runs
 three times as many and the library layout (``sdpa``) computes each Q·Kᵀ twice. The map costs O(s²) memory per
-head: this is the CPU's backend at short sequences, where it beats torch's CPU flash kernel; ``auto`` takes it without a GPU up to ``MAX_SEQ`` tokens a rank while a stage's
-maps stay under ``MAP_BYTES_LIMIT`` (``training.backend_choice``). A GPU's flash kernels keep no map: ``auto`` never
-takes it there.
+head: this is the CPU's backend at short sequences, where it beats torch's CPU flash kernel; ``auto`` takes it
+without a GPU up to ``MAX_SEQ`` tokens a rank while a stage's maps stay under ``MAP_BYTES_LIMIT``
+(``training.backend_choice``). A GPU's flash kernels keep no map: ``auto`` never takes it there.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from diff_transformer.models.attention.base import causal_mask
 from diff_transformer.models.documents import same_document
 
 # ``auto`` on a CPU: the longest per-rank sequence it takes ``combined`` at, and the most bytes of maps (A1 and A2
@@ -45,7 +46,7 @@ def _score_bias(s: int, document_ids: Optional[torch.Tensor], dtype: torch.dtype
     packed sample with ``document_ids`` (b, s): (b, 1, s, s)."""
     if document_ids is None:
         return _causal_bias(s, dtype, torch.device(device))
-    visible = torch.ones(s, s, dtype=torch.bool, device=device).tril() & same_document(document_ids, document_ids)
+    visible = causal_mask(s, s, device) & same_document(document_ids, document_ids)
     return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
 
 
@@ -134,7 +135,8 @@ class CombinedMapAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, grad_lam, grad_weight, None, None, None, None
 
 
-def combined_map_attention(query, key, value, lam, weight, softmax_scale: float, eps: float, out_scale: float,
+def combined_map_attention(query, key, value, lam, weight, eps: float, softmax_scale: float, out_scale: float,
                            document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """:class:`CombinedMapAttention` (see there): (s, b, H·2d) from megatron-core's query, key and value."""
+    """:class:`CombinedMapAttention` (see there): (s, b, H·2d) from megatron-core's query, key and value; ``weight``
+    and ``eps`` the sub-layer norm's."""
     return CombinedMapAttention.apply(query, key, value, lam, weight, softmax_scale, eps, out_scale, document_ids)

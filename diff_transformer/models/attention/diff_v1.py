@@ -160,13 +160,9 @@ class DifferentialCoreAttention(CoreAttentionBase):
         if two_h % 2 or two_g % 2:
             raise ValueError(f"query heads ({two_h}) and key heads ({two_g}) per rank must be even (head pairs)")
         lam = self.lambda_full().to(query.device)
-        norm = self.sublayer_norm
         if self.backend == "combined" and self.ring is None:
-            return combined_map_attention(
-                query, key, value, lam, norm.weight if norm is not None else None, self.softmax_scale,
-                norm.eps if norm is not None and norm.eps is not None else torch.finfo(query.dtype).eps,
-                self.output_scale, documents_of(documents),
-            )
+            return combined_map_attention(query, key, value, lam, *self._own_epilogue_norm(query.dtype),
+                                          self.softmax_scale, self.output_scale, documents_of(documents))
         # (s, b, heads, d) -> (b, s, heads, d): the layout every backend below starts from.
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))
         if self.backend == "triton" and self.ring is None:
@@ -176,11 +172,20 @@ class DifferentialCoreAttention(CoreAttentionBase):
         # two (b, s, 2, H, d): maps 1 and 2 of each d-wide half of V (or the maps already combined)
         forward = self._forward_ring if self.ring is not None else getattr(self, f"_forward_{self.backend}")
         halves = forward(q, k, v, lam, documents)
+        norm = self.sublayer_norm
         out = diff_epilogue(
             halves, lam, norm.weight if norm is not None else None, norm.eps if norm is not None else 0.0,
             self.output_scale, impl="unfused" if self.backend == "eager" else self.epilogue,
         )
         return out.to(query.dtype)  # eager's halves are fp32 (fp64): round once, at the end
+
+    def _own_epilogue_norm(self, dtype: torch.dtype):
+        """(weight or None, eps) of the sub-layer norm for the backends that apply the epilogue themselves
+        (``triton``, ``combined``); without an eps of its own, the dtype's."""
+        norm = self.sublayer_norm
+        if norm is None:
+            return None, torch.finfo(dtype).eps
+        return norm.weight, norm.eps if norm.eps is not None else torch.finfo(dtype).eps
 
     def _split_pairs(self, q, k):
         """(b, s, 2H, d) and (b, s, 2G, d) -> q1, q2 (b, H, s, d) and k1, k2 (b, G, s, d)."""
@@ -241,10 +246,7 @@ class DifferentialCoreAttention(CoreAttentionBase):
 
     def _forward_triton(self, q, k, v, lam, documents):
         diff_flash_attn = fused_kernel_package().diff_flash_attn
-        norm = self.sublayer_norm
+        norm_weight, norm_eps = self._own_epilogue_norm(q.dtype)
         # The DIFF epilogue inside the kernel: RMSNorm over each head's 2d columns, its weight, and (1 − λ_init).
-        return diff_flash_attn(q, k, v, lam, causal=True, softmax_scale=self.softmax_scale,
-                               norm_weight=norm.weight if norm is not None else None,
-                               norm_eps=norm.eps if norm is not None and norm.eps is not None
-                               else torch.finfo(q.dtype).eps,
-                               output_scale=self.output_scale, document_ids=documents_of(documents))
+        return diff_flash_attn(q, k, v, lam, causal=True, softmax_scale=self.softmax_scale, norm_weight=norm_weight,
+                               norm_eps=norm_eps, output_scale=self.output_scale, document_ids=documents_of(documents))
