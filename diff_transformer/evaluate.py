@@ -162,12 +162,12 @@ def evaluate(args: argparse.Namespace) -> int:
         return 0
     with report.writing_output(out, COMMAND) as staging:
         report.write_run_results(staging, {label: results[label] for label in labels}, "eval.json")
+        run_of = {k: v["run"] for k, v in results.items()}
         if "ppl" in tasks:
             plots.plot_position_loss({k: v["ppl"] for k, v in results.items()}, staging / "ppl_by_position.png",
-                                     {k: v["run"] for k, v in results.items()})
+                                     run_of)
         if "niah" in tasks:
             niah_results = {k: v["niah"] for k, v in results.items()}
-            run_of = {k: v["run"] for k, v in results.items()}
             plots.plot_niah_heatmaps(niah_results, staging / "niah_accuracy.png", run_of)
             if any(r["attention_allocation"] for r in niah_results.values()):  # none under context parallelism
                 plots.plot_attention_allocation(niah_results, staging / "niah_attention.png", run_of)
