@@ -164,7 +164,7 @@ plan_first() {
   core_attention core_attention_d96 120 --heads 8 --head-dim 96 --seq-len 2048 --batch 4
   throughput throughput_830m 300 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 --steps 8
   gpu_tests kernel_tests 240 tests/test_diff_attn_kernel.py tests/test_diff_epilogue.py tests/test_attention.py \
-    tests/test_context_parallel.py
+    tests/test_context_parallel.py tests/test_profiling.py
 }
 
 plan_second() {

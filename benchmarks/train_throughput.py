@@ -153,6 +153,31 @@ def profile_table(rows) -> list[str]:
     for r in profiled:
         top = ", ".join(f"{t['name'][:60]} ({t['kind']}, {t['seconds'] * 1e3:.2f} ms)" for t in r["profile"]["top"][:8])
         lines.append(f"- {r['label']}: {top}")
+    return lines + [""] + idle_lines(profiled)
+
+
+def idle_lines(profiled) -> list[str]:
+    """Where the GPU waited in the profiled step (GPU profiles only): the median step's idle, estimated from the
+    profiled step's busy time, the largest gaps by the operator that launched the kernel after each, the host syncs."""
+    profiled = [r for r in profiled if "busy_s" in r["profile"]]
+    if not profiled:
+        return []
+    lines = ["Where the GPU waited (idle: no kernel or copy running). The median step's idle is an estimate: its "
+             "time less the profiled step's busy time (the profiler slows the host, so the profiled step idles "
+             "more). Gaps are put on the operator that launched the kernel after each (the module it ran in, or "
+             "its backward node):", ""]
+    for r in profiled:
+        p = r["profile"]
+        median_idle = max(0.0, r["step_time_s"] - p["busy_s"])
+        gaps = "; ".join(f"{g['site'][:90]} {g['seconds'] * 1e3:.1f} ms ({g['count']} gaps, largest "
+                         f"{g['largest_ms']:.2f} ms)" for g in p["idle_gaps"][:6])
+        syncs = ", ".join(f"{s['site'][:70]} ×{s['count']}" for s in p["host_syncs"]) or "none"
+        sites = ", ".join(f"{s['site']} ×{s['count']}" for s in p["sync_sites"][:6]) or "none"
+        lines += [f"- {r['label']}: busy {p['busy_s'] * 1e3:.1f} ms of the profiled step's "
+                  f"{p['step_time_s'] * 1e3:.1f}; idle in a median step ≈ {median_idle * 1e3:.1f} ms of "
+                  f"{r['step_time_s'] * 1e3:.1f} ({100 * median_idle / r['step_time_s']:.1f}%)",
+                  f"  - largest gaps: {gaps or 'none'}",
+                  f"  - host syncs (CUDA runtime): {syncs}; at Python lines: {sites}"]
     return lines + [""]
 
 

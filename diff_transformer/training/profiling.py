@@ -2,6 +2,11 @@
 GPU) or every operator's own CPU time (on a CPU) put in one of a few kinds of work, and what is left of the step's
 wall time as idle (the device waiting for the host: launches, syncs, Python).
 
+On a GPU the profile also says where the idle comes from: every gap in which no kernel (or copy) ran, put on the
+operator that launched the kernel after it, with the module it ran in (a profiler range per module call, on the
+profiled step only, when the layers are not compiled) or the backward node; and the host syncs inside the step, counted
+from the CUDA runtime's synchronising calls, with the Python line of each (``torch.cuda.set_sync_debug_mode``).
+
 Kinds, tried in this order on the kernel's or operator's name and on the names of the operators and profiler ranges
 around it: DIFF epilogue, attention, communication, optimizer (the whole optimizer step: gradient norm, clipping,
 AdamW), GEMM, norms, other elementwise. The table is written to ``<run dir>/profile_step_<N>.json`` and read by
@@ -10,8 +15,10 @@ AdamW), GEMM, norms, other elementwise. The table is written to ``<run dir>/prof
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+import warnings
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,7 +38,11 @@ _PATTERNS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("norms", ("rms_norm", "rmsnorm", "layer_norm", "layernorm")),
 )
 # profiler ranges whose own time is not work of the step
-_WRAPPERS = ("profilerstep", "[memory]", "train_step")
+MODULE_RANGE = "module: "  # the prefix of the per-module ranges of a profiled step
+_WRAPPERS = ("profilerstep", "[memory]", "train_step", MODULE_RANGE)
+# the CUDA runtime calls that wait for the device (cudaMemcpyAsync to pageable memory is followed by one of these)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+_BACKWARD_NODE = "autograd::engine::evaluate_function: "
 
 
 def categorize(name: str, context: Sequence[str] = ()) -> str:
@@ -53,6 +64,77 @@ def _context(event) -> List[str]:
     return names
 
 
+def _work_context(event) -> List[str]:
+    """The context that decides a kind of work: module ranges left out (an elementwise operator in a module named
+    ...Attention is not attention work)."""
+    return [name for name in _context(event) if not name.startswith(MODULE_RANGE)]
+
+
+def launch_site(op) -> str:
+    """Where a host operator ran: its name, the innermost module range around it, the backward node it belongs to."""
+    names = _context(op)
+    site = op.name
+    module = next((n[len(MODULE_RANGE):] for n in names if n.startswith(MODULE_RANGE)), None)
+    if module:
+        site += f" in {module}"
+    node = next((n[len(_BACKWARD_NODE):] for n in names if n.startswith(_BACKWARD_NODE)), None)
+    if node:
+        site += f" in {node} (backward)"
+    return site
+
+
+def _is_device(event) -> bool:
+    device_type = getattr(event, "device_type", None)
+    return device_type is not None and device_type.name == "CUDA"
+
+
+def _is_device_work(event) -> bool:
+    """A kernel, copy or fill on the GPU (the profiler's ranges projected onto the GPU's timeline are not work)."""
+    return _is_device(event) and not getattr(event, "is_user_annotation", False)
+
+
+def idle_gaps(events: Iterable, top: int = 12) -> Tuple[float, List[Dict[str, Any]]]:
+    """(seconds the device was busy, the gaps between its work by where they end): every interval in which no
+    kernel or copy ran, from the first device event of the step to its last, put on the launch site of the event that
+    ends it (``launch_site`` of the operator that launched it), largest total first."""
+    events = list(events)
+    launchers = {e.id: e for e in events if not _is_device(e) and getattr(e, "linked_correlation_id", 0) == 0}
+    device = sorted((e for e in events if _is_device_work(e)), key=lambda e: e.time_range.start)
+    busy, gaps = 0.0, {}
+    end = None
+    for event in device:
+        start, stop = event.time_range.start, event.time_range.end
+        if end is not None and start > end:
+            launcher = launchers.get(getattr(event, "linked_correlation_id", None))
+            site = launch_site(launcher) if launcher is not None else f"{event.name} (launcher not recorded)"
+            gap = gaps.setdefault(site, {"site": site, "seconds": 0.0, "count": 0, "largest_ms": 0.0})
+            gap["seconds"] += (start - end) * 1e-6
+            gap["count"] += 1
+            gap["largest_ms"] = max(gap["largest_ms"], (start - end) * 1e-3)
+        if end is None or start > end:
+            busy += (stop - start) * 1e-6
+            end = stop
+        elif stop > end:
+            busy += (stop - end) * 1e-6
+            end = stop
+    return busy, sorted(gaps.values(), key=lambda g: -g["seconds"])[:top]
+
+
+OUTSIDE_OPERATORS = "(outside any operator: torch.cuda.synchronize, the profiler's own)"
+
+
+def host_syncs(events: Iterable) -> List[Dict[str, Any]]:
+    """The CUDA runtime's synchronising calls of the step by ``launch_site`` of the operator that made them (those
+    outside any operator under OUTSIDE_OPERATORS), most first."""
+    sites: Dict[str, int] = {}
+    for event in events:
+        if _is_device(event) or event.name not in SYNC_CALLS:
+            continue
+        site = OUTSIDE_OPERATORS if event.cpu_parent is None else launch_site(event.cpu_parent)
+        sites[site] = sites.get(site, 0) + 1
+    return [{"site": site, "count": n} for site, n in sorted(sites.items(), key=lambda x: -x[1])]
+
+
 def breakdown(events: Iterable, step_seconds: float, device: str) -> Tuple[Dict[str, float], List[Tuple[str, str, float]]]:
     """(seconds per kind, idle included; the largest items as (name, kind, seconds)) of the profiler's function
     events of one step. ``device="cuda"`` counts every kernel's time (a kernel belongs to the operator that launched
@@ -71,7 +153,7 @@ def breakdown(events: Iterable, step_seconds: float, device: str) -> Tuple[Dict[
         for name, micros in work:
             if micros <= 0:
                 continue
-            kind = categorize(name, [event.name, *_context(event)] if device == "cuda" else _context(event))
+            kind = categorize(name, [event.name, *_work_context(event)] if device == "cuda" else _work_context(event))
             seconds[kind] += micros * 1e-6
             items[(name, kind)] = items.get((name, kind), 0.0) + micros * 1e-6
     seconds["idle"] = max(0.0, step_seconds - sum(seconds.values()))
@@ -79,13 +161,76 @@ def breakdown(events: Iterable, step_seconds: float, device: str) -> Tuple[Dict[
     return seconds, top
 
 
-class StepProfiler:
-    """``with StepProfiler() as p: <one step>`` then ``p.write(run_dir, step, step_seconds)``. On a GPU it
-    synchronises before and after the step, so that the step's time and its kernels line up."""
+class _ModuleRanges:
+    """A profiler range around every module call (``module: <class>``) while open: global module hooks, so only for
+    eager layers (hooks added after compiling would make dynamo recompile)."""
 
     def __init__(self):
+        self._open: List[Any] = []
+        self._handles: List[Any] = []
+
+    def __enter__(self) -> "_ModuleRanges":
+        from torch.nn.modules import module as nn_module
+
+        self._handles = [nn_module.register_module_forward_pre_hook(self._enter),
+                         nn_module.register_module_forward_hook(self._exit)]
+        return self
+
+    def _enter(self, module, args) -> None:
+        scope = torch.autograd.profiler.record_function(MODULE_RANGE + type(module).__name__)
+        scope.__enter__()
+        self._open.append(scope)
+
+    def _exit(self, module, args, output) -> None:
+        if self._open:
+            self._open.pop().__exit__(None, None, None)
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        while self._open:  # a forward that raised left its ranges open
+            self._open.pop().__exit__(None, None, None)
+
+
+class _SyncSites:
+    """The Python lines of the synchronising CUDA calls while open (``torch.cuda.set_sync_debug_mode("warn")``);
+    other warnings are shown as usual once it closes."""
+
+    _MESSAGE = "synchronizing"
+
+    def __init__(self):
+        self.sites: Dict[str, int] = {}
+        self._catch = warnings.catch_warnings(record=True)
+        self._caught: List[Any] = []
+
+    def __enter__(self) -> "_SyncSites":
+        self._caught = self._catch.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        self._catch.__exit__(*exc)
+        for w in self._caught:
+            if self._MESSAGE in str(w.message):
+                site = f"{os.path.relpath(w.filename) if not w.filename.startswith('<') else w.filename}:{w.lineno}"
+                self.sites[site] = self.sites.get(site, 0) + 1
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+class StepProfiler:
+    """``with StepProfiler() as p: <one step>`` then ``p.write(run_dir, step, step_seconds)``. On a GPU it
+    synchronises before and after the step, so that the step's time and its kernels line up, and records where the
+    device waited (``module_ranges``: a range per module call, for eager layers only)."""
+
+    def __init__(self, module_ranges: bool = True):
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self._profile: Optional[torch.profiler.profile] = None
+        self._stack = contextlib.ExitStack()
+        self._module_ranges = module_ranges
+        self._sync_sites: Optional[_SyncSites] = None
 
     def __enter__(self) -> "StepProfiler":
         from torch.profiler import ProfilerActivity, profile
@@ -93,24 +238,36 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
         if self.device == "cuda":
             torch.cuda.synchronize()
-        self._profile = profile(activities=activities)
-        self._profile.__enter__()
+        self._profile = self._stack.enter_context(profile(activities=activities))
+        if self._module_ranges:
+            self._stack.enter_context(_ModuleRanges())
+        if self.device == "cuda":
+            self._sync_sites = self._stack.enter_context(_SyncSites())
         return self
 
     def synchronize(self) -> None:
-        """Wait for the step's kernels (before reading its wall time)."""
+        """Wait for the step's kernels (before reading its wall time); ends the count of the step's syncs."""
         if self.device == "cuda":
+            if self._sync_sites is not None:
+                torch.cuda.set_sync_debug_mode("default")
             torch.cuda.synchronize()
 
     def __exit__(self, *exc) -> None:
         self.synchronize()
-        self._profile.__exit__(*exc)
+        self._stack.__exit__(*exc)
 
     def write(self, run_dir: str, step: int, step_seconds: float) -> str:
-        seconds, top = breakdown(self._profile.events(), step_seconds, self.device)
-        path = os.path.join(run_dir, f"profile_step_{step}.json")
-        atomic_write_json(path, {
+        events = self._profile.events()
+        seconds, top = breakdown(events, step_seconds, self.device)
+        record: Dict[str, Any] = {
             "step": step, "device": self.device, "step_time_s": step_seconds, "seconds": seconds,
             "top": [{"name": n, "kind": k, "seconds": t} for n, k, t in top],
-        })
+        }
+        if self.device == "cuda":
+            busy, gaps = idle_gaps(events)
+            record.update(busy_s=busy, idle_gaps=gaps, host_syncs=host_syncs(events),
+                          sync_sites=[{"site": site, "count": n} for site, n in
+                                      sorted(self._sync_sites.sites.items(), key=lambda x: -x[1])])
+        path = os.path.join(run_dir, f"profile_step_{step}.json")
+        atomic_write_json(path, record)
         return path

@@ -860,7 +860,8 @@ class Trainer:
         if v2_lambda:
             record_lambda(self.model, True)
         profiled = t.profile_step is not None and self.step + 1 == t.profile_step
-        with StepProfiler() if profiled else contextlib.nullcontext() as profiler:
+        # a range per module call in the profile, unless the layers are compiled (new module hooks would recompile them)
+        with StepProfiler(module_ranges=not self.compiled_layers) if profiled else contextlib.nullcontext() as profiler:
             start = time.perf_counter()
             out = self.train_step(train_iter)
             if profiled:

@@ -1,0 +1,195 @@
+"""trainer.profile_step's analysis of where a step's time goes: the GPU's idle gaps put on the operator that launched
+the kernel after each (with its module and backward node), the host syncs by operator, module ranges that name the
+place without changing the kinds of work. The GPU analysis runs here on profiler events built as torch builds them
+from a CUDA trace; a GPU test profiles a real step with a sync in it."""
+
+import collections
+import contextlib
+import json
+import os
+import traceback
+
+import pytest
+import torch
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import FunctionEvent
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from diff_transformer.training.profiling import (OUTSIDE_OPERATORS, StepProfiler, breakdown, host_syncs, idle_gaps,
+                                                 launch_site)
+
+
+def cpu_op(id, name, start, end, parent=None, linked=0):
+    event = FunctionEvent(id=id, name=name, thread=1, start_us=start, end_us=end, linked_correlation_id=linked)
+    if parent is not None:
+        event.set_cpu_parent(parent)
+    return event
+
+
+def kernel(name, start, end, launcher, annotation=False):
+    return FunctionEvent(id=1000 + start, name=name, thread=7, start_us=start, end_us=end, device_type=DeviceType.CUDA,
+                         linked_correlation_id=launcher, is_user_annotation=annotation)
+
+
+def trace():
+    """A forward in a module range (a full launched by a module's Python, then a GEMM), a backward node's kernel,
+    an .item() that syncs, the profiler's own synchronisation, and the profiler's range projected on the GPU."""
+    step = cpu_op(1, "ProfilerStep#3", 0, 500)
+    module = cpu_op(2, "module: DiffCoreAttention", 10, 200, step)
+    full = cpu_op(3, "aten::full", 20, 30, module)
+    mm = cpu_op(4, "aten::mm", 40, 60, module)
+    node = cpu_op(5, "autograd::engine::evaluate_function: DiffAttnFunctionBackward", 210, 300, step)
+    bwd = cpu_op(6, "DiffAttnFunctionBackward", 215, 290, node)
+    item = cpu_op(7, "aten::_local_scalar_dense", 310, 400, cpu_op(8, "aten::item", 305, 405, step))
+    events = [step, module, full, mm, node, bwd, item, item.cpu_parent]
+    events += [cpu_op(20, "cudaLaunchKernel", 21, 22, full, linked=3),
+               cpu_op(21, "cudaLaunchKernel", 41, 42, mm, linked=4),
+               cpu_op(22, "cudaStreamSynchronize", 320, 390, item, linked=0),
+               cpu_op(23, "cudaDeviceSynchronize", 450, 480)]
+    events += [
+        kernel("vectorized_elementwise_kernel", 100, 110, 3),   # starts the busy time
+        kernel("nvjet_sm90_gemm", 130, 180, 4),                 # after a 20 us gap: aten::mm in the module
+        kernel("memcpy DtoD", 150, 170, 4),                     # inside the GEMM: no gap, no extra busy time
+        kernel("_diff_attn_bwd_kv_kernel", 250, 290, 6),        # after 70 us: the backward node's launch
+        kernel("Memcpy DtoH", 300, 305, 7),                     # after 10 us: the .item()
+        kernel("_diff_attn_bwd_dq_kernel", 340, 350, 6),        # after 35 us: launched late (host waited on the sync)
+        kernel("ProfilerStep#3", 0, 500, 0, annotation=True),   # the profiler's range on the GPU: not work
+    ]
+    return events
+
+
+def test_idle_gaps_are_put_on_the_operator_that_launched_the_next_kernel():
+    busy, gaps = idle_gaps(trace())
+    assert busy == pytest.approx((10 + 50 + 40 + 5 + 10) * 1e-6)
+    by_site = {g["site"]: g for g in gaps}
+    assert set(by_site) == {"aten::mm in DiffCoreAttention",
+                            "DiffAttnFunctionBackward in DiffAttnFunctionBackward (backward)",
+                            "aten::_local_scalar_dense"}
+    backward = by_site["DiffAttnFunctionBackward in DiffAttnFunctionBackward (backward)"]
+    assert backward["count"] == 2 and backward["seconds"] == pytest.approx(105e-6) and backward["largest_ms"] == 0.07
+    assert by_site["aten::mm in DiffCoreAttention"]["seconds"] == pytest.approx(20e-6)
+    assert [g["site"] for g in gaps][0] == backward["site"]  # largest total first
+
+
+def test_host_syncs_name_the_operator_and_keep_the_profilers_own_apart():
+    assert host_syncs(trace()) == [{"site": "aten::_local_scalar_dense", "count": 1},
+                                   {"site": OUTSIDE_OPERATORS, "count": 1}]
+
+
+def test_the_throughput_report_says_where_the_gpu_waited():
+    """benchmarks/train_throughput.py's lines for a GPU profile: the median step's idle estimated from the busy time
+    (and called an estimate), the largest gaps and the syncs with their sites."""
+    from benchmarks.train_throughput import idle_lines
+
+    busy, gaps = idle_gaps(trace())
+    profile = {"step_time_s": 600e-6, "busy_s": busy, "idle_gaps": gaps, "host_syncs": host_syncs(trace()),
+               "sync_sites": [{"site": "diff_transformer/training/trainer.py:631", "count": 1}]}
+    text = "\n".join(idle_lines([{"label": "diff (triton)", "step_time_s": 500e-6, "profile": profile}]))
+    assert "estimate" in text
+    assert "busy 0.1 ms of the profiled step's 0.6; idle in a median step ≈ 0.4 ms of 0.5 (77.0%)" in text
+    assert "DiffAttnFunctionBackward in DiffAttnFunctionBackward (backward) 0.1 ms (2 gaps, largest 0.07 ms)" in text
+    assert "aten::_local_scalar_dense ×1" in text and "trainer.py:631 ×1" in text
+    assert idle_lines([{"label": "cpu", "step_time_s": 1.0, "profile": {"step_time_s": 1.0}}]) == []
+
+
+class FooAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.sigmoid(self.proj(x)) * 2.0
+
+
+def test_module_ranges_name_the_place_but_not_the_kind_of_work(tmp_path):
+    """On a CPU: each module call is a range around its operators, launch_site names the innermost, and neither the
+    ranges' own time nor their names change the kinds of work (a multiply in FooAttention is not attention)."""
+    model, x = torch.nn.Sequential(FooAttention(), torch.nn.ReLU()), torch.randn(8, 16, requires_grad=True)
+    with StepProfiler() as profiler:
+        model(x).sum().backward()
+    events = profiler._profile.events()
+    names = {e.name for e in events}
+    assert {"module: Sequential", "module: FooAttention", "module: Linear", "module: ReLU"} <= names
+    sites = {launch_site(e) for e in events if e.name in ("aten::addmm", "aten::sigmoid", "aten::relu")}
+    assert sites == {"aten::addmm in Linear", "aten::sigmoid in FooAttention", "aten::relu in ReLU"}
+    seconds, top = breakdown(events, 1.0, "cpu")
+    assert seconds["attention"] == 0.0 and seconds["GEMM"] > 0 and seconds["other elementwise"] > 0
+    assert not any(name.startswith("module: ") for name, _, _ in top)
+    # the hooks are gone after the step: a later forward records no ranges
+    with torch.profiler.profile() as later:
+        model(x)
+    assert not any(e.name.startswith("module: ") for e in later.events())
+    # real events carry what the GPU analysis reads (on a CPU no device work: nothing busy, no gaps)
+    assert idle_gaps(events) == (0.0, []) and host_syncs(events) == []
+    path = profiler.write(str(tmp_path), 3, 1.0)
+    assert json.loads(open(path).read())["device"] == "cpu"
+
+
+# the operators that read a tensor's values on the host: on a GPU each waits for the device
+SYNCING_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "_unique2", "unique_dim",
+               "allclose"}
+
+
+class HostReads(TorchDispatchMode):
+    """Records every operator that would make a host sync on a GPU, with the repository's frames that called it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._overloadpacket.__name__ in SYNCING_OPS:
+            frames = [f"{os.path.basename(f.filename)}:{f.lineno}" for f in traceback.extract_stack()
+                      if "/diff_transformer/" in f.filename or "/kernels/" in f.filename or "megatron" in f.filename]
+            self.seen[(func._overloadpacket.__name__, " <- ".join(frames[-3:]))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind, backend", [("diff", "sdpa"), ("diff", "triton"), ("diff", "combined"),
+                                           ("diff_v2", "sdpa"), ("vanilla", "sdpa")])
+def test_a_layers_forward_and_backward_read_nothing_on_the_host(kind, backend, megatron_single_process):
+    """The model's forward and backward (every fusion on; DIFF's fused kernel through its GPU launch branch, as on an
+    H100) call no operator that reads values on the host, so on a GPU they never wait for it: a step's syncs are the
+    trainer's own (the loss, the gradient norm)."""
+    from omegaconf import OmegaConf
+
+    from diff_transformer.config import Config
+    from diff_transformer.models.gpt import build_model_chunk
+    from kernels import gpu_target
+
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), {
+        "model": {"name": "debug", "attention": kind, "attention_backend": backend, "num_layers": 2,
+                  "hidden_size": 128, "num_heads": 2, "ffn_hidden_size": 352, "seq_length": 64},
+        "trainer": {"max_steps": 2, "global_batch_size": 2, "fusions": "on"}}))
+    model = build_model_chunk(cfg, 128)
+    tokens = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(64).expand(2, 64)
+    reads = HostReads()
+    with gpu_target.simulate("sm_90") if backend == "triton" else contextlib.nullcontext(), reads:
+        model(tokens, positions, None, labels=tokens).mean().backward()
+    assert not reads.seen, dict(reads.seen)
+    assert all(p.grad is not None or not p.requires_grad for p in model.parameters())
+    # the detector sees a host read
+    with reads:
+        torch.ones(2).sum().item()
+    assert sum(reads.seen.values()) == 1
+
+
+@pytest.mark.gpu
+def test_a_profiled_gpu_step_finds_its_sync_and_idle(tmp_path):
+    """On a GPU: an .item() between matrix products is a host sync, found at its Python line and on its operator,
+    and the device waits after it (a gap, put on a launch site)."""
+    model = torch.nn.Linear(1024, 1024, device="cuda")
+    x = torch.randn(4096, 1024, device="cuda")
+    with StepProfiler() as profiler:
+        y = model(model(x))
+        scale = float(y.abs().max())  # the sync
+        model(y / scale).sum().backward()
+        profiler.synchronize()
+    path = profiler.write(str(tmp_path), 1, 0.1)
+    record = json.loads(open(path).read())
+    syncs = {s["site"]: s["count"] for s in record["host_syncs"]}
+    assert any("_local_scalar_dense" in site for site in syncs), record["host_syncs"]
+    assert any(s["site"].startswith("tests/test_profiling.py:") for s in record["sync_sites"]), record["sync_sites"]
+    assert 0 < record["busy_s"] < record["step_time_s"] and record["idle_gaps"], record
+    assert sum(g["seconds"] for g in record["idle_gaps"]) < record["step_time_s"], record["idle_gaps"]
