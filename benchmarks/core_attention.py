@@ -161,7 +161,7 @@ def main() -> int:
                         help="DIFF V1 rows: its backends to time (default triton, sdpa)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per row on a CPU (median)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"),
-                        help="directory of the report core_attention_d<d>_N<N>_<machine>_<date>.md, rewritten after "
+                        help="directory of the report core_attention_d<d>_N<N>_B<B>_<machine>_<date>.md, rewritten after "
                              "every row (a run cut off keeps the rows it timed)")
     args = parser.parse_args()
 
@@ -209,7 +209,7 @@ def main() -> int:
         if write:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
-            (out / f"core_attention_d{d}_N{n}_{machine_name()}_{datetime.date.today()}.md").write_text(report)
+            (out / f"core_attention_d{d}_N{n}_B{b}_{machine_name()}_{datetime.date.today()}.md").write_text(report)
     print(report)
     base = next((ms for label, ms, _ in results if label.startswith("vanilla")), None)
     print(f"headline: d={d} N={n} B={b} H={heads}, fwd+bwd ms (/ baseline): " + "; ".join(

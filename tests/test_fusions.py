@@ -137,6 +137,23 @@ def test_fusions_switch_megatrons_fused_paths_on():
     assert fusions_enabled(auto, "cuda") and not fusions_enabled(auto, "cpu")
 
 
+@pytest.mark.parametrize("overrides, says", [
+    (["trainer.fusions=off"], "off"),
+    (["model.attention_backend=sdpa"], "on (triton DIFF epilogue)"),
+    (["model.attention_backend=sdpa", "trainer.diff_epilogue=compile"], "on (compile DIFF epilogue)"),
+    (["model.attention=diff_v2", "model.attention_backend=sdpa"], "on (triton DIFF epilogue)"),
+    (["model.attention_backend=triton"], "on (the DIFF epilogue inside the triton backend)"),
+    (["model.attention_backend=combined"], "on (the DIFF epilogue inside the combined backend)"),
+    (["model.attention_backend=triton", "parallel.cp=2"], "on (triton DIFF epilogue)"),  # the ring's epilogue
+    (["model.attention_backend=eager"], "on (eager's unfused DIFF epilogue)"),
+    (["model.attention=vanilla", "model.attention_backend=sdpa"], "on"),
+])
+def test_the_setup_log_names_the_diff_epilogue_the_attention_runs(overrides, says):
+    from diff_transformer.models.gpt import fusions_summary
+
+    assert fusions_summary(compose_cfg("model=debug", "trainer.fusions=on", *overrides)) == says
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # The step profile's kinds of work
 # ------------------------------------------------------------------------------------------------------------------

@@ -58,6 +58,26 @@ def epilogue_impl(cfg: Any) -> str:
     return cfg.trainer.diff_epilogue if fusions_enabled(cfg) else "unfused"
 
 
+# the kinds whose core attention ends in the DIFF epilogue (models.attention.epilogue), and the backends that, without
+# context parallelism, apply it themselves (eager: the unfused reference)
+EPILOGUE_KINDS = ("diff", "diff_v2")
+OWN_EPILOGUE_BACKENDS = ("triton", "combined")
+
+
+def fusions_summary(cfg: Any) -> str:
+    """What the setup log says of ``trainer.fusions``: off, or on with the DIFF epilogue the attention runs."""
+    if not fusions_enabled(cfg):
+        return "off"
+    if cfg.model.attention not in EPILOGUE_KINDS:
+        return "on"
+    backend = resolved_backend(cfg.model)
+    if backend == "eager":
+        return "on (eager's unfused DIFF epilogue)"
+    if backend in OWN_EPILOGUE_BACKENDS and cfg.parallel.cp == 1:
+        return f"on (the DIFF epilogue inside the {backend} backend)"
+    return f"on ({epilogue_impl(cfg)} DIFF epilogue)"
+
+
 def recompute_settings(cfg: Any) -> Dict[str, Any]:
     """TransformerConfig fields for ``trainer.recompute``: megatron-core's selective recomputation of the core
     attention (DIFF's whole differential core: both maps, λ and the sub-layer norm) or full recomputation of whole

@@ -32,7 +32,7 @@ from diff_transformer.models.gpt import (
     dex_parameters,
     epilogue_impl,
     freeze_all_but_dex,
-    fusions_enabled,
+    fusions_summary,
     gradient_accumulation_fusion_available,
     lambda_values,
     parameter_numel,
@@ -361,7 +361,7 @@ class Trainer:
             "model %s (%s attention, backend %s, fusions %s): %s parameters (%s without embeddings), vocab %d "
             "(padded %d)",
             cfg.model.name, cfg.model.attention, cfg.model.attention_backend,
-            f"on ({epilogue_impl(cfg)} DIFF epilogue)" if fusions_enabled(cfg) else "off",
+            fusions_summary(cfg),
             f"{self.num_parameters:,}", f"{self.num_non_embedding_parameters:,}",
             self.tokenizer.vocab_size, self.padded_vocab,
         )
