@@ -159,7 +159,7 @@ def profile_table(rows) -> list[str]:
 def idle_lines(profiled) -> list[str]:
     """Where the GPU waited in the profiled step (GPU profiles only): the median step's idle, estimated from the
     profiled step's busy time, the largest gaps by the operator that launched the kernel after each, the host syncs."""
-    profiled = [r for r in profiled if "busy_s" in r["profile"]]
+    profiled = [r for r in profiled if r["profile"]["device"] == "cuda"]
     if not profiled:
         return []
     lines = ["Where the GPU waited (idle: no kernel or copy running). The median step's idle is an estimate: its "

@@ -5,9 +5,11 @@ from a CUDA trace; a GPU test profiles a real step with a sync in it."""
 
 import collections
 import contextlib
+import inspect
 import json
 import os
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -82,14 +84,14 @@ def test_the_throughput_report_says_where_the_gpu_waited():
     from benchmarks.train_throughput import idle_lines
 
     busy, gaps = idle_gaps(trace())
-    profile = {"step_time_s": 600e-6, "busy_s": busy, "idle_gaps": gaps, "host_syncs": host_syncs(trace()),
+    profile = {"device": "cuda", "step_time_s": 600e-6, "busy_s": busy, "idle_gaps": gaps, "host_syncs": host_syncs(trace()),
                "sync_sites": [{"site": "diff_transformer/training/trainer.py:631", "count": 1}]}
     text = "\n".join(idle_lines([{"label": "diff (triton)", "step_time_s": 500e-6, "profile": profile}]))
     assert "estimate" in text
     assert "busy 0.1 ms of the profiled step's 0.6; idle in a median step ≈ 0.4 ms of 0.5 (77.0%)" in text
     assert "DiffAttnFunctionBackward in DiffAttnFunctionBackward (backward) 0.1 ms (2 gaps, largest 0.07 ms)" in text
     assert "aten::_local_scalar_dense ×1" in text and "trainer.py:631 ×1" in text
-    assert idle_lines([{"label": "cpu", "step_time_s": 1.0, "profile": {"step_time_s": 1.0}}]) == []
+    assert idle_lines([{"label": "cpu", "step_time_s": 1.0, "profile": {**profile, "device": "cpu"}}]) == []
 
 
 class FooAttention(torch.nn.Module):
@@ -105,8 +107,12 @@ def test_module_ranges_name_the_place_but_not_the_kind_of_work(tmp_path):
     """On a CPU: each module call is a range around its operators, launch_site names the innermost, and neither the
     ranges' own time nor their names change the kinds of work (a multiply in FooAttention is not attention)."""
     model, x = torch.nn.Sequential(FooAttention(), torch.nn.ReLU()), torch.randn(8, 16, requires_grad=True)
-    with StepProfiler() as profiler:
-        model(x).sum().backward()
+    with pytest.warns(UserWarning, match="an unrelated warning"):  # shown once the step ends
+        with StepProfiler() as profiler:
+            model(x).sum().backward()
+            warnings.warn("Warning: called a synchronizing CUDA operation")  # torch's text, as on a GPU
+            sync_line = inspect.currentframe().f_lineno - 1
+            warnings.warn("an unrelated warning")
     events = profiler._profile.events()
     names = {e.name for e in events}
     assert {"module: Sequential", "module: FooAttention", "module: Linear", "module: ReLU"} <= names
@@ -121,8 +127,9 @@ def test_module_ranges_name_the_place_but_not_the_kind_of_work(tmp_path):
     assert not any(e.name.startswith("module: ") for e in later.events())
     # real events carry what the GPU analysis reads (on a CPU no device work: nothing busy, no gaps)
     assert idle_gaps(events) == (0.0, []) and host_syncs(events) == []
-    path = profiler.write(str(tmp_path), 3, 1.0)
-    assert json.loads(open(path).read())["device"] == "cpu"
+    record = json.loads(open(profiler.write(str(tmp_path), 3, 1.0)).read())
+    assert record["device"] == "cpu" and record["busy_s"] == 0.0 and record["idle_gaps"] == []
+    assert record["sync_sites"] == [{"site": f"tests/test_profiling.py:{sync_line}", "count": 1}]
 
 
 # the operators that read a tensor's values on the host: on a GPU each waits for the device

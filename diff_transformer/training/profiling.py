@@ -193,28 +193,36 @@ class _ModuleRanges:
 
 
 class _SyncSites:
-    """The Python lines of the synchronising CUDA calls while open (``torch.cuda.set_sync_debug_mode("warn")``);
-    other warnings are shown as usual once it closes."""
+    """The Python lines of the synchronising CUDA calls while open: with ``debug_mode`` (a GPU) torch warns at each
+    (``torch.cuda.set_sync_debug_mode("warn")``) and the warnings are counted by line; other warnings are shown as
+    usual once it closes."""
 
-    _MESSAGE = "synchronizing"
+    MESSAGE = "called a synchronizing CUDA operation"  # torch's warning (c10/cuda/CUDAFunctions.cpp)
 
-    def __init__(self):
+    def __init__(self, debug_mode: bool):
         self.sites: Dict[str, int] = {}
+        self._debug_mode = debug_mode
         self._catch = warnings.catch_warnings(record=True)
         self._caught: List[Any] = []
 
     def __enter__(self) -> "_SyncSites":
         self._caught = self._catch.__enter__()
         warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
+        if self._debug_mode:
+            torch.cuda.set_sync_debug_mode("warn")
         return self
 
+    def stop(self) -> None:
+        """No more warnings at syncs (before a synchronisation of the caller's own)."""
+        if self._debug_mode:
+            torch.cuda.set_sync_debug_mode("default")
+
     def __exit__(self, *exc) -> None:
-        torch.cuda.set_sync_debug_mode("default")
+        self.stop()
         self._catch.__exit__(*exc)
         for w in self._caught:
-            if self._MESSAGE in str(w.message):
-                site = f"{os.path.relpath(w.filename) if not w.filename.startswith('<') else w.filename}:{w.lineno}"
+            if self.MESSAGE in str(w.message):
+                site = f"{w.filename if w.filename.startswith('<') else os.path.relpath(w.filename)}:{w.lineno}"
                 self.sites[site] = self.sites.get(site, 0) + 1
             else:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
@@ -230,7 +238,7 @@ class StepProfiler:
         self._profile: Optional[torch.profiler.profile] = None
         self._stack = contextlib.ExitStack()
         self._module_ranges = module_ranges
-        self._sync_sites: Optional[_SyncSites] = None
+        self._sync_sites = _SyncSites(debug_mode=self.device == "cuda")
 
     def __enter__(self) -> "StepProfiler":
         from torch.profiler import ProfilerActivity, profile
@@ -241,15 +249,13 @@ class StepProfiler:
         self._profile = self._stack.enter_context(profile(activities=activities))
         if self._module_ranges:
             self._stack.enter_context(_ModuleRanges())
-        if self.device == "cuda":
-            self._sync_sites = self._stack.enter_context(_SyncSites())
+        self._stack.enter_context(self._sync_sites)
         return self
 
     def synchronize(self) -> None:
         """Wait for the step's kernels (before reading its wall time); ends the count of the step's syncs."""
+        self._sync_sites.stop()
         if self.device == "cuda":
-            if self._sync_sites is not None:
-                torch.cuda.set_sync_debug_mode("default")
             torch.cuda.synchronize()
 
     def __exit__(self, *exc) -> None:
@@ -263,11 +269,11 @@ class StepProfiler:
             "step": step, "device": self.device, "step_time_s": step_seconds, "seconds": seconds,
             "top": [{"name": n, "kind": k, "seconds": t} for n, k, t in top],
         }
-        if self.device == "cuda":
-            busy, gaps = idle_gaps(events)
-            record.update(busy_s=busy, idle_gaps=gaps, host_syncs=host_syncs(events),
-                          sync_sites=[{"site": site, "count": n} for site, n in
-                                      sorted(self._sync_sites.sites.items(), key=lambda x: -x[1])])
+        # on a CPU there is no device work: nothing busy, no gaps, no syncs (the same code, so CI runs it)
+        busy, gaps = idle_gaps(events)
+        record.update(busy_s=busy, idle_gaps=gaps, host_syncs=host_syncs(events),
+                      sync_sites=[{"site": site, "count": n} for site, n in
+                                  sorted(self._sync_sites.sites.items(), key=lambda x: -x[1])])
         path = os.path.join(run_dir, f"profile_step_{step}.json")
         atomic_write_json(path, record)
         return path
