@@ -10,6 +10,7 @@
 Rows (each a ``models.attention`` module with megatron's [s, b, heads, d] inputs, so the layout work counts):
     DIFF V1 ``triton`` (the fused kernel, first), the baseline (2H heads of d, one ``sdpa`` call), DIFF V1
     ``combined`` (the combined map in one autograd node, the CPU's backend at short sequences; only when asked for),
+    with ``--v1-backends flash_attn4`` the baseline and DIFF V1 on flash-attn-4 (one call a map over the 2d-wide V),
     DIFF V1 ``sdpa`` (two library calls of the baseline's shape, equal head dims) with each DIFF epilogue (the fused
     Triton kernel, unfused, torch.compile), DIFF V2 ``sdpa`` with each epilogue. Before timing, every DIFF row's output and
     gradients are checked against ``eager`` in fp32 (bf16 inputs rounded once) at the timed head dim; a row that
@@ -115,10 +116,12 @@ def time_ms(fn, device, repeats) -> float:
 
 def rows_to_time(epilogues, v2_epilogues, v1_backends=("triton", "sdpa")):
     """(kind, backend, epilogue) in the order they are timed: the fused kernel first (the row a short GPU window
-    must not lose), then the baseline every ratio divides by, the combined map, then the library paths by
-    epilogue; DIFF V1's rows only for ``v1_backends``."""
+    must not lose), then the baseline every ratio divides by, flash-attn-4's rows, the combined map, then the
+    library paths by epilogue; DIFF V1's rows only for ``v1_backends``."""
     rows = [("diff", "triton", "unfused")] if "triton" in v1_backends else []
     rows += [("vanilla", "sdpa", "unfused")]
+    if "flash_attn4" in v1_backends:  # flash-attn-4: the baseline on it too, then DIFF's one call a map
+        rows += [("vanilla", "flash_attn4", "unfused"), ("diff", "flash_attn4", epilogues[0])]
     rows += [("diff", "combined", "unfused")] if "combined" in v1_backends else []
     rows += [("diff", "sdpa", e) for e in epilogues] if "sdpa" in v1_backends else []
     rows += [("diff_v2", "sdpa", e) for e in v2_epilogues if e in epilogues]
@@ -157,8 +160,10 @@ def main() -> int:
                              "and compile on a GPU)")
     parser.add_argument("--v2-epilogues", nargs="*", default=["triton"], metavar="EPILOGUE",
                         help="DIFF V2 rows: the epilogues to time it with (unfused, triton, compile; none: no V2 row)")
-    parser.add_argument("--v1-backends", nargs="+", default=["triton", "sdpa"], choices=["triton", "sdpa", "combined"],
-                        help="DIFF V1 rows: its backends to time (default triton, sdpa)")
+    parser.add_argument("--v1-backends", nargs="+", default=["triton", "sdpa"],
+                        choices=["triton", "sdpa", "combined", "flash_attn4"],
+                        help="DIFF V1 rows: its backends to time (default triton, sdpa; flash_attn4 adds the "
+                             "baseline on flash-attn-4 too, and DIFF on it with the first of --epilogues)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per row on a CPU (median)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"),
                         help="directory of the report core_attention_d<d>_N<N>_B<B>_<machine>_<date>.md, rewritten after "

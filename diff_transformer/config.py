@@ -45,7 +45,8 @@ class ModelConfig:
     name: str = MISSING
     # a key of ATTENTION_KINDS: diff | vanilla | diff_v2 | vanilla_subln | vanilla_wide | topk | signed_mask
     attention: str = "diff"
-    # auto (timed once per GPU and shape, sdpa on a CPU) | eager | sdpa | flash_attn | triton (each kind's: docs/speed.md)
+    # auto (timed once per GPU and shape; by rule on a CPU) | eager | sdpa | flash_attn | flash_attn4 | triton |
+    # combined (each kind's: docs/speed.md)
     attention_backend: str = "auto"
     num_layers: int = MISSING
     hidden_size: int = MISSING

@@ -171,16 +171,92 @@ def test_sdpa_matches_eager_values_and_grads(kind, heads, kv_heads):
 
 
 def test_unknown_backend_and_missing_flash_attn():
+    from diff_transformer.training.backend_choice import installed
+
     config = make_config(2, 2, 16)
-    with pytest.raises(ValueError, match="attention_backend='cudnn'.*eager, sdpa, flash_attn, triton"):
+    with pytest.raises(ValueError, match="attention_backend='cudnn'.*eager, sdpa, flash_attn, flash_attn4, triton"):
         DifferentialCoreAttention(config, 1, AttnMaskType.causal, backend="cudnn")
-    try:  # flash-attn is GPU-only; without it the backend names the fix
-        import flash_attn  # noqa: F401
-    except ImportError:
-        attn = VanillaCoreAttention(config, 1, AttnMaskType.causal, backend="flash_attn")
-        q = torch.randn(8, 1, 4, 16)
-        with pytest.raises(ImportError, match="flash-attn"):
-            attn(q, q, q, None, attn_mask_type=AttnMaskType.causal)
+    # the FlashAttention libraries are GPU-only; without one its backend names the package and the fix
+    for backend, package in (("flash_attn", "the flash-attn package"), ("flash_attn4", "the flash-attn-4 package")):
+        if not installed(backend):
+            attn = VanillaCoreAttention(config, 1, AttnMaskType.causal, backend=backend)
+            q = torch.randn(8, 1, 4, 16)
+            with pytest.raises(ImportError, match=f"attention_backend={backend} needs {package}.*use "
+                                                  "model.attention_backend=sdpa"):
+                attn(q, q, q, None, attn_mask_type=AttnMaskType.causal)
+
+
+@pytest.fixture
+def flash_libraries():
+    from tests.flash_stand_in import installed
+
+    with installed() as calls:
+        yield calls
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "flash_attn4"])
+@pytest.mark.parametrize("kind", ["diff", "diff_v2", "vanilla"])
+@pytest.mark.parametrize("heads,kv_heads,documents", [(2, 2, False), (4, 1, False), (4, 2, True)],
+                         ids=["H2-Hkv2", "H4-Hkv1-gqa", "H4-Hkv2-gqa-documents"])
+def test_flash_backends_equal_eager_in_fp64(kind, backend, heads, kv_heads, documents, flash_libraries):
+    """Each kind's calls into the FlashAttention libraries (their stand-ins here, tests/flash_stand_in.py: the
+    libraries' entry points, layouts and GQA pairing over the materialised map) equal eager in fp64, outputs and every
+    gradient, with GQA and with documents (the variable-length entry). DIFF V1 makes two calls either way: on
+    flash-attn 2 of 2H query heads with equal head dims, one per half of V; on flash-attn-4 one per map, H query heads
+    against the whole 2d-wide V."""
+    from diff_transformer.models.attention import DiffV2CoreAttention
+    from diff_transformer.models.documents import PackedDocuments
+
+    torch.manual_seed(heads * 10 + kv_heads)
+    d, n, b = 8, 19, 2
+    if kind == "diff_v2":
+        config = TransformerConfig(num_layers=2, hidden_size=2 * heads * d, num_attention_heads=2 * heads,
+                                   num_query_groups=kv_heads, kv_channels=d, use_cpu_initialization=True)
+        make = lambda backend: DiffV2CoreAttention(config, 1, AttnMaskType.causal, backend=backend)  # noqa: E731
+        shapes = (2 * heads, kv_heads, kv_heads)
+    else:
+        cls = DifferentialCoreAttention if kind == "diff" else VanillaCoreAttention
+        config = make_config(heads, kv_heads, d)
+        make = lambda backend: cls(config, 3, AttnMaskType.causal, backend=backend)  # noqa: E731
+        shapes = (2 * heads, 2 * kv_heads, 2 * kv_heads)
+    eager, flash = make("eager").double(), make(backend).double()
+    if kind == "diff":
+        with torch.no_grad():
+            eager.sublayer_norm.weight.uniform_(0.5, 1.5)
+    flash.load_state_dict(eager.state_dict())
+    tensors = [torch.randn(n, b, h, d, dtype=torch.float64) for h in shapes]
+    if kind == "diff_v2":
+        tensors.append(torch.randn(n, b, heads, dtype=torch.float64))  # λ's logits
+    ids = torch.tensor([[0] * 7 + [1] * 12, [0] * 3 + [1] * 9 + [2] * 7], dtype=torch.int32)
+    packed = PackedDocuments(document_ids=ids) if documents else None
+
+    def run(module):
+        inputs = [t.clone().requires_grad_(True) for t in tensors]
+        bias = inputs[3] if kind == "diff_v2" else None
+        out = module(*inputs[:3], None, attn_mask_type=AttnMaskType.causal, attention_bias=bias,
+                     packed_seq_params=packed)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64))
+        return [out.detach()] + [t.grad for t in inputs] + [p.grad for p in module.parameters()]
+
+    want = run(eager)
+    assert not flash_libraries
+    got = run(flash)
+    assert len(got) == len(want) >= 4
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float64
+        assert rel_err(g, w) < 1e-12
+    entry = "varlen" if documents else "func"
+    calls = [(library, e) for library, e, *_ in flash_libraries]
+    assert set(calls) == {(backend, entry)}, flash_libraries
+    if kind == "diff":
+        assert len(calls) == 2
+        q_shape, k_shape, v_shape = flash_libraries[0][2:]
+        tokens = (b * n,) if documents else (b, n)
+        if backend == "flash_attn4":
+            assert q_shape == tokens + (heads, d) and k_shape == tokens + (kv_heads, d)
+            assert v_shape == tokens + (kv_heads, 2 * d)
+        else:
+            assert q_shape == tokens + (2 * heads, d) and v_shape[-1] == d
 
 
 @pytest.mark.parametrize("kind", ["diff", "diff_v2"])
@@ -271,11 +347,13 @@ def test_triton_backend_matches_eager_values_and_grads(heads, kv_heads):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["diff", "vanilla"])
-@pytest.mark.parametrize("backend", ["sdpa", "triton", "flash_attn", "combined"])
+@pytest.mark.parametrize("backend", ["sdpa", "triton", "flash_attn", "flash_attn4", "combined"])
 def test_gpu_backends_in_bf16_match_eager_in_fp32(kind, backend):
     """On a GPU, each backend in bf16 against the fp32 eager map on the same (bf16-rounded) inputs and weights."""
-    if backend == "flash_attn":
-        pytest.importorskip("flash_attn")
+    from diff_transformer.training.backend_choice import installed
+
+    if backend.startswith("flash_attn") and not installed(backend):
+        pytest.skip(f"{backend}'s library is not installed")
     if kind == "vanilla" and backend in ("triton", "combined"):
         pytest.skip(f"{backend} is differential attention only")
     torch.manual_seed(5)

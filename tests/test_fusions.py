@@ -201,6 +201,21 @@ def test_candidates_per_kind():
     assert backend_choice.candidates(compose_cfg("model.attention=topk").model) == ["sdpa"]
 
 
+def test_installed_flash_libraries_are_candidates_of_the_kinds_that_run_them():
+    """With flash-attn 2 and 4 importable (their CPU stand-ins), auto times them for the softmax kinds and DIFF, not
+    for the map controls, and under context parallelism only backends with a ring path."""
+    from tests.flash_stand_in import installed
+
+    with installed():
+        assert backend_choice.installed("flash_attn") and backend_choice.installed("flash_attn4")
+        for kind in ("diff", "diff_v2", "vanilla", "dex"):
+            found = backend_choice.candidates(compose_cfg(f"model.attention={kind}").model)
+            assert found[0] == "sdpa" and {"flash_attn", "flash_attn4"} <= set(found), (kind, found)
+        assert backend_choice.candidates(compose_cfg("model.attention=topk").model) == ["sdpa"]
+        assert "flash_attn4" not in backend_choice.candidates(compose_cfg("model.attention=diff").model, cp=2)
+    assert not backend_choice.installed("flash_attn4")  # the stand-ins are gone
+
+
 def test_choose_takes_the_fastest_and_skips_failures():
     calls = []
     chosen = backend_choice.choose(["sdpa", "triton", "flash_attn"], fake_timer(

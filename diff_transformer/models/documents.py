@@ -13,7 +13,7 @@ What each backend makes of the ids (never an N×N mask at long N):
   causal;
 - ``sdpa``: one causal library call per document (:func:`document_segments`), each exactly the document run alone;
   on a GPU in fp16/bf16 PyTorch's variable-length FlashAttention over all documents at once (``cu_seqlens``);
-- ``flash_attn``: flash-attn's variable-length entry over the same ``cu_seqlens``;
+- ``flash_attn`` and ``flash_attn4``: the library's variable-length entry over the same ``cu_seqlens``;
 - ``triton``: the fused kernel reads the ids per tile and skips key and query blocks outside the documents;
 - the context-parallel ring: each chunk's ids travel with its K and V; a block with no document in common is skipped.
 """

@@ -40,7 +40,7 @@ def resolve_precision(precision: str) -> torch.dtype:
 
 # Backends whose kernel keeps no attention map and recomputes it in its backward: selective recomputation of the core
 # attention would only run the kernel's forward a second time, so it is left off for them.
-FUSED_ATTENTION_BACKENDS = ("triton", "flash_attn")
+FUSED_ATTENTION_BACKENDS = ("triton", "flash_attn", "flash_attn4")
 
 
 def fusions_enabled(cfg: Any, device: Optional[str] = None) -> bool:

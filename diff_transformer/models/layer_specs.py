@@ -170,13 +170,15 @@ class AttentionKind:
 
 ATTENTION_KINDS: Dict[str, AttentionKind] = {
     "diff": AttentionKind(diff_layer_spec, _paired_heads, BACKENDS, ("lambda_init", "lambda_learnable", "sublayer_norm")),
-    "vanilla": AttentionKind(vanilla_layer_spec, _paired_heads, ("eager", "sdpa", "flash_attn")),
-    "diff_v2": AttentionKind(diff_v2_layer_spec, _v2_heads, ("eager", "sdpa", "flash_attn", "triton")),
-    "vanilla_subln": AttentionKind(vanilla_subln_layer_spec, _paired_heads, ("eager", "sdpa", "flash_attn"), ("lambda_init",)),
-    "vanilla_wide": AttentionKind(vanilla_layer_spec, _wide_heads, ("eager", "sdpa", "flash_attn")),
+    "vanilla": AttentionKind(vanilla_layer_spec, _paired_heads, ("eager", "sdpa", "flash_attn", "flash_attn4")),
+    "diff_v2": AttentionKind(diff_v2_layer_spec, _v2_heads, ("eager", "sdpa", "flash_attn", "flash_attn4", "triton")),
+    "vanilla_subln": AttentionKind(vanilla_subln_layer_spec, _paired_heads,
+                                   ("eager", "sdpa", "flash_attn", "flash_attn4"), ("lambda_init",)),
+    "vanilla_wide": AttentionKind(vanilla_layer_spec, _wide_heads, ("eager", "sdpa", "flash_attn", "flash_attn4")),
     "topk": AttentionKind(topk_layer_spec, _paired_heads, ("eager", "sdpa"), ("topk",)),
     "signed_mask": AttentionKind(signed_mask_layer_spec, _paired_heads, ("eager", "sdpa")),
-    "dex": AttentionKind(dex_layer_spec, _paired_heads, ("eager", "sdpa", "flash_attn"), ("lambda_init",)),
+    "dex": AttentionKind(dex_layer_spec, _paired_heads, ("eager", "sdpa", "flash_attn", "flash_attn4"),
+                         ("lambda_init",)),
 }
 # Kinds whose attention is already differential: DEX adapts only softmax attention (vanilla, or DEX itself).
 DIFFERENTIAL_KINDS = ("diff", "diff_v2")

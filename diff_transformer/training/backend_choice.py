@@ -5,14 +5,15 @@ Rank 0 decides, in this order, and every rank follows (``distributed.broadcast_o
 1. a resumed run keeps the backend its checkpoint trained with (its saved config), else the one recorded in the run
    directory (``attention_backend.json``): a resume computes with the same kernels, so a bit-exact GPU resume stays
    possible; unless the run's layout cannot run it (a resume at ``parallel.cp`` > 1 of a run trained on a backend
-   without a ring path: ``combined``, ``flash_attn``): then the steps below decide, and the log says why;
+   without a ring path: ``combined``, ``flash_attn``, ``flash_attn4``): then the steps below decide, and the log
+   says why;
 2. without a GPU, by rule (reproducible: two CPU runs of one config compute alike): DIFF V1 takes ``combined``, its
    combined map in one autograd node (``models.attention.combined_map``), at per-rank sequences up to
    ``combined_map.MAX_SEQ`` tokens whose maps fit ``combined_map.MAP_BYTES_LIMIT``, where it beats torch's CPU flash
    kernel, which computes each Q·Kᵀ twice in the library layout (``benchmarks/core_attention.py --v1-backends
    combined sdpa``); every other case ``sdpa``;
-3. a kind with one candidate (the map controls: ``sdpa``; the softmax kinds without flash-attn installed; under
-   context parallelism the kind's backends with a ring path: ``sdpa`` for the baselines) takes it;
+3. a kind with one candidate (the map controls: ``sdpa``; the softmax kinds without flash-attn 2 or 4 installed;
+   under context parallelism the kind's backends with a ring path: ``sdpa`` for the baselines) takes it;
 4. otherwise the fastest candidate for the run's per-rank shape, forward and backward of one layer's core attention
    (a few milliseconds each), timed once per (GPU, torch, Triton, kind, shape, dtype, epilogue, CP) and cached in
    ``$DIFF_TRANSFORMER_CACHE_DIR/attention_backends.json`` (default ``~/.cache/diff_transformer``). Under context
@@ -55,10 +56,21 @@ def cache_path() -> str:
     return os.path.join(root, CACHE_FILE)
 
 
+# the module whose presence says a backend's library is installed: flash-attn 2's own (flash-attn-4 also installs a
+# flash_attn package, flash_attn.cute, without it)
+LIBRARY_MODULES = {"flash_attn": "flash_attn.flash_attn_interface", "flash_attn4": "flash_attn.cute",
+                   "triton": "triton"}
+
+
 def installed(backend: str) -> bool:
     """Whether a backend's library is importable here (sdpa and eager are torch's)."""
-    module = {"flash_attn": "flash_attn", "triton": "triton"}.get(backend)
-    return module is None or importlib.util.find_spec(module) is not None
+    module = LIBRARY_MODULES.get(backend)
+    if module is None:
+        return True
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # the parent package is missing
+        return False
 
 
 def layout_backends(model: Any, cp: int = 1) -> Tuple[str, ...]:

@@ -18,6 +18,7 @@ both divisible by the TP size (checked in the config).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 from typing import Iterator, List, Optional
 
@@ -33,7 +34,15 @@ from diff_transformer.models.documents import PackedDocuments, documents_of, sam
 from diff_transformer.models.ring_attention import IMPLEMENTATIONS as RING_IMPLEMENTATIONS
 from diff_transformer.models.ring_attention import ProcessGroupRing
 
-BACKENDS = ("eager", "sdpa", "flash_attn", "triton", "combined")
+BACKENDS = ("eager", "sdpa", "flash_attn", "flash_attn4", "triton", "combined")
+# the FlashAttention libraries, by backend: (module, how to install it). flash-attn 2 (CUDA C++, built against the
+# GPU's torch) and flash-attn-4 (CuTe DSL, pure Python, compiled at the first call of a shape; Hopper and Blackwell),
+# whose q/k and v head dims may differ: DIFF V1 runs on it as two calls over the 2d-wide V
+FLASH_LIBRARIES = {
+    "flash_attn": ("flash_attn", "the flash-attn package (GPU only: pip install flash-attn --no-build-isolation)"),
+    "flash_attn4": ("flash_attn.cute", "the flash-attn-4 package (GPU only, Hopper or Blackwell: pip install "
+                                       "flash-attn-4; benchmarks/README.md for a machine without network)"),
+}
 
 # Set on parameters that every tensor-parallel rank holds a full copy of and whose gradient each rank computes
 # only from its own heads: those gradients must be summed over the TP group (see ``finalize_model_grads``).
@@ -52,29 +61,37 @@ def require_causal(attn_mask_type) -> None:
         raise ValueError(f"attention mask type {attn_mask_type} is not supported; pretraining uses causal masks")
 
 
-def load_flash_attn_func(varlen: bool = False):
-    """flash-attn's ``flash_attn_func`` (``flash_attn_varlen_func`` with ``varlen``: documents of packed samples)."""
+def load_flash_attn_func(varlen: bool = False, backend: str = "flash_attn"):
+    """``flash_attn_func`` of ``backend``'s library (``flash_attn_varlen_func`` with ``varlen``: documents of packed
+    samples); see FLASH_LIBRARIES."""
+    module_name, package = FLASH_LIBRARIES[backend]
     try:
-        from flash_attn import flash_attn_func, flash_attn_varlen_func
-    except ImportError as err:
-        raise ImportError(
-            "model.attention_backend=flash_attn needs the flash-attn package (GPU only: pip install flash-attn "
-            "--no-build-isolation); use model.attention_backend=sdpa instead"
-        ) from err
-    return flash_attn_varlen_func if varlen else flash_attn_func
+        module = importlib.import_module(module_name)
+        return module.flash_attn_varlen_func if varlen else module.flash_attn_func
+    except (ImportError, AttributeError) as err:
+        raise ImportError(f"model.attention_backend={backend} needs {package}; use model.attention_backend=sdpa "
+                          f"instead ({type(err).__name__}: {err})") from err
 
 
-def flash_attn_documents(q, k, v, scale: float, documents: PackedDocuments) -> torch.Tensor:
-    """flash-attn over every document of the micro-batch at once (its variable-length entry); q, k, v and the output
-    (b, s, heads, d), flash-attn's layout. Not run on a GPU by this project's tests (flash-attn cannot be built
-    here): the same ``cu_seqlens`` drive the ``sdpa`` path's variable-length kernel, which they check."""
-    b, s = q.shape[:2]
-    cu_seqlens, longest = documents.cu_seqlens()
-    out = load_flash_attn_func(varlen=True)(
-        q.reshape(b * s, *q.shape[2:]), k.reshape(b * s, *k.shape[2:]), v.reshape(b * s, *v.shape[2:]),
-        cu_seqlens, cu_seqlens, longest, longest, softmax_scale=scale, causal=True,
-    )
-    return out.view(b, s, *out.shape[1:])
+def flash_attention(q, k, v, scale: float, documents: Optional[PackedDocuments], backend: str = "flash_attn"):
+    """Causal attention by ``backend``'s FlashAttention library in its layout, q, k, v and the output (b, s, heads,
+    d) (v's head dim may differ from q's under flash-attn-4; fewer KV heads than query heads: GQA, query head h
+    reading KV head h // (heads / KV heads)); with ``documents``, over every document of the micro-batch at once (the
+    variable-length entry, over the same ``cu_seqlens`` as the ``sdpa`` path's variable-length kernel). The calls
+    take keywords only past q, k, v: the two libraries share those names (flash-attn-4's fourth positional argument
+    is ``qv``), and flash-attn-4 returns (out, lse)."""
+    if documents is None:
+        out = load_flash_attn_func(False, backend)(q, k, v, softmax_scale=scale, causal=True)
+    else:
+        b, s = q.shape[:2]
+        cu_seqlens, longest = documents.cu_seqlens()
+        out = load_flash_attn_func(True, backend)(
+            q.reshape(b * s, *q.shape[2:]), k.reshape(b * s, *k.shape[2:]), v.reshape(b * s, *v.shape[2:]),
+            cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=longest, max_seqlen_k=longest,
+            softmax_scale=scale, causal=True,
+        )
+    out = out[0] if isinstance(out, tuple) else out
+    return out.view(q.shape[0], q.shape[1], *out.shape[-2:])
 
 
 def causal_mask(sq: int, sk: int, device) -> torch.Tensor:

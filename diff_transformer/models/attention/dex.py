@@ -59,7 +59,8 @@ class DexCoreAttention(VanillaCoreAttention):
     ):
         super().__init__(config, layer_number, attn_mask_type, **protocol)
         if self.backend == "triton":
-            raise ValueError("model.attention=dex keeps the pretrained softmax attention; use sdpa, flash_attn or eager")
+            raise ValueError("model.attention=dex keeps the pretrained softmax attention; use sdpa, flash_attn, "
+                             "flash_attn4 or eager")
         if heads_per_layer is None or len(heads_per_layer) < layer_number:
             raise ValueError(
                 f"model.dex.heads gives no head list for layer {layer_number}; the trainer resolves it (calibration, "

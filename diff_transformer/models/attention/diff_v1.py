@@ -14,8 +14,7 @@ from diff_transformer.models.attention.base import (
     CoreAttentionBase,
     eager_attention_probs,
     lambda_init_for_layer,
-    flash_attn_documents,
-    load_flash_attn_func,
+    flash_attention,
     reference_dtype,
     scaled_dot_product_attention,
 )
@@ -71,7 +70,8 @@ class DifferentialCoreAttention(CoreAttentionBase):
     outputs apart, and one epilogue (``models.attention.epilogue``;
     ``epilogue`` picks its implementation, ``eager`` always the unfused reference) forms O1 − λ·O2 in fp32, the norm
     and the output factor in megatron-core's layout. ``sdpa`` and ``flash_attn`` make two library calls with equal
-    head dims (``library_layout``), so that flash and cuDNN kernels are eligible, as for the baseline.
+    head dims (``library_layout``), so that flash and cuDNN kernels are eligible, as for the baseline;
+    ``flash_attn4`` (flash-attn-4, whose V may be wider than Q·K) one call per map over the 2d-wide V.
     """
 
     supports_context_parallel = True
@@ -237,12 +237,19 @@ class DifferentialCoreAttention(CoreAttentionBase):
 
     def _forward_flash_attn(self, q, k, v, lam, documents):
         q, k, values, pairs, _ = library_layout(q, k, v)  # flash-attn's GQA pairs heads as SDPA's does
-        if documents is not None:
-            return [paired_halves(flash_attn_documents(q, k, vc, self.softmax_scale, documents), pairs)
-                    for vc in values]
-        flash_attn = load_flash_attn_func()
-        return [paired_halves(flash_attn(q, k, vc, causal=True, softmax_scale=self.softmax_scale), pairs)
+        return [paired_halves(flash_attention(q, k, vc, self.softmax_scale, documents, "flash_attn"), pairs)
                 for vc in values]
+
+    def _forward_flash_attn4(self, q, k, v, lam, documents):
+        """flash-attn-4 takes V wider than Q·K (d, 2d): one call per map, Q1 against K1 and Q2 against K2, each over
+        the whole 2d-wide V of its KV group (GQA by the library), so each Q·Kᵀ is computed once (1.5× the baseline's
+        attention FLOPs, against 2× for the two equal-dims calls). Returns the halves of V, (b, s, 2, H, d) each."""
+        b, s, two_g, d = v.shape
+        v = v.view(b, s, two_g // 2, 2 * d)
+        maps = [flash_attention(q[:, :, i::2], k[:, :, i::2], v, self.softmax_scale, documents, "flash_attn4")
+                for i in (0, 1)]
+        maps = torch.stack(maps, dim=2)  # (b, s, 2, H, 2d)
+        return [maps[..., :d], maps[..., d:]]
 
     def _forward_triton(self, q, k, v, lam, documents):
         diff_flash_attn = fused_kernel_package().diff_flash_attn

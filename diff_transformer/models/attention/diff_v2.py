@@ -12,8 +12,7 @@ from megatron.core.transformer.spec_utils import build_module
 from diff_transformer.models.attention.base import (
     CoreAttentionBase,
     eager_attention_probs,
-    flash_attn_documents,
-    load_flash_attn_func,
+    flash_attention,
     reference_dtype,
     scaled_dot_product_attention,
 )
@@ -94,9 +93,10 @@ class DiffV2CoreAttention(CoreAttentionBase):
         return scaled_dot_product_attention(q, k, v, self.softmax_scale, gqa, documents).transpose(1, 2)
 
     def _forward_flash_attn(self, q, k, v, documents):
-        if documents is not None:
-            return flash_attn_documents(q, k, v, self.softmax_scale, documents)
-        return load_flash_attn_func()(q, k, v, causal=True, softmax_scale=self.softmax_scale)
+        return flash_attention(q, k, v, self.softmax_scale, documents, "flash_attn")
+
+    def _forward_flash_attn4(self, q, k, v, documents):
+        return flash_attention(q, k, v, self.softmax_scale, documents, "flash_attn4")
 
     def _forward_triton(self, q, k, v, lam, documents):
         return fused_kernel_package().diff_flash_attn_v2(q, k, v, lam, causal=True, softmax_scale=self.softmax_scale,

@@ -14,9 +14,9 @@ from diff_transformer.models.attention.base import (
     TP_REPLICATED_ATTR,
     CoreAttentionBase,
     eager_attention_probs,
-    flash_attn_documents,
+    FLASH_LIBRARIES,
     lambda_init_for_layer,
-    load_flash_attn_func,
+    flash_attention,
     reference_dtype,
     scaled_dot_product_attention,
 )
@@ -51,17 +51,14 @@ class VanillaCoreAttention(CoreAttentionBase):
             (out,) = ring_attention([q], k, v, (slice(None),), self.softmax_scale, self.ring, self.backend,
                                     document_ids=documents_of(documents))
             return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
-        if self.backend == "flash_attn":
+        if self.backend in FLASH_LIBRARIES:
             q, k, v = (t.transpose(0, 1) for t in (query, key, value))
-            if documents is not None:
-                out = flash_attn_documents(q, k, v, self.softmax_scale, documents)
-            else:
-                out = load_flash_attn_func()(q, k, v, causal=True, softmax_scale=self.softmax_scale)
+            out = flash_attention(q, k, v, self.softmax_scale, documents, self.backend)
             return out.transpose(0, 1).reshape(s, b, heads * d)
         if self.backend == "triton":
             raise ValueError(
                 "model.attention_backend=triton is the fused differential kernel; the vanilla baseline uses "
-                "sdpa, flash_attn or eager"
+                "sdpa, flash_attn, flash_attn4 or eager"
             )
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (b, heads, s, d)
         groups = q.shape[1] // k.shape[1]

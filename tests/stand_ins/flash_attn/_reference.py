@@ -1,0 +1,75 @@
+"""The stand-ins' computation: the entry points of flash-attn 2 and flash-attn-4 that this project calls, with the
+libraries' argument order, layouts, GQA pairing, bottom-right causal mask, return values and refusals (flash-attn 2:
+equal head dims; both: a unit stride in the last dim), from the materialised map in the inputs' dtype. Every call
+appends (library, entry, q, k, v shapes) to CALLS."""
+
+import math
+
+import torch
+
+CALLS = []
+
+
+def _attention(q, k, v, softmax_scale, causal):
+    """One sequence: q (s_q, h, d), k (s_k, hk, d), v (s_k, hk, dv) -> (s_q, h, dv), lse (h, s_q)."""
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("the last dimension of q, k and v must be contiguous")
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads % kv_heads or v.shape[1] != kv_heads:
+        raise ValueError(f"{heads} query heads against {kv_heads} key and {v.shape[1]} value heads")
+    scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(q.shape[-1])
+    k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))  # query head h reads KV head h // group
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if causal:
+        s_q, s_k = q.shape[0], k.shape[0]
+        visible = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(diagonal=s_k - s_q)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v), lse
+
+
+def _batched(q, k, v, softmax_scale, causal):
+    outs, lses = zip(*(_attention(q[b], k[b], v[b], softmax_scale, causal) for b in range(q.shape[0])))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal):
+    outs, lses = [], []
+    for i in range(len(cu_seqlens_q) - 1):
+        (a, e), (ka, ke) = cu_seqlens_q[i:i + 2].tolist(), cu_seqlens_k[i:i + 2].tolist()
+        out, lse = _attention(q[a:e], k[ka:ke], v[ka:ke], softmax_scale, causal)
+        outs.append(out), lses.append(lse)
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+# flash-attn 2 (flash_attn/flash_attn_interface.py): equal head dims, returns the output alone
+def fa2_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), **unused):
+    CALLS.append(("flash_attn", "func", q.shape, k.shape, v.shape))
+    assert dropout_p == 0.0 and not unused, unused
+    if v.shape[-1] != q.shape[-1]:
+        raise RuntimeError("FlashAttention forward only supports head dimension equal for q, k and v")
+    return _batched(q, k, v, softmax_scale, causal)[0]
+
+
+def fa2_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+               softmax_scale=None, causal=False, **unused):
+    CALLS.append(("flash_attn", "varlen", q.shape, k.shape, v.shape))
+    assert dropout_p == 0.0 and not unused, unused
+    if v.shape[-1] != q.shape[-1]:
+        raise RuntimeError("FlashAttention forward only supports head dimension equal for q, k and v")
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)[0]
+
+
+# flash-attn-4 (flash_attn/cute/interface.py): q/k and v head dims may differ; returns (out, lse)
+def fa4_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causal=False, **unused):
+    CALLS.append(("flash_attn4", "func", q.shape, k.shape, v.shape))
+    assert qv is None and gather_kv_indices is None and not unused, unused
+    return _batched(q, k, v, softmax_scale, causal)
+
+
+def fa4_varlen(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+               min_seqlen_k=None, seqused_q=None, seqused_k=None, gather_kv_indices=None, page_table=None,
+               softmax_scale=None, causal=False, **unused):
+    CALLS.append(("flash_attn4", "varlen", q.shape, k.shape, v.shape))
+    assert qv is None and cu_seqlens_q is not None and cu_seqlens_k is not None and not unused, unused
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
