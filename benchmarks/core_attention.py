@@ -166,7 +166,8 @@ def main() -> int:
                              "baseline on flash-attn-4 too, and DIFF on it with the first of --epilogues)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per row on a CPU (median)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"),
-                        help="directory of the report core_attention_d<d>_N<N>_B<B>_<machine>_<date>.md, rewritten after "
+                        help="directory of the report core_attention_d<d>_N<N>_B<B>[_<v1 backends>]_<machine>_"
+                             "<date>.md, rewritten after "
                              "every row (a run cut off keeps the rows it timed)")
     args = parser.parse_args()
 
@@ -189,6 +190,8 @@ def main() -> int:
                f" --v1-backends {' '.join(args.v1_backends)} --v2-epilogues {' '.join(args.v2_epilogues)}".rstrip())
     # a CPU's table is worth keeping without the fused kernel's row (Triton's interpreter says nothing of speed)
     write = not args.smoke and (device == "cuda" or "triton" not in args.v1_backends)
+    # other DIFF V1 backends than the default's name the report, so that it keeps the default run's report
+    rows_name = "" if args.v1_backends == ["triton", "sdpa"] else "_" + "-".join(args.v1_backends)
 
     results, kernels = [], {}
     for kind, backend, epilogue in rows:
@@ -214,7 +217,8 @@ def main() -> int:
         if write:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
-            (out / f"core_attention_d{d}_N{n}_B{b}_{machine_name()}_{datetime.date.today()}.md").write_text(report)
+            name = f"core_attention_d{d}_N{n}_B{b}{rows_name}_{machine_name()}_{datetime.date.today()}.md"
+            (out / name).write_text(report)
     print(report)
     base = next((ms for label, ms, _ in results if label.startswith("vanilla")), None)
     print(f"headline: d={d} N={n} B={b} H={heads}, fwd+bwd ms (/ baseline): " + "; ".join(

@@ -3,8 +3,8 @@
 # recipe). Every result line goes to $OUT as soon as it exists: a step cut off by its limit, or a command cut off by
 # the machine's, keeps what it measured.
 #
-#   bash benchmarks/gpu_run.sh first [second long] [--deadline 570] [--wheels .whl]   # on the GPU machine
-#   bash benchmarks/gpu_run.sh --dry-run first second long                            # on a CPU: what CI runs
+#   bash benchmarks/gpu_run.sh first [second long fa4] [--deadline 570] [--wheels .whl]   # on the GPU machine
+#   bash benchmarks/gpu_run.sh --dry-run first second long fa4                            # on a CPU: what CI runs
 #
 # Plans (steps in order; each step's limit is its cold-start time on one H100/H200 with some room, cut to what is
 # left of the deadline; a step with less than a third of its limit left is skipped and says so):
@@ -15,6 +15,8 @@
 #           masking's gpu tests and core attention at 4K and 32K (benchmarks/document_mask.py); evaluate
 #           and analyze on a run trained with the attention diagnostics
 #   long    long context: the fused kernel and the baselines at N = 8K-64K; evaluate (NIAH, perplexity) at 32K
+#   fa4     flash-attn-4 (two carried halves, benchmarks/gpu_wheels.sh --fa4): installed, then core attention at d=128
+#           and d=96 with the baseline and DIFF V1 on it against sdpa, its gpu tests, 830m throughput on it
 # A step already measured on this card by this code (the ledger, $GPU_RUN_LEDGER or .gpu_run/ledger.tsv: card, code
 # hash, step, exit status) is skipped; the ledger stays on the machine between commands, and gpu_run.md says what each step did.
 #
@@ -36,8 +38,9 @@ while [ $# -gt 0 ]; do
     --dry-run) dry_run=1 ;;
     --deadline) deadline="$2"; shift ;;
     --wheels) wheels="$2"; shift ;;
-    first|second|long) plans+=("$1") ;;
-    *) echo "error: gpu_run.sh: unknown argument '$1'; expected plans (first, second, long), --dry-run, --deadline S, --wheels DIR" >&2
+    first|second|long|fa4) plans+=("$1") ;;
+    *) echo "error: gpu_run.sh: unknown argument '$1'; expected plans (first, second, long, fa4), --dry-run," \
+         "--deadline S, --wheels DIR" >&2
        exit 2 ;;
   esac
   shift
@@ -46,7 +49,7 @@ done
 # busy) gets an hour and three times each step's limit, so that it never skips a step for want of time
 [ -n "$deadline" ] || deadline=$([ $dry_run -eq 1 ] && echo 3600 || echo 570)
 if [ ${#plans[@]} -eq 0 ]; then
-  echo "error: gpu_run.sh: no plan given; name one or more of first, second, long" >&2
+  echo "error: gpu_run.sh: no plan given; name one or more of first, second, long, fa4" >&2
   exit 2
 fi
 started=$SECONDS
@@ -134,7 +137,7 @@ step() {
 }
 
 # The dry run runs each step's GPU command line with toy sizes appended (argparse keeps an option's last value).
-core_attention() {  # name, limit, core_attention.py arguments
+core_attention() {  # name, limit, core_attention.py arguments (a later --out wins)
   local name="$1" limit="$2"
   shift 2
   local toy=()
@@ -142,7 +145,7 @@ core_attention() {  # name, limit, core_attention.py arguments
   step "$name" "$limit" '^headline' "$py" benchmarks/core_attention.py --out "$out" "$@" "${toy[@]}"
 }
 
-throughput() {  # name, limit, train_throughput.py arguments
+throughput() {  # name, limit, train_throughput.py arguments (a later --out wins)
   local name="$1" limit="$2"
   shift 2
   local toy=()
@@ -214,6 +217,30 @@ plan_long() {
       --lengths 32768 --needles 6 --asked 2 --depths 0,0.25,0.5,0.75,1 --samples 2 --batch-size 1 \
       --max-tokens 140000 --backend triton --out '$cache/long_eval'"
   fi
+}
+
+plan_fa4() {
+  # flash-attn-4 (model.attention_backend=flash_attn4): its wheel set comes in two halves (benchmarks/gpu_wheels.sh
+  # --fa4), .whl_fa4a with one command and .whl_fa4b with the next; the dry run takes the libraries' CPU stand-ins
+  # (tests/stand_ins), so that every step below runs here as on the GPU but for the library
+  local saved_path="$PYTHONPATH"
+  if [ $dry_run -eq 1 ]; then
+    export PYTHONPATH="$PWD/tests/stand_ins:$PYTHONPATH"
+    step fa4_install 60 '(flash-attn-4|error)' "$py" -c "import flash_attn.cute; print('flash-attn-4: CPU stand-in')"
+  else
+    step fa4_install 120 '(flash-attn-4|error)' bash benchmarks/fa4_install.sh "$py" /tmp/gpu_run_site
+    case ":$PYTHONPATH:" in *":/tmp/gpu_run_site:"*) ;; *) export PYTHONPATH="/tmp/gpu_run_site:$PYTHONPATH" ;; esac
+  fi
+  # the baseline and DIFF V1 on flash-attn-4 (one call a map over the 2d-wide V) against sdpa, at both head dims;
+  # the reports stay on the machine ($OUT brings back 8 files), their tables are in the log
+  core_attention core_attention_fa4_d128 240 --heads 8 --head-dim 128 --seq-len 4096 --batch 4 \
+    --v1-backends flash_attn4 sdpa --epilogues triton --v2-epilogues --out "$cache/fa4"
+  core_attention core_attention_fa4_d96 200 --heads 8 --head-dim 96 --seq-len 2048 --batch 4 \
+    --v1-backends flash_attn4 sdpa --epilogues triton --v2-epilogues --out "$cache/fa4"
+  gpu_tests fa4_tests 150 tests/test_attention.py -k flash_attn4
+  throughput throughput_830m_fa4 300 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 --steps 8 \
+    --kinds diff:flash_attn4 vanilla:flash_attn4 --out "$cache/fa4"
+  export PYTHONPATH="$saved_path"
 }
 
 for plan in "${plans[@]}"; do

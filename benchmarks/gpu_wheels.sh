@@ -4,18 +4,43 @@
 # antlr4-python3-runtime (an sdist on PyPI: built into a wheel here), zstandard, and pytest-xdist with execnet (the
 # test suite's addopts run it on two workers), for CPython 3.12 on x86-64.
 #
-#   bash benchmarks/gpu_wheels.sh [DIR]        # default DIR: .whl (add /.whl/ to .git/info/exclude)
+#   bash benchmarks/gpu_wheels.sh [DIR]        # default DIR: .whl (git-ignored)
+#   bash benchmarks/gpu_wheels.sh --fa4        # flash-attn-4 and its CuTe DSL for CUDA 13 (about 104 MiB): .whl_fa4a
+#                                              # and .whl_fa4b, each with .whl under the 64 MiB one command carries
 #
-# On the GPU machine, benchmarks/gpu_run.sh installs them with --no-index from DIR (benchmarks/README.md).
+# On the GPU machine, benchmarks/gpu_run.sh installs them with --no-index from DIR (benchmarks/README.md); the fa4
+# plan joins the two halves of flash-attn-4's set, carried by two commands, and installs it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-dir="${1:-.whl}"
 py="${PYTHON:-python3}"
-mkdir -p "$dir"
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
   platforms+=(--platform "$p")
 done
+if [ "${1:-}" = "--fa4" ]; then
+  # the versions the project's backend was written against (diff_transformer/models/attention/base.py); the CuTe DSL's
+  # CUDA 13 libraries match the GPU image's torch (cu130)
+  tmp=$(mktemp -d)
+  "$py" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${platforms[@]}" -d "$tmp" flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
+    nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 quack-kernels==0.6.5 \
+    apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 einops==0.8.2 cuda-bindings==13.5.0 \
+    cuda-pathfinder==1.9.1 protobuf==7.36.2
+  rm -rf .whl_fa4a .whl_fa4b
+  mkdir -p .whl_fa4a .whl_fa4b
+  # the CUDA 13 libraries' wheel (88 MiB) in two pieces: 54 MiB go with .whl (8 MiB) in the first command, the rest
+  # with every other wheel in the second
+  big=$(cd "$tmp" && ls -S | head -n 1)
+  (cd "$tmp" && sha256sum "$big" > "$big.sha256" && split -b 54M -d "$big" "$big.part-" && rm "$big")
+  mv "$tmp/$big.part-00" .whl_fa4a/
+  mv "$tmp"/* .whl_fa4b/  # the other piece, the whole wheel's checksum, every other wheel
+  du -sh .whl_fa4a .whl_fa4b
+  ls -1 .whl_fa4a .whl_fa4b
+  rm -rf "$tmp"
+  exit 0
+fi
+dir="${1:-.whl}"
+mkdir -p "$dir"
 "$py" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platforms[@]}" -d "$dir" megatron-core==0.16.1 zstandard==0.25.0
 "$py" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 -d "$dir" \

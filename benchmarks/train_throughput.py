@@ -277,6 +277,14 @@ def measure(args, tp: int, spec: str, compile_mode: str, profile_step: int, tmp:
             **result}
 
 
+def report_name(args) -> str:
+    """train_throughput_<model>, with what sets the run apart from the default (auto's backends, compile off), so
+    that two runs of one model into one directory (a GPU run's $OUT) keep both reports."""
+    backends = sorted({spec.split(":", 1)[1] for spec in args.kinds if ":" in spec})
+    compile_modes = [] if args.compile == ["off"] else ["compile-" + "-".join(args.compile)]
+    return "_".join(["train_throughput", args.model, *backends, *compile_modes])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
@@ -299,6 +307,7 @@ def main() -> int:
         print(f"note: --micro-batches={args.micro_batches}: below 8, per-step fixed costs weigh more than in training")
 
     profile_step = args.profile_step or max(1, args.steps - 1)
+    name = report_name(args)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for tp in args.tp:
@@ -306,7 +315,7 @@ def main() -> int:
                 for compile_mode in args.compile:
                     rows.append(measure(args, tp, spec, compile_mode, profile_step, Path(tmp)))
                     r = rows[-1]
-                    write_report(report(args, rows), args.out, f"train_throughput_{args.model}", quiet=True)  # so far
+                    write_report(report(args, rows), args.out, name, quiet=True)  # so far
                     where = f"{r['label']} tp={tp}"
                     if "failed" in r:
                         print(f"{where}: FAILED ({r['failed']})", flush=True)
@@ -316,7 +325,7 @@ def main() -> int:
                           f"first step {_seconds(r['first_step_s'])} s  peak {r['memory_gib']:.2f} GiB "
                           f"(plan {r['estimate_gib']:.2f})  loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}",
                           flush=True)
-    write_report(report(args, rows), args.out, f"train_throughput_{args.model}")
+    write_report(report(args, rows), args.out, name)
     return 1 if any("failed" in r for r in rows) else 0
 
 

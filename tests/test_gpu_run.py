@@ -10,11 +10,12 @@ import pytest
 
 from tests.train_runs import REPO
 
-PLANS = ("first", "second", "long")
+PLANS = ("first", "second", "long", "fa4")
 STEPS = {
     "first": ["core_attention_d128", "core_attention_d96", "throughput_830m", "kernel_tests"],
     "second": ["throughput_3b", "throughput_830m_compile", "kernel_sweep", "document_mask_tests", "document_mask", "eval_analyze"],
     "long": ["kernel_long", "niah_long"],
+    "fa4": ["fa4_install", "core_attention_fa4_d128", "core_attention_fa4_d96", "fa4_tests", "throughput_830m_fa4"],
 }
 
 
@@ -69,8 +70,8 @@ def test_measured_steps_are_skipped_and_the_deadline_is_kept(dry_run):
 
 
 @pytest.mark.parametrize("args,message", [
-    ([], "no plan given; name one or more of first, second, long"),
-    (["fist"], "unknown argument 'fist'; expected plans (first, second, long)"),
+    ([], "no plan given; name one or more of first, second, long, fa4"),
+    (["fist"], "unknown argument 'fist'; expected plans (first, second, long, fa4)"),
 ])
 def test_bad_arguments_are_refused(tmp_path, args, message):
     proc = gpu_run(tmp_path / "out", *args, timeout=60)

@@ -245,7 +245,7 @@ class DifferentialCoreAttention(CoreAttentionBase):
         the whole 2d-wide V of its KV group (GQA by the library), so each Q·Kᵀ is computed once (1.5× the baseline's
         attention FLOPs, against 2× for the two equal-dims calls). Returns the halves of V, (b, s, 2, H, d) each."""
         b, s, two_g, d = v.shape
-        v = v.view(b, s, two_g // 2, 2 * d)
+        v = v.reshape(b, s, two_g // 2, 2 * d)  # a copy where megatron's fused QKV split leaves V's heads apart
         maps = [flash_attention(q[:, :, i::2], k[:, :, i::2], v, self.softmax_scale, documents, "flash_attn4")
                 for i in (0, 1)]
         maps = torch.stack(maps, dim=2)  # (b, s, 2, H, 2d)
