@@ -472,6 +472,15 @@ def validate(cfg: Any, world_size: int) -> None:
     validate_context_parallel(cfg)
 
 
+def validate_flash_library(backend: str) -> None:
+    """A FlashAttention backend named explicitly needs its library here (``auto`` only times what is installed)."""
+    from diff_transformer.models.attention.base import FLASH_LIBRARIES, flash_library_installed
+
+    if backend in FLASH_LIBRARIES and not flash_library_installed(backend):
+        raise ValueError(f"model.attention_backend={backend} needs {FLASH_LIBRARIES[backend][1]}, which is not "
+                         "installed here; use model.attention_backend=auto or sdpa")
+
+
 def validate_attention_kind(m: ModelConfig) -> None:
     """The backend and the ablation keys must fit ``model.attention``: a key a kind does not read is refused."""
     from diff_transformer.models.layer_specs import ABLATION_KEY_DEFAULTS, ATTENTION_KINDS
@@ -482,6 +491,7 @@ def validate_attention_kind(m: ModelConfig) -> None:
             f"model.attention={m.attention} does not run on model.attention_backend={m.attention_backend}; "
             f"use {', '.join(kind.backends)}"
         )
+    validate_flash_library(m.attention_backend)
     for key, default in ABLATION_KEY_DEFAULTS.items():
         value = getattr(m, key)
         if key not in kind.keys and value != default:

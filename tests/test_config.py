@@ -218,6 +218,23 @@ def test_bad_configs_are_refused_naming_the_value(overrides, world, message):
         validate(cfg, world_size=world)
 
 
+@pytest.mark.parametrize("backend,package", [("flash_attn", "the flash-attn package"),
+                                             ("flash_attn4", "the flash-attn-4 package")])
+def test_a_flash_backend_needs_its_library_before_anything_runs(backend, package):
+    """Named explicitly, a FlashAttention backend whose library is missing is refused at validation, naming the
+    package and the alternatives; with the library importable (its CPU stand-in) the same config validates."""
+    from diff_transformer.models.attention.base import flash_library_installed
+    from tests.flash_stand_in import installed
+
+    cfg = compose_cfg(f"model.attention_backend={backend}")
+    if not flash_library_installed(backend):
+        with pytest.raises(ValueError, match=rf"model.attention_backend={backend} needs {package} .*not installed "
+                                             r"here; use model.attention_backend=auto or sdpa"):
+            validate(cfg, world_size=1)
+    with installed():
+        validate(cfg, world_size=1)
+
+
 @pytest.mark.parametrize(
     "overrides",
     [

@@ -42,6 +42,7 @@ import torch
 
 from diff_transformer.fileio import atomic_write_json
 from diff_transformer.models.attention import combined_map
+from diff_transformer.models.attention.base import FLASH_LIBRARIES, flash_library_installed
 from diff_transformer.models.layer_specs import attention_kind, core_attention_class, head_dim, num_kv_heads
 
 RECORD_FILE = "attention_backend.json"
@@ -56,21 +57,11 @@ def cache_path() -> str:
     return os.path.join(root, CACHE_FILE)
 
 
-# the module whose presence says a backend's library is installed: flash-attn 2's own (flash-attn-4 also installs a
-# flash_attn package, flash_attn.cute, without it)
-LIBRARY_MODULES = {"flash_attn": "flash_attn.flash_attn_interface", "flash_attn4": "flash_attn.cute",
-                   "triton": "triton"}
-
-
 def installed(backend: str) -> bool:
-    """Whether a backend's library is importable here (sdpa and eager are torch's)."""
-    module = LIBRARY_MODULES.get(backend)
-    if module is None:
-        return True
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # the parent package is missing
-        return False
+    """Whether a backend's library is importable here (sdpa, eager and combined are torch's)."""
+    if backend in FLASH_LIBRARIES:
+        return flash_library_installed(backend)
+    return backend != "triton" or importlib.util.find_spec("triton") is not None
 
 
 def layout_backends(model: Any, cp: int = 1) -> Tuple[str, ...]:

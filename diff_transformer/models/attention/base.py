@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import math
 from typing import Iterator, List, Optional
 
@@ -59,6 +60,19 @@ def lambda_init_for_layer(layer_number: int) -> float:
 def require_causal(attn_mask_type) -> None:
     if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
         raise ValueError(f"attention mask type {attn_mask_type} is not supported; pretraining uses causal masks")
+
+
+# the module whose presence says a FlashAttention library is installed: flash-attn 2's own (flash-attn-4 also
+# installs a flash_attn package, flash_attn.cute, without it)
+FLASH_LIBRARY_MODULES = {"flash_attn": "flash_attn.flash_attn_interface", "flash_attn4": "flash_attn.cute"}
+
+
+def flash_library_installed(backend: str) -> bool:
+    """Whether ``backend``'s FlashAttention library is importable here (without importing it)."""
+    try:
+        return importlib.util.find_spec(FLASH_LIBRARY_MODULES[backend]) is not None
+    except ModuleNotFoundError:  # no flash_attn package at all
+        return False
 
 
 def load_flash_attn_func(varlen: bool = False, backend: str = "flash_attn"):
