@@ -295,6 +295,35 @@ def test_a_resume_at_cp2_leaves_a_backend_without_a_ring_path(tmp_path, cache_di
     assert kept["backend"] == "combined" and kept["how"] == "the resumed checkpoint's"
 
 
+def test_a_resume_leaves_a_flash_backend_whose_library_is_missing(tmp_path, cache_dir):
+    """A checkpoint trained on flash_attn4 resumes where flash-attn-4 is missing: decided afresh, saying why; where
+    the library is importable (its stand-in) it is kept. A cached timing holds only for the candidates it timed: with
+    the libraries installed since, they are timed; removed again, the cached choice of flash_attn4 is not taken."""
+    from tests.flash_stand_in import installed
+
+    cfg = compose_cfg("model=debug")
+    saved = {"model": {"attention_backend": "flash_attn4"}}
+    timer = fake_timer({"sdpa": 3.0, "triton": 2.0}, [])
+    if not backend_choice.installed("flash_attn4"):
+        decision = backend_choice.decide_attention_backend(cfg, str(tmp_path / "a"), torch.bfloat16, "triton", saved,
+                                                           cuda=True, device_name="NVIDIA H100", measure=timer)
+        assert decision["backend"] == "triton" and decision["how"] == (
+            "timed; not flash_attn4 (the resumed checkpoint's), which this run cannot take (its library is not "
+            "installed here)")
+    with installed():
+        kept = backend_choice.decide_attention_backend(cfg, str(tmp_path / "b"), torch.bfloat16, "triton", saved,
+                                                       cuda=True, device_name="NVIDIA H100", measure=timer)
+        assert kept["backend"] == "flash_attn4" and kept["how"] == "the resumed checkpoint's"
+        chosen = backend_choice.decide_attention_backend(
+            cfg, str(tmp_path / "c"), torch.bfloat16, "triton", cuda=True, device_name="NVIDIA H100",
+            measure=fake_timer({"sdpa": 3.0, "triton": 2.0, "flash_attn": 2.5, "flash_attn4": 1.0}, []))
+        assert chosen["backend"] == "flash_attn4" and chosen["how"] == "timed"
+    if not backend_choice.installed("flash_attn4"):
+        again = backend_choice.decide_attention_backend(cfg, str(tmp_path / "d"), torch.bfloat16, "triton", cuda=True,
+                                                        device_name="NVIDIA H100", measure=timer)
+        assert again["backend"] == "triton" and again["how"] == "timed"
+
+
 def test_auto_with_one_candidate_does_not_time(tmp_path, cache_dir):
     calls = []
     decision = backend_choice.decide_attention_backend(

@@ -5,8 +5,8 @@ Rank 0 decides, in this order, and every rank follows (``distributed.broadcast_o
 1. a resumed run keeps the backend its checkpoint trained with (its saved config), else the one recorded in the run
    directory (``attention_backend.json``): a resume computes with the same kernels, so a bit-exact GPU resume stays
    possible; unless the run's layout cannot run it (a resume at ``parallel.cp`` > 1 of a run trained on a backend
-   without a ring path: ``combined``, ``flash_attn``, ``flash_attn4``): then the steps below decide, and the log
-   says why;
+   without a ring path: ``combined``, ``flash_attn``, ``flash_attn4``; or of a FlashAttention backend whose
+   library is missing here): then the steps below decide, and the log says why;
 2. without a GPU, by rule (reproducible: two CPU runs of one config compute alike): DIFF V1 takes ``combined``, its
    combined map in one autograd node (``models.attention.combined_map``), at per-rank sequences up to
    ``combined_map.MAX_SEQ`` tokens whose maps fit ``combined_map.MAP_BYTES_LIMIT``, where it beats torch's CPU flash
@@ -15,7 +15,8 @@ Rank 0 decides, in this order, and every rank follows (``distributed.broadcast_o
 3. a kind with one candidate (the map controls: ``sdpa``; the softmax kinds without flash-attn 2 or 4 installed;
    under context parallelism the kind's backends with a ring path: ``sdpa`` for the baselines) takes it;
 4. otherwise the fastest candidate for the run's per-rank shape, forward and backward of one layer's core attention
-   (a few milliseconds each), timed once per (GPU, torch, Triton, kind, shape, dtype, epilogue, CP) and cached in
+   (a few milliseconds each), timed once per (GPU, torch, Triton, kind, shape, dtype, epilogue, CP) and set of
+   candidates, and cached in
    ``$DIFF_TRANSFORMER_CACHE_DIR/attention_backends.json`` (default ``~/.cache/diff_transformer``). Under context
    parallelism (``parallel.cp`` > 1) the candidates are the kind's ring backends (DIFF V1 and V2: ``sdpa`` and
    ``triton``), each timed as one CP rank's ring attention over its s/cp tokens, all of the rank's blocks computed
@@ -146,9 +147,15 @@ def saved_backend(checkpoint_config: Optional[Dict[str, Any]]) -> Optional[str]:
     return backend if backend not in (None, "auto") else None
 
 
-def runs_here(cfg: Any, backend: str) -> bool:
-    """Whether the run's kind runs on ``backend`` in the run's layout."""
-    return backend in layout_backends(cfg.model, cfg.parallel.cp or 1)
+def why_not_here(cfg: Any, backend: str) -> Optional[str]:
+    """Why the run cannot take ``backend`` (its kind does not run on it in the run's layout, or its library is missing
+    here), or None when it can."""
+    cp = cfg.parallel.cp or 1
+    if backend not in layout_backends(cfg.model, cp):
+        return f"parallel.cp={cp}: {' or '.join(layout_backends(cfg.model, cp))}"
+    if not installed(backend):
+        return "its library is not installed here"
+    return None
 
 
 def decide_attention_backend(
@@ -175,7 +182,8 @@ def decide_attention_backend(
     saved = saved_backend(checkpoint_config)
     kept, kept_how = (saved, "the resumed checkpoint's") if saved else (recorded.get("backend"),
                                                                         f"recorded in {RECORD_FILE}")
-    if kept and runs_here(cfg, kept):
+    unusable = why_not_here(cfg, kept) if kept else None
+    if kept and unusable is None:
         decision.update(backend=kept, how=kept_how)
         if not saved:
             decision.update(timings_ms=recorded.get("timings_ms"), key=recorded.get("key"))
@@ -189,7 +197,8 @@ def decide_attention_backend(
             device_name = device_name or torch.cuda.get_device_name()
             key = problem_key(cfg, device_name, dtype, epilogue, document_ids)
             cache = _read_json(cache_path())
-            if key in cache:
+            # a cached timing holds while it timed these candidates (a library installed or removed since: afresh)
+            if key in cache and set(cache[key]["timings_ms"]) == set(options):
                 decision.update(backend=cache[key]["backend"], how="cached timing", timings_ms=cache[key]["timings_ms"],
                                 key=key)
             else:
@@ -203,8 +212,7 @@ def decide_attention_backend(
                 os.makedirs(os.path.dirname(cache_path()), exist_ok=True)
                 atomic_write_json(cache_path(), cache)
     if kept and decision["backend"] != kept:
-        decision["how"] += (f"; not {kept} ({kept_how}), which this run cannot take (parallel.cp="
-                            f"{cfg.parallel.cp or 1}: {' or '.join(layout_backends(cfg.model, cfg.parallel.cp or 1))})")
+        decision["how"] += f"; not {kept} ({kept_how}), which this run cannot take ({unusable})"
     if record:
         write_record(run_dir, decision)
     return decision
