@@ -11,12 +11,12 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from diff_transformer.models.attention.base import (
+    FLASH_LIBRARIES,
     TP_REPLICATED_ATTR,
     CoreAttentionBase,
     eager_attention_probs,
-    FLASH_LIBRARIES,
-    lambda_init_for_layer,
     flash_attention,
+    lambda_init_for_layer,
     reference_dtype,
     scaled_dot_product_attention,
 )
