@@ -470,6 +470,7 @@ def validate(cfg: Any, world_size: int) -> None:
     if t.diff_epilogue not in fused_epilogues:
         raise ValueError(f"trainer.diff_epilogue={t.diff_epilogue!r} is unknown; use one of {', '.join(fused_epilogues)}")
     validate_context_parallel(cfg)
+    validate_flash_library(m.attention_backend)  # a machine's lack, after what the config itself gets wrong
 
 
 def validate_flash_library(backend: str) -> None:
@@ -491,7 +492,6 @@ def validate_attention_kind(m: ModelConfig) -> None:
             f"model.attention={m.attention} does not run on model.attention_backend={m.attention_backend}; "
             f"use {', '.join(kind.backends)}"
         )
-    validate_flash_library(m.attention_backend)
     for key, default in ABLATION_KEY_DEFAULTS.items():
         value = getattr(m, key)
         if key not in kind.keys and value != default:
