@@ -36,11 +36,13 @@ from diff_transformer.models.ring_attention import IMPLEMENTATIONS as RING_IMPLE
 from diff_transformer.models.ring_attention import ProcessGroupRing
 
 BACKENDS = ("eager", "sdpa", "flash_attn", "flash_attn4", "triton", "combined")
-# the FlashAttention libraries, by backend: (module, how to install it). flash-attn 2 (CUDA C++, built against the
-# GPU's torch) and flash-attn-4 (CuTe DSL, pure Python, compiled at the first call of a shape; Hopper and Blackwell),
-# whose q/k and v head dims may differ: DIFF V1 runs on it as two calls over the 2d-wide V
+# the FlashAttention libraries, by backend: (the module of its entry points, how to install it). flash-attn 2 (CUDA
+# C++, built against the GPU's torch; flash-attn-4 installs a flash_attn package too, so its own module says it is
+# there) and flash-attn-4 (CuTe DSL, pure Python, compiled at the first call of a shape; Hopper and Blackwell), whose
+# q/k and v head dims may differ: DIFF V1 runs on it as two calls over the 2d-wide V
 FLASH_LIBRARIES = {
-    "flash_attn": ("flash_attn", "the flash-attn package (GPU only: pip install flash-attn --no-build-isolation)"),
+    "flash_attn": ("flash_attn.flash_attn_interface",
+                   "the flash-attn package (GPU only: pip install flash-attn --no-build-isolation)"),
     "flash_attn4": ("flash_attn.cute", "the flash-attn-4 package (GPU only, Hopper or Blackwell: pip install "
                                        "flash-attn-4; benchmarks/README.md for a machine without network)"),
 }
@@ -62,15 +64,10 @@ def require_causal(attn_mask_type) -> None:
         raise ValueError(f"attention mask type {attn_mask_type} is not supported; pretraining uses causal masks")
 
 
-# the module whose presence says a FlashAttention library is installed: flash-attn 2's own (flash-attn-4 also
-# installs a flash_attn package, flash_attn.cute, without it)
-FLASH_LIBRARY_MODULES = {"flash_attn": "flash_attn.flash_attn_interface", "flash_attn4": "flash_attn.cute"}
-
-
 def flash_library_installed(backend: str) -> bool:
     """Whether ``backend``'s FlashAttention library is importable here (without importing it)."""
     try:
-        return importlib.util.find_spec(FLASH_LIBRARY_MODULES[backend]) is not None
+        return importlib.util.find_spec(FLASH_LIBRARIES[backend][0]) is not None
     except ModuleNotFoundError:  # no flash_attn package at all
         return False
 
