@@ -93,10 +93,9 @@ class DiffV2CoreAttention(CoreAttentionBase):
         return scaled_dot_product_attention(q, k, v, self.softmax_scale, gqa, documents).transpose(1, 2)
 
     def _forward_flash_attn(self, q, k, v, documents):
-        return flash_attention(q, k, v, self.softmax_scale, documents, "flash_attn")
+        return flash_attention(q, k, v, self.softmax_scale, documents, self.backend)
 
-    def _forward_flash_attn4(self, q, k, v, documents):
-        return flash_attention(q, k, v, self.softmax_scale, documents, "flash_attn4")
+    _forward_flash_attn4 = _forward_flash_attn  # the same call into flash-attn-4's library
 
     def _forward_triton(self, q, k, v, lam, documents):
         return fused_kernel_package().diff_flash_attn_v2(q, k, v, lam, causal=True, softmax_scale=self.softmax_scale,
