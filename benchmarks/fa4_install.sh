@@ -14,9 +14,7 @@ for half in .whl_fa4a .whl_fa4b; do
     exit 2
   fi
 done
-dest="${TMPDIR:-/tmp}/fa4_wheels"
-rm -rf "$dest"
-mkdir -p "$dest"
+dest=$(mktemp -d)  # the joined set, a directory of this command's own
 cp .whl_fa4b/*.whl "$dest"/
 for sum in .whl_fa4b/*.sha256; do
   wheel=$(basename "$sum" .sha256)

@@ -20,13 +20,19 @@ done
 if [ "${1:-}" = "--fa4" ]; then
   # the versions the project's backend was written against (diff_transformer/models/attention/base.py); the CuTe DSL's
   # CUDA 13 libraries match the GPU image's torch (cu130)
+  for half in .whl_fa4a .whl_fa4b; do  # never replace files this command may not have written
+    if [ -n "$(ls -A "$half" 2> /dev/null)" ]; then
+      echo "error: gpu_wheels.sh: $half already holds files; move it away (or delete it) to prepare flash-attn-4's" \
+           "halves again" >&2
+      exit 2
+    fi
+  done
   tmp=$(mktemp -d)
   "$py" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" -d "$tmp" flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
     nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 quack-kernels==0.6.5 \
     apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 einops==0.8.2 cuda-bindings==13.5.0 \
     cuda-pathfinder==1.9.1 protobuf==7.36.2
-  rm -rf .whl_fa4a .whl_fa4b
   mkdir -p .whl_fa4a .whl_fa4b
   # the CUDA 13 libraries' wheel (88 MiB) in two pieces: 54 MiB go with .whl (8 MiB) in the first command, the rest
   # with every other wheel in the second
