@@ -5,7 +5,7 @@
 # test suite's addopts run it on two workers), for CPython 3.12 on x86-64.
 #
 #   bash benchmarks/gpu_wheels.sh [DIR]        # default DIR: .whl (git-ignored)
-#   bash benchmarks/gpu_wheels.sh --fa4        # flash-attn-4 and its CuTe DSL for CUDA 13 (about 104 MiB): .whl_fa4a
+#   bash benchmarks/gpu_wheels.sh --fa4        # flash-attn-4 and its CuTe DSL for CUDA 13 (about 106 MiB): .whl_fa4a
 #                                              # and .whl_fa4b, each with .whl under the 64 MiB one command carries
 #
 # On the GPU machine, benchmarks/gpu_run.sh installs them with --no-index from DIR (benchmarks/README.md); the fa4
