@@ -16,7 +16,8 @@
 #           and analyze on a run trained with the attention diagnostics
 #   long    long context: the fused kernel and the baselines at N = 8K-64K; evaluate (NIAH, perplexity) at 32K
 #   fa4     flash-attn-4 (two carried halves, benchmarks/gpu_wheels.sh --fa4): installed, then core attention at d=128
-#           and d=96 with the baseline and DIFF V1 on it against sdpa, its gpu tests, 830m throughput on it
+#           with the baseline and DIFF V1 on it against sdpa, 830m throughput on it, the same core attention at d=96,
+#           its gpu tests
 # A step already measured on this card by this code (the ledger, $GPU_RUN_LEDGER or .gpu_run/ledger.tsv: card, code
 # hash, step, exit status) is skipped; the ledger stays on the machine between commands, and gpu_run.md says what each step did.
 #
@@ -242,11 +243,12 @@ plan_fa4() {
   # the reports stay on the machine ($OUT brings back 8 files), their tables are in the log
   core_attention core_attention_fa4_d128 240 --heads 8 --head-dim 128 --seq-len 4096 --batch 4 \
     --v1-backends flash_attn4 sdpa --epilogues triton --v2-epilogues --out "$cache/fa4"
+  # then 830m training on it (the end-to-end number), before d=96's core attention and the tests
+  throughput throughput_830m_fa4 300 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 --steps 8 \
+    --kinds diff:flash_attn4 vanilla:flash_attn4 --out "$cache/fa4"
   core_attention core_attention_fa4_d96 200 --heads 8 --head-dim 96 --seq-len 2048 --batch 4 \
     --v1-backends flash_attn4 sdpa --epilogues triton --v2-epilogues --out "$cache/fa4"
   gpu_tests fa4_tests 150 tests/test_attention.py -k flash_attn4
-  throughput throughput_830m_fa4 300 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 --steps 8 \
-    --kinds diff:flash_attn4 vanilla:flash_attn4 --out "$cache/fa4"
   export PYTHONPATH="$saved_path"
 }
 
