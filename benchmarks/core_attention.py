@@ -37,7 +37,7 @@ if not torch.cuda.is_available():
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.reports import machine_name  # noqa: E402
+from benchmarks.reports import machine_name, table_cell  # noqa: E402
 
 
 def _config(heads: int, kv_heads: int, d: int, v2: bool, dtype):
@@ -211,7 +211,7 @@ def main() -> int:
             results.append((label, time_ms(lambda: _fwd_bwd(module, tensors, bias), device, args.repeats),
                             f"{error:.1e}"))
         except Exception as err:  # one failing row hides no other
-            results.append((label, None, f"failed: {type(err).__name__}: {str(err)[:200]}"))
+            results.append((label, None, table_cell(f"failed: {type(err).__name__}: {err}")))
         print(results[-1], flush=True)
         report = render(results, kernels, heads, kv_heads, d, n, b, dtype, check_shape, command)
         if write:

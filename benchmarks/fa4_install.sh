@@ -22,6 +22,8 @@ for sum in .whl_fa4b/*.sha256; do
   (cd "$dest" && sha256sum --check --quiet "$OLDPWD/$sum")
 done
 "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$dest"/*.whl
-PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" "$py" -c "
+# as a site directory: its .pth files put the CuTe DSL's packages on sys.path (gpu_run.sh's site_path exports them)
+"$py" -c "
+import site, sys; site.addsitedir(sys.argv[1])
 import importlib.metadata as m, flash_attn.cute
-print('flash-attn-4', m.version('flash-attn-4'), 'with nvidia-cutlass-dsl', m.version('nvidia-cutlass-dsl'), 'installed')"
+print('flash-attn-4', m.version('flash-attn-4'), 'with nvidia-cutlass-dsl', m.version('nvidia-cutlass-dsl'), 'installed')" "$site"

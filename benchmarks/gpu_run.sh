@@ -66,6 +66,13 @@ cache="${TMPDIR:-/tmp}/gpu_run_cache"
 export DIFF_ATTN_CACHE_DIR="$cache/diff_attn" DIFF_TRANSFORMER_CACHE_DIR="$cache/diff_transformer" \
   TORCHINDUCTOR_CACHE_DIR="$cache/inductor" TRITON_CACHE_DIR="$cache/triton"
 
+# DIR and the paths its .pth files add to sys.path, ':'-joined: Python reads .pth files only in site directories, not
+# in PYTHONPATH's, and the CuTe DSL's wheel puts its packages on sys.path by one (nvidia_cutlass_dsl_packages.pth)
+site_path() {
+  "$py" -c "import site, sys; before = list(sys.path); site.addsitedir(sys.argv[1])
+print(':'.join([sys.argv[1]] + [p for p in sys.path if p not in before and p != sys.argv[1]]))" "$1"
+}
+
 if [ $dry_run -eq 1 ]; then
   export TRITON_INTERPRET=1 DIFF_ATTN_SIMULATE_GPU=sm_90 TORCHDYNAMO_DISABLE=1 CUDA_VISIBLE_DEVICES=""
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -75,7 +82,7 @@ elif ! "$py" -c "import megatron.core, hydra" 2> /dev/null; then
     exit 2
   fi
   "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu_run_site "$wheels"/*.whl || exit 1
-  export PYTHONPATH="/tmp/gpu_run_site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$(site_path /tmp/gpu_run_site):$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
@@ -225,13 +232,17 @@ plan_fa4() {
   # --fa4), .whl_fa4a with one command and .whl_fa4b with the next; the dry run takes the libraries' CPU stand-ins
   # (tests/stand_ins), so that every step below runs here as on the GPU but for the library
   local saved_path="$PYTHONPATH"
-  if [ $dry_run -eq 1 ]; then
-    export PYTHONPATH="$PWD/tests/stand_ins:$PYTHONPATH"
-    step fa4_install 60 '(flash-attn-4|error)' "$py" -c "import flash_attn.cute; print('flash-attn-4: CPU stand-in')"
+  local site=/tmp/gpu_run_site
+  if [ $dry_run -eq 1 ]; then  # the stand-ins put on sys.path by a .pth file, as the CuTe DSL's packages are
+    site="$cache/fa4_site"
+    mkdir -p "$site"
+    echo "import sys; sys.path.insert(0, '$PWD/tests/stand_ins')" > "$site/stand_ins.pth"
+    step fa4_install 60 '(flash-attn-4|error)' "$py" -c "import site, sys; site.addsitedir('$site'); import flash_attn.cute
+print('flash-attn-4: CPU stand-in')"
   else
-    step fa4_install 120 '(flash-attn-4|error)' bash benchmarks/fa4_install.sh "$py" /tmp/gpu_run_site
-    case ":$PYTHONPATH:" in *":/tmp/gpu_run_site:"*) ;; *) export PYTHONPATH="/tmp/gpu_run_site:$PYTHONPATH" ;; esac
+    step fa4_install 120 '(flash-attn-4|error)' bash benchmarks/fa4_install.sh "$py" "$site"
   fi
+  export PYTHONPATH="$(site_path "$site"):$PYTHONPATH"
   if ! "$py" -c "import flash_attn.cute" > /dev/null 2>&1; then  # its steps would time sdpa alone
     echo "| fa4 (the rest) | skipped: flash-attn-4 is not importable (fa4_install above) | | |" >> "$summary"
     echo "=== fa4: skipped, flash-attn-4 is not importable"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -13,6 +14,13 @@ def machine_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name().replace(" ", "-")
     return f"cpu-{os.cpu_count()}core"
+
+
+def table_cell(text: str, limit: int = 200) -> str:
+    """``text`` as one Markdown table cell: terminal colour codes dropped, lines and runs of spaces joined into one
+    line, pipes escaped, at most ``limit`` characters (a library's multi-line, coloured error message included)."""
+    text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", text).split())
+    return text[:limit].replace("|", "\\|")
 
 
 def write_report(report: str, out_dir: str | Path, what: str, quiet: bool = False) -> Path:

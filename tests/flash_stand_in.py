@@ -1,6 +1,7 @@
 """Plain-PyTorch stand-ins for the FlashAttention libraries (GPU only) on a CPU: ``tests/stand_ins/flash_attn``, a
 package with flash-attn 2's entry points (``flash_attn``, ``flash_attn.flash_attn_interface``) and flash-attn-4's
-(``flash_attn.cute``), computed from the materialised map (``_reference.py``). Tests import them through
+(``flash_attn.cute``, with its sm_90 tile choices in ``flash_attn.cute.interface``), computed from the materialised
+map (``_reference.py``). Tests import them through
 ``installed()``; ``benchmarks/gpu_run.sh --dry-run`` puts the directory on PYTHONPATH for its flash-attn-4
 steps. On a GPU the libraries themselves run: the ``gpu`` tests in tests/test_attention.py."""
 
@@ -29,6 +30,7 @@ def installed():
         for name in ("flash_attn.cute", "flash_attn.flash_attn_interface"):
             importlib.import_module(name)
         reference.CALLS.clear()
+        reference.TILES.clear()
         yield reference.CALLS
     finally:
         sys.path.remove(str(STAND_INS))

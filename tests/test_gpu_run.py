@@ -76,3 +76,14 @@ def test_measured_steps_are_skipped_and_the_deadline_is_kept(dry_run):
 def test_bad_arguments_are_refused(tmp_path, args, message):
     proc = gpu_run(tmp_path / "out", *args, timeout=60)
     assert proc.returncode == 2 and f"error: gpu_run.sh: {message}" in proc.stderr
+
+
+def test_a_library_error_is_one_table_cell():
+    """A failed row's error in a benchmark's table (flash-attn-4's launch refusal on an H100 came as several coloured
+    lines and broke the table): one line, no colour codes, pipes escaped."""
+    from benchmarks.reports import table_cell
+
+    error = "failed: CUDADialectError: \n\x1b[91m\x1b[1merror[X]:\x1b[0m CUDA launch failed\n\n  check `.launch(|)`"
+    cell = table_cell(error)
+    assert cell == "failed: CUDADialectError: error[X]: CUDA launch failed check `.launch(\\|)`"
+    assert len(table_cell("x" * 500)) == 200

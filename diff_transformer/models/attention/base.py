@@ -30,6 +30,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from diff_transformer.models.attention.flash_attn4_tiles import fit_wide_v_tiles
 from diff_transformer.models.attention_maps import AttentionMaps, causal_logits, query_rows
 from diff_transformer.models.documents import PackedDocuments, documents_of, same_document
 from diff_transformer.models.ring_attention import IMPLEMENTATIONS as RING_IMPLEMENTATIONS
@@ -90,7 +91,10 @@ def flash_attention(q, k, v, scale: float, documents: Optional[PackedDocuments],
     reading KV head h // (heads / KV heads)); with ``documents``, over every document of the micro-batch at once (the
     variable-length entry, over the same ``cu_seqlens`` as the ``sdpa`` path's variable-length kernel). The calls
     take keywords only past q, k, v: the two libraries share those names (flash-attn-4's fourth positional argument
-    is ``qv``), and flash-attn-4 returns (out, lse)."""
+    is ``qv``), and flash-attn-4 returns (out, lse). A v wider than q under flash-attn-4 gets Hopper tiles that fit
+    its shared memory (``flash_attn4_tiles``)."""
+    if backend == "flash_attn4" and v.shape[-1] > q.shape[-1]:
+        fit_wide_v_tiles()
     if documents is None:
         out = load_flash_attn_func(False, backend)(q, k, v, softmax_scale=scale, causal=True)
     else:

@@ -242,12 +242,17 @@ class DifferentialCoreAttention(CoreAttentionBase):
 
     def _forward_flash_attn4(self, q, k, v, lam, documents):
         """flash-attn-4 takes V wider than Q·K (d, 2d): one call per map, Q1 against K1 and Q2 against K2, each over
-        the whole 2d-wide V of its KV group (GQA by the library), so each Q·Kᵀ is computed once (1.5× the baseline's
-        attention FLOPs, against 2× for the two equal-dims calls). Returns the halves of V, (b, s, 2, H, d) each."""
+        the whole 2d-wide V of its KV group, so each Q·Kᵀ is computed once (1.5× the baseline's attention FLOPs,
+        against 2× for the two equal-dims calls). With GQA, K and V are repeated to the query heads (once, V shared
+        by both calls): flash-attn-4's Hopper backward takes GQA only with equal head dims. Returns the halves of V,
+        (b, s, 2, H, d) each."""
         b, s, two_g, d = v.shape
         v = v.reshape(b, s, two_g // 2, 2 * d)  # a copy where megatron's fused QKV split leaves V's heads apart
-        maps = [flash_attention(q[:, :, i::2], k[:, :, i::2], v, self.softmax_scale, documents, "flash_attn4")
-                for i in (0, 1)]
+        group = q.shape[2] // two_g
+        if group > 1:
+            v = v.repeat_interleave(group, dim=2)
+        maps = [flash_attention(q[:, :, i::2], k[:, :, i::2].repeat_interleave(group, dim=2) if group > 1
+                                else k[:, :, i::2], v, self.softmax_scale, documents, "flash_attn4") for i in (0, 1)]
         maps = torch.stack(maps, dim=2)  # (b, s, 2, H, 2d)
         return [maps[..., :d], maps[..., d:]]
 

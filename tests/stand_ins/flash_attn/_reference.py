@@ -1,13 +1,16 @@
 """The stand-ins' computation: the entry points of flash-attn 2 and flash-attn-4 that this project calls, with the
 libraries' argument order, layouts, GQA pairing, bottom-right causal mask, return values and refusals (flash-attn 2:
-equal head dims; both: a unit stride in the last dim), from the materialised map in the inputs' dtype. Every call
-appends (library, entry, q, k, v shapes) to CALLS."""
+equal head dims; flash-attn-4: GQA only with equal head dims, as its Hopper backward asserts; both: a unit stride in
+the last dim), from the materialised map in the inputs' dtype. Every call appends (library, entry, q, k, v shapes) to
+CALLS; every flash-attn-4 call also appends (q/k head dim, v head dim, forward tile, backward tile) to TILES, the sm_90
+tiles its interface module chooses (cute/interface.py) at the time of the call."""
 
 import math
 
 import torch
 
 CALLS = []
+TILES = []
 
 
 def _attention(q, k, v, softmax_scale, causal):
@@ -61,9 +64,19 @@ def fa2_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
 
 
 # flash-attn-4 (flash_attn/cute/interface.py): q/k and v head dims may differ; returns (out, lse)
+def _fa4_checks(q, k, v, causal):
+    if k.shape[-2] != q.shape[-2] and v.shape[-1] != q.shape[-1]:  # flash_bwd_sm90.py's assertion
+        raise AssertionError("GQA backward requires head_dim == head_dim_v")
+    from flash_attn.cute import interface  # looked up at each call, as the library does
+
+    TILES.append((q.shape[-1], v.shape[-1], interface._tile_size_fwd_sm90(q.shape[-1], v.shape[-1], causal, False),
+                  interface._tile_size_bwd_sm90(q.shape[-1], v.shape[-1], causal, False)))
+
+
 def fa4_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causal=False, **unused):
     CALLS.append(("flash_attn4", "func", q.shape, k.shape, v.shape))
     assert qv is None and gather_kv_indices is None and not unused, unused
+    _fa4_checks(q, k, v, causal)
     return _batched(q, k, v, softmax_scale, causal)
 
 
@@ -72,4 +85,5 @@ def fa4_varlen(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqle
                softmax_scale=None, causal=False, **unused):
     CALLS.append(("flash_attn4", "varlen", q.shape, k.shape, v.shape))
     assert qv is None and cu_seqlens_q is not None and cu_seqlens_k is not None and not unused, unused
+    _fa4_checks(q, k, v, causal)
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
