@@ -6,7 +6,8 @@
 #
 #   bash benchmarks/gpu_wheels.sh [DIR]        # default DIR: .whl (git-ignored)
 #   bash benchmarks/gpu_wheels.sh --fa4        # flash-attn-4 and its CuTe DSL for CUDA 13 (about 106 MiB): .whl_fa4a
-#                                              # and .whl_fa4b, each with .whl under the 64 MiB one command carries
+#                                              # and .whl_fa4b, each under the 64 MiB one command carries (with the
+#                                              # tracked files; .whl goes with a command of its own)
 #
 # On the GPU machine, benchmarks/gpu_run.sh installs them with --no-index from DIR (benchmarks/README.md); the fa4
 # plan joins the two halves of flash-attn-4's set, carried by two commands, and installs it.
