@@ -1,18 +1,20 @@
-"""flash-attn-4 on Hopper with V wider than Q·K: tiles that fit a thread block's shared memory.
+"""flash-attn-4 on Hopper with V wider than Q·K: tiles that fit a thread block's shared memory and spill nothing.
 
 DIFF V1 runs on flash-attn-4 as one call a map over the 2d-wide V (head dims (d, 2d)). flash-attn-4 4.0.0b36 picks its
 sm_90 tiles by the q/k head dim alone (``flash_attn.cute.interface._tile_size_fwd_sm90`` and ``_tile_size_bwd_sm90``),
-and with V twice as wide two of its choices ask for more shared memory than a block may have. On an H100
-(benchmarks/results/gpu_run_NVIDIA-H100-80GB-HBM3_2026-11-27.md) the launch was refused:
+and with V twice as wide its choices ask for more shared memory than a block may have or spill registers. On an H100
+(benchmarks/results/gpu_run_NVIDIA-H100-80GB-HBM3_2026-11-27.md) two launches were refused: the forward at (96, 192)
+asked for 234,496 bytes, the backward at (128, 256) for 264,192, of the 232,448 an sm_90 block may use. Compiled for
+sm_90a on a CPU (``benchmarks/fa4_compile.py``, ``benchmarks/results/fa4_compile_sm90_2026-11-27.md``), the two that
+fit spill: the backward at (96, 192) 200 bytes a thread, the forward at (128, 256) 48.
 
-- forward at (96, 192), tile 192×128 with P in shared memory: 234,496 bytes;
-- backward at (128, 256), tile 64×128, two stages of Q, dO, P and dS: 264,192 bytes;
-
-of the 232,448 an sm_90 block may use. :func:`fit_wide_v_tiles` wraps the two functions once: where v's head dim
-exceeds q's and the library's tile would not fit, it takes the first smaller tile that does, by
-:func:`forward_shared_memory` and :func:`backward_shared_memory` (the kernels' shared-storage structs, counted from
-flash_fwd_sm90.py and flash_bwd_sm90.py and checked against the two refusals above). Every other shape keeps the
-library's own choice. A library without those two functions (another version) is left as it is.
+:func:`fit_wide_v_tiles` wraps the two functions once: where v's head dim exceeds q's, they return the tiles
+flash-attn-4 itself gives a V wider than 128 at q/k head dims 129-192: forward 128×112 (the library's own choice of
+P from registers or shared memory kept), backward 64×96 with one stage of dO and of P/dS, dK and dV with the head dim
+on the MMA's M axis. At (96, 192) and (128, 256) those fit and spill nothing (the compile record). Where one would not
+fit (by :func:`forward_shared_memory` and :func:`backward_shared_memory`, the kernels' shared-storage structs, equal
+to the DSL's own count at every shape of the record), a smaller one is taken. Every other shape keeps the library's
+choice; a library without those two functions (another version) is left as it is.
 """
 
 from __future__ import annotations
@@ -62,18 +64,16 @@ def backward_shared_memory(head_dim: int, head_dim_v: int, cfg) -> int:
 
 
 def forward_candidates(cfg):
-    """The library's forward tile, then smaller ones: 128 query rows (the library's own tile at head dims ≤ 96 where
-    192 rows do not divide its blocks), then fewer keys."""
-    yield cfg
-    for m, n in ((128, cfg.n_block_size), (128, 96), (128, 64)):
-        if m <= cfg.m_block_size and n <= cfg.n_block_size:
-            yield dataclasses.replace(cfg, m_block_size=m, n_block_size=n)
+    """Forward tiles for a V wider than Q·K, in order: 128×112 (flash-attn-4's own for a V wider than 128), then
+    fewer keys. ``cfg``'s choice of P from registers or shared memory is kept."""
+    for n in (112, 96, 64):
+        yield dataclasses.replace(cfg, m_block_size=128, n_block_size=n)
 
 
 def backward_candidates(cfg):
-    """The library's backward tile, then its tile for a V wider than 128 at q/k head dims 129-192 (64×96, one stage
-    of dO and of P/dS, dK and dV with the head dim on the MMA's M axis), then the same with 64 keys."""
-    yield cfg
+    """Backward tiles for a V wider than Q·K, in order: flash-attn-4's own for a V wider than 128 at q/k head dims
+    129-192 (64×96, one stage of dO and of P/dS, dK and dV with the head dim on the MMA's M axis, two MMA warp
+    groups), then the same with 64 keys."""
     wide = dataclasses.replace(cfg, m_block_size=64, n_block_size=96, num_stages_Q=2, num_stages_dO=1,
                                num_stages_PdS=1, SdP_swapAB=False, dKV_swapAB=True, dQ_swapAB=False,
                                AtomLayoutMSdP=1, AtomLayoutNdKV=2, AtomLayoutMdQ=1)
@@ -84,13 +84,13 @@ def backward_candidates(cfg):
 
 
 def fitted(cfg, shared_memory, candidates):
-    """The first of ``candidates(cfg)`` whose ``shared_memory`` fits an sm_90 block (``cfg`` itself if none does:
-    the library's refusal then names the bytes)."""
+    """The first of ``candidates(cfg)`` whose ``shared_memory`` fits an sm_90 block (``cfg``, the library's own, if
+    none does: its refusal then names the bytes)."""
     return next((c for c in candidates(cfg) if shared_memory(c) <= SM90_SHARED_MEMORY), cfg)
 
 
 def fit_wide_v_tiles(module_name: str = "flash_attn.cute.interface") -> bool:
-    """Wrap the library's sm_90 tile choices (once) so that a V wider than Q·K gets tiles that fit; returns whether
+    """Wrap the library's sm_90 tile choices (once) so that a V wider than Q·K gets the tiles above; returns whether
     the library has them to wrap."""
     interface = importlib.import_module(module_name)
     fwd, bwd = (getattr(interface, name, None) for name in ("_tile_size_fwd_sm90", "_tile_size_bwd_sm90"))
