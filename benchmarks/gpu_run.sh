@@ -11,9 +11,9 @@
 #   first   core attention at d=128 (N=4096) and d=96 (the 830m shape), the fused kernel's row first; 830m throughput
 #           (DIFF and the baseline with auto's choice, sequence 2048) with one step's profile; the GPU tests of the
 #           kernels, the epilogue, the attention backends and the CUDA ring
-#   second  3b throughput at sequence 4096; the fused kernel's config sweep (benchmarks/kernel_tuning.py); document
-#           masking's gpu tests and core attention at 4K and 32K (benchmarks/document_mask.py); evaluate
-#           and analyze on a run trained with the attention diagnostics
+#   second  830m throughput with trainer.compile; 3b throughput at sequence 4096; the fused kernel's config sweep
+#           (benchmarks/kernel_tuning.py); document masking's gpu tests and core attention at 4K and 32K
+#           (benchmarks/document_mask.py); evaluate and analyze on a run trained with the attention diagnostics
 #   long    long context: the fused kernel and the baselines at N = 8K-64K; evaluate (NIAH, perplexity) at 32K
 #   fa4     flash-attn-4 (two carried halves, benchmarks/gpu_wheels.sh --fa4): installed, then core attention at d=128
 #           with the baseline and DIFF V1 on it against sdpa, 830m throughput on it, the same core attention at d=96,
@@ -179,12 +179,12 @@ plan_first() {
 }
 
 plan_second() {
-  throughput throughput_3b 300 --model 3b --seq-length 4096 --micro-batch-size 1 --micro-batches 8 --steps 5 \
-    --fit-gib 75 optim=adamw_3b
   # regional compilation (trainer.compile): the first plan's 830m rows again, each layer under torch.compile (the
   # eager rows are throughput_830m's); the dry run's TORCHDYNAMO_DISABLE=1 runs them eagerly, labelled so
   throughput throughput_830m_compile 300 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 \
     --steps 8 --compile on
+  throughput throughput_3b 300 --model 3b --seq-length 4096 --micro-batch-size 1 --micro-batches 8 --steps 5 \
+    --fit-gib 75 optim=adamw_3b
   if [ $dry_run -eq 1 ]; then
     step kernel_sweep 300 '(^done in|^error)' "$py" benchmarks/kernel_tuning.py --smoke --versions v1 --budget-s 10
   else
