@@ -325,6 +325,39 @@ def test_sdpa_calls_have_equal_head_dims_and_run_the_flash_kernel():
     assert diff_calls == [f"flash: {shape}"] * 2
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2)], ids=["H2-Hkv2", "H4-Hkv2-gqa"])
+def test_library_layout_gathers_v_grad_without_zero_fills(heads, kv_heads):
+    """DIFF's library layout takes both halves of V from one copy, so its backward gathers V's gradient with one
+    stack and one sum: no slice's backward (a zero-filled V-sized tensor and a scatter per half, then an add, which on
+    an H100 were two memsets a layer in the profile's idle gaps), and the halves each call sees are contiguous."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from diff_transformer.models.attention.diff_v1 import library_layout
+
+    class Ops(TorchDispatchMode):
+        seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func._overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    d, n, b = 8, 5, 2
+    v = torch.randn(b, n, 2 * kv_heads, d, requires_grad=True)
+    q, k = torch.randn(b, n, 2 * heads, d), torch.randn(b, n, 2 * kv_heads, d)
+    with Ops() as ops:
+        _, _, values, pairs, _ = library_layout(q, k, v)
+        (values[0] * 2 + values[1] * 3).sum().backward()
+    assert all(t.is_contiguous() and t.shape == (b, n, 2 * kv_heads, d) for t in values)
+    assert not {"slice_backward", "zeros", "zero_", "fill_"} & set(ops.seen), ops.seen
+    # half c of group g at head 2g + m (interleaved) or m·G + g (grouped); V's gradient sums each head's share
+    group_heads = [(g, m) for g in range(kv_heads) for m in range(2)] if pairs == "interleaved" else \
+        [(g, m) for m in range(2) for g in range(kv_heads)]
+    for head, (g, _) in enumerate(group_heads):
+        for c in (0, 1):
+            assert torch.equal(values[c][:, :, head], v[:, :, 2 * g + c])
+    assert torch.equal(v.grad, torch.tensor([4.0, 6.0]).repeat(kv_heads).view(1, 1, -1, 1).expand_as(v))
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2)], ids=["H2-Hkv2", "H4-Hkv2"])
 def test_fused_epilogue_in_the_model_matches_eager(heads, kv_heads):
     """DIFF's sdpa path with the fused Triton epilogue (Triton's interpreter on CPU) against eager, fp32."""

@@ -48,13 +48,18 @@ def library_layout(q, k, v):
       once per head of the pair (head 2g + m), so query head 2h + m meets key head 2h + m and V_c of group h.
     - G < H (GQA): q and k are copied into map-major order (heads m·H + h and m·G + g) and v_c repeated per map
       (head m·G + g), so the library's GQA (query head i reads KV head i // (H/G)) pairs them as DIFF does.
+
+    Both halves come from one copy of V, half-major (v_a and v_b are its two contiguous halves), so the backward
+    gathers V's gradient in one stack and one sum, where a slice per half would zero-fill and scatter a V-sized
+    gradient per half and add them.
     """
     two_h, two_g = q.shape[2], k.shape[2]
+    halves = v.unflatten(2, (two_g // 2, 2)).permute(3, 0, 1, 2, 4)  # (2, b, s, G, d): half c of every group
     if two_h == two_g:
-        return q, k, [v[:, :, c::2].repeat_interleave(2, dim=2) for c in (0, 1)], "interleaved", False
+        return q, k, list(halves.repeat_interleave(2, dim=3).unbind(0)), "interleaved", False
     q = q.unflatten(2, (two_h // 2, 2)).transpose(2, 3).flatten(2, 3)
     k = k.unflatten(2, (two_g // 2, 2)).transpose(2, 3).flatten(2, 3)
-    return q, k, [v[:, :, c::2].repeat(1, 1, 2, 1) for c in (0, 1)], "grouped", True
+    return q, k, list(halves.repeat(1, 1, 1, 2, 1).unbind(0)), "grouped", True
 
 
 class DifferentialCoreAttention(CoreAttentionBase):
