@@ -234,7 +234,8 @@ def report(args, rows) -> str:
                             for b, t in (choice.get("timings_ms") or {}).items())
         lines.append(f"- {r['label']}: backend {r['backend']} ({choice.get('how', 'explicit')}"
                      f"{'; one layer fwd+bwd: ' + timings if timings else ''}); SDPA kernels of one layer's sdpa "
-                     f"path: {'; '.join(r['kernels']) or 'none'}")
+                     f"path{'' if r['backend'] == 'sdpa' else ' (not the backend this run trained on)'}: "
+                     f"{'; '.join(r['kernels']) or 'none'}")
     lines += ["", *profile_table(rows)]
     return "\n".join(lines) + "\n"
 
