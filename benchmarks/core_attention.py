@@ -10,7 +10,7 @@
 Rows (each a ``models.attention`` module with megatron's [s, b, heads, d] inputs, so the layout work counts):
     DIFF V1 ``triton`` (the fused kernel, first), the baseline (2H heads of d, one ``sdpa`` call), DIFF V1
     ``combined`` (the combined map in one autograd node, the CPU's backend at short sequences; only when asked for),
-    with ``--v1-backends flash_attn4`` the baseline and DIFF V1 on flash-attn-4 (one call a map over the 2d-wide V),
+    with ``--v1-backends flash_attn4`` the baseline and DIFF V1 on flash-attn-4 (one call over the 2d-wide V),
     DIFF V1 ``sdpa`` (two library calls of the baseline's shape, equal head dims) with each DIFF epilogue (the fused
     Triton kernel, unfused, torch.compile), DIFF V2 ``sdpa`` with each epilogue. Before timing, every DIFF row's output and
     gradients are checked against ``eager`` in fp32 (bf16 inputs rounded once) at the timed head dim; a row that
@@ -120,7 +120,7 @@ def rows_to_time(epilogues, v2_epilogues, v1_backends=("triton", "sdpa")):
     library paths by epilogue; DIFF V1's rows only for ``v1_backends``."""
     rows = [("diff", "triton", "unfused")] if "triton" in v1_backends else []
     rows += [("vanilla", "sdpa", "unfused")]
-    if "flash_attn4" in v1_backends:  # flash-attn-4: the baseline on it too, then DIFF's one call a map
+    if "flash_attn4" in v1_backends:  # flash-attn-4: the baseline on it too, then DIFF's one call over the 2d-wide V
         rows += [("vanilla", "flash_attn4", "unfused"), ("diff", "flash_attn4", epilogues[0])]
     rows += [("diff", "combined", "unfused")] if "combined" in v1_backends else []
     rows += [("diff", "sdpa", e) for e in epilogues] if "sdpa" in v1_backends else []

@@ -250,7 +250,7 @@ print('flash-attn-4: CPU stand-in')"
     export PYTHONPATH="$saved_path"
     return 0
   fi
-  # the baseline and DIFF V1 on flash-attn-4 (one call a map over the 2d-wide V) against sdpa, at both head dims;
+  # the baseline and DIFF V1 on flash-attn-4 (one call over the 2d-wide V) against sdpa, at both head dims;
   # the reports stay on the machine ($OUT brings back 8 files), their tables are in the log
   core_attention core_attention_fa4_d128 240 --heads 8 --head-dim 128 --seq-len 4096 --batch 4 \
     --v1-backends flash_attn4 sdpa --epilogues triton --v2-epilogues --out "$cache/fa4"

@@ -98,8 +98,8 @@ def core_attention_bytes_per_token(
       k in its batched layout and x, its epilogue's input, in fp32; the library kernels (sdpa's flash, cuDNN and memory-efficient kernels, on a CPU torch's
       flash kernel, all with equal head dims) and ``triton`` keep none;
     - DIFF on library kernels (``library_layout``) keeps the two halves of V repeated per head pair and the two calls'
-      outputs (with GQA also the map-major copies of q and k); on ``flash_attn4`` (one call a map over the 2d-wide
-      V) the two calls' outputs and their stack (with GQA also V and each map's K repeated to the query heads); eager its combined output in fp32; ``triton`` the pre-norm output its
+      outputs (with GQA also the map-major copies of q and k); on ``flash_attn4`` (one call over the 2d-wide V) its
+      output over 2H heads of 2d and V repeated to them (with GQA also the key heads repeated); eager its combined output in fp32; ``triton`` the pre-norm output its
       epilogue normalised;
     - DIFF's epilogue: the fused one keeps one rstd per head (nothing here); the unfused one x and x·rstd in fp32 (with
       the sub-layer norm) and, for a bf16 model, the fp32 copy of map 2's output that λ's gradient reads.
@@ -126,8 +126,8 @@ def core_attention_bytes_per_token(
         return 2 * h_heads * s * 4 + 2 * hq * 4 + (hkv * 4 if a == 2 else 0) + hq * 4, True
     if backend == "eager":
         kept = hq * 4  # (A1 − λ·A2)·V in fp32
-    elif backend == "flash_attn4":  # each call's output (which it keeps) and their stack, the epilogue's halves
-        kept = 4 * hq * a + (2 * hq * a if hkv < hq else 0)  # with GQA, V and each map's K repeated per query head
+    elif backend == "flash_attn4":  # its output over 2H heads of 2d (the epilogue's halves are views) and V repeated
+        kept = 4 * hq * a + (hq * a if hkv < hq else 0)  # to them; with GQA the key heads repeated too
     else:
         gqa = (hq + hkv) * a if hkv < hq else 0
         # the ring's two maps stacked as the epilogue's halves; the library layout's halves of V and outputs

@@ -40,7 +40,7 @@ BACKENDS = ("eager", "sdpa", "flash_attn", "flash_attn4", "triton", "combined")
 # the FlashAttention libraries, by backend: (the module of its entry points, how to install it). flash-attn 2 (CUDA
 # C++, built against the GPU's torch; flash-attn-4 installs a flash_attn package too, so its own module says it is
 # there) and flash-attn-4 (CuTe DSL, pure Python, compiled at the first call of a shape; Hopper and Blackwell), whose
-# q/k and v head dims may differ: DIFF V1 runs on it as two calls over the 2d-wide V
+# q/k and v head dims may differ: DIFF V1 runs on it as one call over the 2d-wide V
 FLASH_LIBRARIES = {
     "flash_attn": ("flash_attn.flash_attn_interface",
                    "the flash-attn package (GPU only: pip install flash-attn --no-build-isolation)"),

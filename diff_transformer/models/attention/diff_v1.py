@@ -76,7 +76,7 @@ class DifferentialCoreAttention(CoreAttentionBase):
     ``epilogue`` picks its implementation, ``eager`` always the unfused reference) forms O1 − λ·O2 in fp32, the norm
     and the output factor in megatron-core's layout. ``sdpa`` and ``flash_attn`` make two library calls with equal
     head dims (``library_layout``), so that flash and cuDNN kernels are eligible, as for the baseline;
-    ``flash_attn4`` (flash-attn-4, whose V may be wider than Q·K) one call per map over the 2d-wide V.
+    ``flash_attn4`` (flash-attn-4, whose V may be wider than Q·K) one call over the 2d-wide V.
     """
 
     supports_context_parallel = True
@@ -246,19 +246,19 @@ class DifferentialCoreAttention(CoreAttentionBase):
                 for vc in values]
 
     def _forward_flash_attn4(self, q, k, v, lam, documents):
-        """flash-attn-4 takes V wider than Q·K (d, 2d): one call per map, Q1 against K1 and Q2 against K2, each over
-        the whole 2d-wide V of its KV group, so each Q·Kᵀ is computed once (1.5× the baseline's attention FLOPs,
-        against 2× for the two equal-dims calls). With GQA, K and V are repeated to the query heads (once, V shared
-        by both calls): flash-attn-4's Hopper backward takes GQA only with equal head dims. Returns the halves of V,
-        (b, s, 2, H, d) each."""
+        """flash-attn-4 takes V wider than Q·K (d, 2d): one call over all 2H query heads as megatron's projections lay
+        them out (head 2h + m is map m of head h), each against its own key head (K_m of its group) and the whole
+        2d-wide V of its group, repeated per query head. Each Q·Kᵀ is computed once (1.5× the baseline's attention
+        FLOPs, against 2× for the two equal-dims calls), and the library's per-call host time is paid once a layer.
+        With GQA the key heads are repeated to the query heads too: flash-attn-4's Hopper backward takes GQA only
+        with equal head dims. Returns the halves of V, (b, s, 2, H, d) each."""
         b, s, two_g, d = v.shape
-        v = v.reshape(b, s, two_g // 2, 2 * d)  # a copy where megatron's fused QKV split leaves V's heads apart
-        group = q.shape[2] // two_g
-        if group > 1:
-            v = v.repeat_interleave(group, dim=2)
-        maps = [flash_attention(q[:, :, i::2], k[:, :, i::2].repeat_interleave(group, dim=2) if group > 1
-                                else k[:, :, i::2], v, self.softmax_scale, documents, "flash_attn4") for i in (0, 1)]
-        maps = torch.stack(maps, dim=2)  # (b, s, 2, H, 2d)
+        group = q.shape[2] // two_g  # query heads per KV head
+        v = v.reshape(b, s, two_g // 2, 2 * d).repeat_interleave(2 * group, dim=2)  # (b, s, 2H, 2d)
+        if group > 1:  # K_m of group g for query head 2h + m, g = h // group
+            k = k.unflatten(2, (two_g // 2, 2)).repeat_interleave(group, dim=2).flatten(2, 3)
+        out = flash_attention(q, k, v, self.softmax_scale, documents, "flash_attn4")  # (b, s, 2H, 2d)
+        maps = out.unflatten(2, (q.shape[2] // 2, 2)).transpose(2, 3)  # (b, s, 2, H, 2d), a view
         return [maps[..., :d], maps[..., d:]]
 
     def _forward_triton(self, q, k, v, lam, documents):

@@ -1,6 +1,6 @@
 """flash-attn-4 on Hopper with V wider than Q·K: tiles that fit a thread block's shared memory and spill nothing.
 
-DIFF V1 runs on flash-attn-4 as one call a map over the 2d-wide V (head dims (d, 2d)). flash-attn-4 4.0.0b36 picks its
+DIFF V1 runs on flash-attn-4 as one call over the 2d-wide V (head dims (d, 2d)). flash-attn-4 4.0.0b36 picks its
 sm_90 tiles by the q/k head dim alone (``flash_attn.cute.interface._tile_size_fwd_sm90`` and ``_tile_size_bwd_sm90``),
 and with V twice as wide its choices ask for more shared memory than a block may have or spill registers. On an H100
 (benchmarks/results/gpu_run_NVIDIA-H100-80GB-HBM3_2026-11-27.md) two launches were refused: the forward at (96, 192)
