@@ -99,8 +99,8 @@ def core_attention_bytes_per_token(
       flash kernel, all with equal head dims) and ``triton`` keep none;
     - DIFF on library kernels (``library_layout``) keeps the two halves of V repeated per head pair and the two calls'
       outputs (with GQA also the map-major copies of q and k); on ``flash_attn4`` (one call over the 2d-wide V) its
-      output over 2H heads of 2d and V repeated to them (with GQA also the key heads repeated); eager its combined output in fp32; ``triton`` the pre-norm output its
-      epilogue normalised;
+      output over 2H heads of 2d and V repeated to them (with GQA also the key heads repeated); eager its combined
+      output in fp32; ``triton`` the pre-norm output its epilogue normalised;
     - DIFF's epilogue: the fused one keeps one rstd per head (nothing here); the unfused one x and x·rstd in fp32 (with
       the sub-layer norm) and, for a bf16 model, the fp32 copy of map 2's output that λ's gradient reads.
     """

@@ -89,6 +89,19 @@ def fitted(cfg, shared_memory, candidates):
     return next((c for c in candidates(cfg) if shared_memory(c) <= SM90_SHARED_MEMORY), cfg)
 
 
+def _fitting_wide_v(library_choice, shared_memory, candidates):
+    """``library_choice`` (the library's forward or backward tile function) with a V wider than Q·K given the first of
+    ``candidates`` that fits by ``shared_memory``."""
+    def tile_size_sm90(head_dim, head_dim_v, *args, **kwargs):
+        cfg = library_choice(head_dim, head_dim_v, *args, **kwargs)
+        if head_dim_v <= head_dim or kwargs.get("sparse_block_size_q") is not None:
+            return cfg
+        return fitted(cfg, lambda c: shared_memory(head_dim, head_dim_v, c), candidates)
+
+    tile_size_sm90.fits_wide_v = True
+    return tile_size_sm90
+
+
 def fit_wide_v_tiles(module_name: str = "flash_attn.cute.interface") -> bool:
     """Wrap the library's sm_90 tile choices (once) so that a V wider than Q·K gets the tiles above; returns whether
     the library has them to wrap."""
@@ -96,22 +109,7 @@ def fit_wide_v_tiles(module_name: str = "flash_attn.cute.interface") -> bool:
     fwd, bwd = (getattr(interface, name, None) for name in ("_tile_size_fwd_sm90", "_tile_size_bwd_sm90"))
     if fwd is None or bwd is None:
         return False
-    if getattr(fwd, "fits_wide_v", False):
-        return True
-
-    def tile_size_fwd_sm90(head_dim, head_dim_v, *args, **kwargs):
-        cfg = fwd(head_dim, head_dim_v, *args, **kwargs)
-        if head_dim_v <= head_dim or kwargs.get("sparse_block_size_q") is not None:
-            return cfg
-        return fitted(cfg, lambda c: forward_shared_memory(head_dim, head_dim_v, c), forward_candidates)
-
-    def tile_size_bwd_sm90(head_dim, head_dim_v, *args, **kwargs):
-        cfg = bwd(head_dim, head_dim_v, *args, **kwargs)
-        if head_dim_v <= head_dim or kwargs.get("sparse_block_size_q") is not None:
-            return cfg
-        return fitted(cfg, lambda c: backward_shared_memory(head_dim, head_dim_v, c), backward_candidates)
-
-    tile_size_fwd_sm90.fits_wide_v = tile_size_bwd_sm90.fits_wide_v = True
-    interface._tile_size_fwd_sm90, interface._tile_size_bwd_sm90 = tile_size_fwd_sm90, tile_size_bwd_sm90
+    if not getattr(fwd, "fits_wide_v", False):
+        interface._tile_size_fwd_sm90 = _fitting_wide_v(fwd, forward_shared_memory, forward_candidates)
+        interface._tile_size_bwd_sm90 = _fitting_wide_v(bwd, backward_shared_memory, backward_candidates)
     return True
-
