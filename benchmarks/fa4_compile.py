@@ -112,8 +112,9 @@ def main() -> None:
     try:
         version("flash-attn-4")
     except PackageNotFoundError:
-        raise SystemExit("error: flash-attn-4 is not installed in this environment; see the docstring "
-                         "(python benchmarks/fa4_compile.py --help)")
+        print("error: fa4_compile.py: flash-attn-4 is not installed in this environment; its docstring says how "
+              "(python benchmarks/fa4_compile.py --help)", file=sys.stderr)
+        raise SystemExit(2)
 
     lines = []
     for d, dv in SHAPES:
