@@ -6,8 +6,10 @@
 #   bash benchmarks/gpu_run.sh first [second long fa4] [--deadline 570] [--wheels .whl]   # on the GPU machine
 #   bash benchmarks/gpu_run.sh --dry-run first second long fa4                            # on a CPU: what CI runs
 #
-# Plans (steps in order; each step's limit is its cold-start time on one H100/H200 with some room, cut to what is
-# left of the deadline; a step with less than a third of its limit left is skipped and says so):
+# Plans (steps in order; each step has a limit, its cold-start time on one H100/H200 with room, cut to what is left of
+# the deadline, and a need, the least time it can finish in (measured on an H100 where it has run, with a little
+# room): a step with less than its need left is skipped and says so, rather than spend the window on a run that the
+# deadline cuts off):
 #   first   core attention at d=128 (N=4096) and d=96 (the 830m shape), the fused kernel's row first; 830m throughput
 #           (DIFF and the baseline with auto's choice, sequence 2048) with one step's profile; the GPU tests of the
 #           kernels, the epilogue, the attention backends and the CUDA ring
@@ -106,21 +108,22 @@ versions=$("$py" -c "import torch, triton; print(f'torch {torch.__version__}, tr
 echo "card $card, code $code, $versions"
 status=0
 
-# step NAME LIMIT RESULT_PATTERN COMMAND...: run under min(LIMIT, what the deadline leaves), append its output to the
-# log and one line to the summary (the lines of its output matching RESULT_PATTERN); a failure stops nothing
+# step NAME LIMIT NEED RESULT_PATTERN COMMAND...: run under min(LIMIT, what the deadline leaves) if at least NEED s
+# are left, append its output to the log and one line to the summary (the lines of its output matching
+# RESULT_PATTERN); a failure stops nothing
 step() {
-  local name="$1" limit="$2" pattern="$3"
-  shift 3
+  local name="$1" limit="$2" need="$3" pattern="$4"
+  shift 4
   if grep -q -P "^$card\t$code\t$name\t0\t" "$ledger" 2> /dev/null; then
     echo "| $name | measured already on this card by this code | | |" >> "$summary"
     echo "=== $name: measured already ($card, code $code)"
     return 0
   fi
-  [ $dry_run -eq 1 ] && limit=$((3 * limit))
+  [ $dry_run -eq 1 ] && limit=$((3 * limit)) && need=$((3 * need))
   local left=$((deadline - (SECONDS - started) - 5))
-  if [ $left -lt $((limit / 3)) ]; then
-    echo "| $name | skipped: ${left} s left of the deadline, limit ${limit} s | | |" >> "$summary"
-    echo "=== $name: skipped (${left} s left, limit ${limit} s)"
+  if [ $left -lt "$need" ]; then
+    echo "| $name | skipped: ${left} s left of the deadline, it needs ${need} s (limit ${limit} s) | | |" >> "$summary"
+    echo "=== $name: skipped (${left} s left, needs ${need} s, limit ${limit} s)"
     status=1
     return 0
   fi
@@ -145,65 +148,65 @@ step() {
 }
 
 # The dry run runs each step's GPU command line with toy sizes appended (argparse keeps an option's last value).
-core_attention() {  # name, limit, core_attention.py arguments (a later --out wins)
-  local name="$1" limit="$2"
-  shift 2
+core_attention() {  # name, limit, need, core_attention.py arguments (a later --out wins)
+  local name="$1" limit="$2" need="$3"
+  shift 3
   local toy=()
   [ $dry_run -eq 1 ] && toy=(--heads 1 --seq-len 32 --batch 1 --repeats 1 --epilogues triton unfused)
-  step "$name" "$limit" '^headline' "$py" benchmarks/core_attention.py --out "$out" "$@" "${toy[@]}"
+  step "$name" "$limit" "$need" '^headline' "$py" benchmarks/core_attention.py --out "$out" "$@" "${toy[@]}"
 }
 
-throughput() {  # name, limit, train_throughput.py arguments (a later --out wins)
-  local name="$1" limit="$2"
-  shift 2
+throughput() {  # name, limit, need, train_throughput.py arguments (a later --out wins)
+  local name="$1" limit="$2" need="$3"
+  shift 3
   local toy=()
   [ $dry_run -eq 1 ] && toy=(--model debug --steps 3 --micro-batch-size 1 --micro-batches 1 --seq-length 32)
-  step "$name" "$limit" '(tok/s|tokens/s at TP|FAILED)' "$py" benchmarks/train_throughput.py --out "$out" "$@" \
+  step "$name" "$limit" "$need" '(tok/s|tokens/s at TP|FAILED)' "$py" benchmarks/train_throughput.py --out "$out" "$@" \
     "${toy[@]}" trainer.init_on_gpu=true trainer.fusions=on
 }
 
-gpu_tests() {  # name, limit, pytest arguments
-  local name="$1" limit="$2"
-  shift 2
+gpu_tests() {  # name, limit, need, pytest arguments
+  local name="$1" limit="$2" need="$3"
+  shift 3
   # the GPU tier; in the dry run the same command collects them and skips each (no CUDA)
-  step "$name" "$limit" '(passed|failed|skipped|error|FAILED)' "$py" -m pytest -q -p no:cacheprovider -m gpu \
+  step "$name" "$limit" "$need" '(passed|failed|skipped|error|FAILED)' "$py" -m pytest -q -p no:cacheprovider -m gpu \
     --timeout 150 -rfE "$@"
 }
 
 plan_first() {
-  core_attention core_attention_d128 150 --heads 8 --head-dim 128 --seq-len 4096 --batch 4
-  core_attention core_attention_d96 120 --heads 8 --head-dim 96 --seq-len 2048 --batch 4
-  throughput throughput_830m 300 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 --steps 8
-  gpu_tests kernel_tests 240 tests/test_diff_attn_kernel.py tests/test_diff_epilogue.py tests/test_attention.py \
+  core_attention core_attention_d128 150 70 --heads 8 --head-dim 128 --seq-len 4096 --batch 4
+  core_attention core_attention_d96 120 65 --heads 8 --head-dim 96 --seq-len 2048 --batch 4
+  throughput throughput_830m 300 125 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 --steps 8
+  gpu_tests kernel_tests 240 165 tests/test_diff_attn_kernel.py tests/test_diff_epilogue.py tests/test_attention.py \
     tests/test_context_parallel.py tests/test_profiling.py
 }
 
 plan_second() {
   # regional compilation (trainer.compile): the first plan's 830m rows again, each layer under torch.compile (the
   # eager rows are throughput_830m's); the dry run's TORCHDYNAMO_DISABLE=1 runs them eagerly, labelled so
-  throughput throughput_830m_compile 300 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 \
+  throughput throughput_830m_compile 300 200 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 \
     --steps 8 --compile on
-  throughput throughput_3b 300 --model 3b --seq-length 4096 --micro-batch-size 1 --micro-batches 8 --steps 5 \
+  throughput throughput_3b 300 150 --model 3b --seq-length 4096 --micro-batch-size 1 --micro-batches 8 --steps 5 \
     --fit-gib 75 optim=adamw_3b
   if [ $dry_run -eq 1 ]; then
-    step kernel_sweep 300 '(^done in|^error)' "$py" benchmarks/kernel_tuning.py --smoke --versions v1 --budget-s 10
+    step kernel_sweep 300 100 '(^done in|^error)' "$py" benchmarks/kernel_tuning.py --smoke --versions v1 --budget-s 10
   else
     # its JSON lines stay on the machine (the log has them too); the report comes back
-    step kernel_sweep 300 '(^done in|^error)' bash -c "'$py' benchmarks/kernel_tuning.py --budget-s 240 \
+    step kernel_sweep 300 100 '(^done in|^error)' bash -c "'$py' benchmarks/kernel_tuning.py --budget-s 240 \
       --out '$cache/kernel_tuning'; rc=\$?; cp '$cache'/kernel_tuning/*.md '$out/' 2> /dev/null; exit \$rc"
   fi
   # document masking: the gpu tests (the kernel with document ids in bf16, sdpa's variable-length flash), then the
   # core attention masked against unmasked, sdpa and the fused kernel
-  gpu_tests document_mask_tests 150 tests/test_document_mask.py
+  gpu_tests document_mask_tests 150 100 tests/test_document_mask.py
   local toy=()
   [ $dry_run -eq 1 ] && toy=(--seq-lens 64 --heads 1 --head-dim 16 --mean-document 20 --repeats 1 --backends sdpa triton)
   # its report is printed into the log ($OUT keeps to few files)
-  step document_mask 180 '(masked:|^error|Traceback)' "$py" benchmarks/document_mask.py --skip-training \
+  step document_mask 180 90 '(masked:|^error|Traceback)' "$py" benchmarks/document_mask.py --skip-training \
     --seq-lens 4096 32768 --out "$cache/document_mask" "${toy[@]}"
   # evaluate and analyze on a run trained with the attention diagnostics (bf16 on the GPU)
   local train="experiment=smoke trainer.max_steps=4 optim.warmup_steps=1 checkpoint.interval=4"
   [ $dry_run -eq 1 ] || train="experiment=quickstart trainer.max_steps=40 trainer.eval_interval=20 checkpoint.interval=20"
-  step eval_analyze 240 '(NIAH accuracy|^error)' bash -c "'$py' train.py $train trainer.attention_diagnostics=on \
+  step eval_analyze 240 120 '(NIAH accuracy|^error)' bash -c "'$py' train.py $train trainer.attention_diagnostics=on \
     logging.wandb.mode=disabled hydra.run.dir='$cache/eval_run' overwrite_run=true && \
     '$py' -m diff_transformer.evaluate '$cache/eval_run' --needles 2 --asked 1 --samples 2 --max-tokens 20000 \
       --out '$cache/evaluate' && '$py' -m diff_transformer.analyze '$cache/eval_run' --out '$cache/analyze'"
@@ -211,15 +214,15 @@ plan_second() {
 
 plan_long() {
   if [ $dry_run -eq 1 ]; then
-    step kernel_long 200 '(^\| V1|^\| baseline|error)' "$py" benchmarks/attention.py --smoke
-    step niah_long 300 '(accuracy|nll|error)' bash -c "'$py' train.py experiment=smoke trainer.max_steps=4 \
+    step kernel_long 200 70 '(^\| V1|^\| baseline|error)' "$py" benchmarks/attention.py --smoke
+    step niah_long 300 150 '(accuracy|nll|error)' bash -c "'$py' train.py experiment=smoke trainer.max_steps=4 \
       optim.warmup_steps=1 checkpoint.interval=4 logging.wandb.mode=disabled hydra.run.dir='$cache/long_run' overwrite_run=true && \
       '$py' -m diff_transformer.evaluate '$cache/long_run' --tasks niah,ppl --seq-length 256 --lengths 256 \
       --needles 2 --asked 1 --depths 0,1 --samples 1 --batch-size 1 --max-tokens 2000 --out '$cache/long_eval'"
   else
-    step kernel_long 240 '(^\| V1|^\| baseline|error)' "$py" benchmarks/attention.py --seq-lens 8192 16384 32768 \
+    step kernel_long 240 80 '(^\| V1|^\| baseline|error)' "$py" benchmarks/attention.py --seq-lens 8192 16384 32768 \
       65536 --tokens 65536 --heads 12 --head-dim 128 --out "$out"
-    step niah_long 300 '(accuracy|nll|error)' bash -c "'$py' train.py experiment=quickstart trainer.max_steps=100 \
+    step niah_long 300 150 '(accuracy|nll|error)' bash -c "'$py' train.py experiment=quickstart trainer.max_steps=100 \
       trainer.eval_interval=50 checkpoint.interval=100 logging.wandb.mode=disabled hydra.run.dir='$cache/long_run' \
       overwrite_run=true && '$py' -m diff_transformer.evaluate '$cache/long_run' --tasks niah,ppl --seq-length 32768 \
       --lengths 32768 --needles 6 --asked 2 --depths 0,0.25,0.5,0.75,1 --samples 2 --batch-size 1 \
@@ -237,10 +240,10 @@ plan_fa4() {
     site="$cache/fa4_site"
     mkdir -p "$site"
     echo "import sys; sys.path.insert(0, '$PWD/tests/stand_ins')" > "$site/stand_ins.pth"
-    step fa4_install 60 '(flash-attn-4|error)' "$py" -c "import site, sys; site.addsitedir('$site'); import flash_attn.cute
+    step fa4_install 60 30 '(flash-attn-4|error)' "$py" -c "import site, sys; site.addsitedir('$site'); import flash_attn.cute
 print('flash-attn-4: CPU stand-in')"
   else
-    step fa4_install 120 '(flash-attn-4|error)' bash benchmarks/fa4_install.sh "$py" "$site"
+    step fa4_install 120 30 '(flash-attn-4|error)' bash benchmarks/fa4_install.sh "$py" "$site"
   fi
   export PYTHONPATH="$(site_path "$site"):$PYTHONPATH"
   if ! "$py" -c "import flash_attn.cute" > /dev/null 2>&1; then  # its steps would time sdpa alone
@@ -252,14 +255,14 @@ print('flash-attn-4: CPU stand-in')"
   fi
   # the baseline and DIFF V1 on flash-attn-4 (one call over the 2d-wide V) against sdpa, at both head dims;
   # the reports stay on the machine ($OUT brings back 8 files), their tables are in the log
-  core_attention core_attention_fa4_d128 240 --heads 8 --head-dim 128 --seq-len 4096 --batch 4 \
+  core_attention core_attention_fa4_d128 240 60 --heads 8 --head-dim 128 --seq-len 4096 --batch 4 \
     --v1-backends flash_attn4 sdpa --epilogues triton --v2-epilogues --out "$cache/fa4"
   # then 830m training on it (the end-to-end number), before d=96's core attention and the tests
-  throughput throughput_830m_fa4 300 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 --steps 8 \
+  throughput throughput_830m_fa4 300 180 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 --steps 8 \
     --kinds diff:flash_attn4 vanilla:flash_attn4 --out "$cache/fa4"
-  core_attention core_attention_fa4_d96 200 --heads 8 --head-dim 96 --seq-len 2048 --batch 4 \
+  core_attention core_attention_fa4_d96 200 60 --heads 8 --head-dim 96 --seq-len 2048 --batch 4 \
     --v1-backends flash_attn4 sdpa --epilogues triton --v2-epilogues --out "$cache/fa4"
-  gpu_tests fa4_tests 150 tests/test_attention.py -k flash_attn4
+  gpu_tests fa4_tests 150 60 tests/test_attention.py -k flash_attn4
   export PYTHONPATH="$saved_path"
 }
 

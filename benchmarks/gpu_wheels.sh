@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Prepare, on any machine that reaches PyPI, the wheels a bare GPU image lacks (it brings torch, Triton,
 # sentencepiece, numpy, scipy, matplotlib, pyarrow, psutil, tqdm): megatron-core, hydra-core, omegaconf,
-# antlr4-python3-runtime (an sdist on PyPI: built into a wheel here), zstandard, and pytest-xdist with execnet (the
-# test suite's addopts run it on two workers), for CPython 3.12 on x86-64.
+# antlr4-python3-runtime (an sdist on PyPI: built into a wheel here), and pytest-xdist with execnet (the test suite's
+# addopts run it on two workers), for CPython 3.12 on x86-64 (2.9 MiB). Not zstandard (5.3 MiB): only the corpus
+# readers import it, for .zst files, and no GPU plan reads one.
 #
 #   bash benchmarks/gpu_wheels.sh [DIR]        # default DIR: .whl (git-ignored)
 #   bash benchmarks/gpu_wheels.sh --fa4        # flash-attn-4 and its CuTe DSL for CUDA 13 (about 106 MiB): .whl_fa4a
-#                                              # and .whl_fa4b, each under the 64 MiB one command carries (with the
-#                                              # tracked files; .whl goes with a command of its own)
+#                                              # (51 MiB, carried with .whl) and .whl_fa4b (55 MiB), each with the
+#                                              # tracked files under the 64 MiB one command carries
 #
 # On the GPU machine, benchmarks/gpu_run.sh installs them with --no-index from DIR (benchmarks/README.md); the fa4
 # plan joins the two halves of flash-attn-4's set, carried by two commands, and installs it.
@@ -35,10 +36,10 @@ if [ "${1:-}" = "--fa4" ]; then
     apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 einops==0.8.2 cuda-bindings==13.5.0 \
     cuda-pathfinder==1.9.1 protobuf==7.36.2
   mkdir -p .whl_fa4a .whl_fa4b
-  # the CUDA 13 libraries' wheel (88 MiB) in two pieces: 54 MiB go with .whl (8 MiB) in the first command, the rest
-  # with every other wheel in the second
+  # the CUDA 13 libraries' wheel (88 MiB) in two pieces: 51 MiB go with .whl (3 MiB) in the first command, the rest
+  # with every other wheel in the second (55 MiB): each command then carries about 61 MiB with the tracked files
   big=$(cd "$tmp" && ls -S | head -n 1)
-  (cd "$tmp" && sha256sum "$big" > "$big.sha256" && split -b 54M -d "$big" "$big.part-" && rm "$big")
+  (cd "$tmp" && sha256sum "$big" > "$big.sha256" && split -b 51M -d "$big" "$big.part-" && rm "$big")
   mv "$tmp/$big.part-00" .whl_fa4a/
   mv "$tmp"/* .whl_fa4b/  # the other piece, the whole wheel's checksum, every other wheel
   du -sh .whl_fa4a .whl_fa4b
@@ -49,7 +50,7 @@ fi
 dir="${1:-.whl}"
 mkdir -p "$dir"
 "$py" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  "${platforms[@]}" -d "$dir" megatron-core==0.16.1 zstandard==0.25.0
+  "${platforms[@]}" -d "$dir" megatron-core==0.16.1
 "$py" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 -d "$dir" \
   hydra-core==1.3.8 omegaconf==2.3.1 pytest-xdist==3.8.0 execnet==2.1.2
 "$py" -m pip wheel --quiet --no-deps -w "$dir" antlr4-python3-runtime==4.9.3

@@ -3,6 +3,7 @@ launchers planning as on an H100), so that a GPU window runs what CI ran but for
 what was measured, the deadline that skips what no longer fits, refusals."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -67,6 +68,22 @@ def test_measured_steps_are_skipped_and_the_deadline_is_kept(dry_run):
     assert late.returncode == 1  # steps that did not run are not a success
     rows = summary_rows(out.parent / "late")
     assert all(status.startswith("skipped: ") for status in rows.values()), rows
+
+
+def test_a_step_is_skipped_when_less_than_its_need_is_left(dry_run):
+    """More than a third of its limit left (what once sufficed) but less than it needs: the step is skipped, not
+    started into a deadline that would cut it off (two steps spent 164 s of an H100 window that way)."""
+    out, _ = dry_run
+    code = re.search(r"code ([0-9a-f]{12})", (out / "gpu_run.md").read_text()).group(1)
+    ledger = out.parent / "need_ledger.tsv"  # every step of the second plan measured but the first
+    ledger.write_text("".join(f"cpu-dry-run\t{code}\t{name}\t0\t1\n" for name in STEPS["second"][1:]))
+    # the dry run triples limits and needs: throughput_830m_compile's 900 s limit, 600 s need; 400 s is more than
+    # a third of the limit
+    proc = gpu_run(out.parent / "need", "--dry-run", "second", "--deadline", "400", timeout=120,
+                   ledger="need_ledger.tsv")
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    status = summary_rows(out.parent / "need")["throughput_830m_compile"]
+    assert re.fullmatch(r"skipped: \d+ s left of the deadline, it needs 600 s \(limit 900 s\)", status), status
 
 
 @pytest.mark.parametrize("args,message", [
