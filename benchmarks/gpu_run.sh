@@ -11,8 +11,9 @@
 # room): a step with less than its need left is skipped and says so, rather than spend the window on a run that the
 # deadline cuts off):
 #   first   core attention at d=128 (N=4096) and d=96 (the 830m shape), the fused kernel's row first; 830m throughput
-#           (DIFF and the baseline with auto's choice, sequence 2048) with one step's profile; the GPU tests of the
-#           kernels, the epilogue, the attention backends and the CUDA ring
+#           (DIFF and the baseline with auto's choice, sequence 2048) with one step's profile; the host's time a
+#           core-attention call (benchmarks/host_overhead.py); the GPU tests of the kernels, the epilogue, the
+#           attention backends and the CUDA ring
 #   second  830m throughput with trainer.compile; 3b throughput at sequence 4096; the fused kernel's config sweep
 #           (benchmarks/kernel_tuning.py); document masking's gpu tests and core attention at 4K and 32K
 #           (benchmarks/document_mask.py); evaluate and analyze on a run trained with the attention diagnostics
@@ -177,6 +178,10 @@ plan_first() {
   core_attention core_attention_d128 150 70 --heads 8 --head-dim 128 --seq-len 4096 --batch 4
   core_attention core_attention_d96 120 65 --heads 8 --head-dim 96 --seq-len 2048 --batch 4
   throughput throughput_830m 300 125 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 --steps 8
+  # the host's time a core-attention call, by backend (the 830m heads at N=128: the kernels' own time small)
+  local toy=()
+  [ $dry_run -eq 1 ] && toy=(--calls 2 --repeats 2)
+  step host_overhead 120 45 '^headline' "$py" benchmarks/host_overhead.py --out "$out" "${toy[@]}"
   gpu_tests kernel_tests 240 165 tests/test_diff_attn_kernel.py tests/test_diff_epilogue.py tests/test_attention.py \
     tests/test_context_parallel.py tests/test_profiling.py
 }

@@ -413,6 +413,27 @@ def test_gpu_backends_in_bf16_match_eager_in_fp32(kind, backend):
         assert rel_err(got, want) < 3e-2
 
 
+def test_output_layout_gradient_copies_only_a_different_memory_layout():
+    """dO is handed on in O's strides: as it came when they are equal, as a view when they differ only along a
+    dimension of size 1 (the micro-batch of one: the same memory, no copy), copied when the memory order differs."""
+    from types import SimpleNamespace
+
+    from diff_transformer.models.attention.base import _GradInOutputLayout
+
+    out = torch.randn(16, 1, 4, 8).permute(1, 2, 0, 3)  # (b, heads, s, d) in megatron's [s, b, heads, d] order
+    ctx = SimpleNamespace(layout=(out.shape, out.stride()))
+    same_memory = torch.randn(1, 16, 4, 8).permute(0, 2, 1, 3)  # b's stride differs, b = 1
+    assert same_memory.stride() != out.stride()
+    handed = _GradInOutputLayout.backward(ctx, same_memory)
+    assert handed.stride() == out.stride() and handed.data_ptr() == same_memory.data_ptr()
+    assert torch.equal(handed, same_memory)
+    other_order = torch.randn(1, 4, 16, 8)  # (b, heads, s, d) contiguous: s and heads swapped in memory
+    copied = _GradInOutputLayout.backward(ctx, other_order)
+    assert copied.stride() == out.stride() and copied.data_ptr() != other_order.data_ptr()
+    assert torch.equal(copied, other_order)
+    assert _GradInOutputLayout.backward(ctx, handed) is handed
+
+
 @pytest.mark.parametrize("kind,epilogue", [("diff", "unfused"), ("diff", "compile"), ("diff_v2", "unfused")])
 def test_sdpa_backward_receives_its_gradient_in_the_output_layout(kind, epilogue, monkeypatch):
     """Every library attention call's backward gets dO in O's memory layout (O follows megatron's [s, b, heads, d]

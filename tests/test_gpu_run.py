@@ -13,7 +13,7 @@ from tests.train_runs import REPO
 
 PLANS = ("first", "second", "long", "fa4")
 STEPS = {
-    "first": ["core_attention_d128", "core_attention_d96", "throughput_830m", "kernel_tests"],
+    "first": ["core_attention_d128", "core_attention_d96", "throughput_830m", "host_overhead", "kernel_tests"],
     "second": ["throughput_830m_compile", "throughput_3b", "kernel_sweep", "document_mask_tests", "document_mask", "eval_analyze"],
     "long": ["kernel_long", "niah_long"],
     "fa4": ["fa4_install", "core_attention_fa4_d128", "throughput_830m_fa4", "core_attention_fa4_d96", "fa4_tests"],

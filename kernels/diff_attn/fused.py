@@ -1209,7 +1209,8 @@ _KEY_BLOCK_FLAGS = {"dkdv": (True, True, False), "dk": (True, False, False), "dv
                     "dkdq": (True, False, True)}
 # The smallest BLOCK_M of any config: the norm weight's partial sums have a row for each query block of at most this.
 _MIN_BLOCK_M = 16
-# Chosen designs and configs by (device index, problem): selection runs once per shape class, a dict lookup after.
+# Chosen designs and configs by (device index, problem): selection runs once per shape class, a dict lookup after
+# (configs also by the call's own values, looked up first).
 _CHOSEN_DESIGNS = {}
 _CHOSEN_CONFIGS = {}
 _CONFIG_CACHE = {}
@@ -1280,6 +1281,13 @@ def _block_config(name, kernel, grid, args, constants, q, n_q, n_k, plan, design
         return plan.configs[name]
     if not gpu_target.gpu_branch():
         return _INTERPRET_CONFIGS[name]
+    # first by the call's own values, a lookup without building the problem (a launch's host time counts: six a call)
+    call_key = ("call", gpu_target.key(), q.device.index, name, q.dtype, constants["HEAD_D"], value_dim,
+                constants["SHARED_K"], constants["CAUSAL"], n_q, n_k, design.split_dims, constants["USE_DESC"],
+                constants.get("HEAD_LOOP", False), os.environ.get(tuning.AUTOTUNE_ENV))
+    config = _CHOSEN_CONFIGS.get(call_key)
+    if config is not None:
+        return config
     autotuning = tuning.autotune_enabled() and not _INTERPRET  # nothing to time in the interpreter
     problem = tuning.KernelProblem.of(name, _DTYPE_NAMES[q.dtype], constants["HEAD_D"], value_dim,
                                       constants["SHARED_K"], constants["CAUSAL"], n_q, n_k, design.split_dims,
@@ -1299,6 +1307,7 @@ def _block_config(name, kernel, grid, args, constants, q, n_q, n_k, plan, design
 
         config = tuning.select_config(problem, device, autotuning, cache, bench, triton.__version__)
         _CHOSEN_CONFIGS[memo_key] = config
+    _CHOSEN_CONFIGS[call_key] = config
     return config
 
 
@@ -1310,6 +1319,30 @@ def _launch(name, kernel, grid, args, constants, q, n_q, n_k, plan, design, valu
     if constants["USE_DESC"]:
         gpu_target.require_allocator()
     kernel[grid(config)](*args, **constants, **config.launch_options())
+
+
+# Buffers the kernels write in full are poisoned with NaN under test, so that any element a kernel fails to write shows
+# up: DIFF_ATTN_POISON=1, the default in the interpreter (tests/conftest.py sets it, so the GPU tests poison too).
+# Elsewhere they are left uninitialised: a fill is a launch and a full write of the tensor, ten a layer's call.
+_POISON = os.environ.get("DIFF_ATTN_POISON", "1" if _INTERPRET else "0") == "1"
+
+
+def _written(shape, dtype, device) -> torch.Tensor:
+    """A buffer the kernels write every element of: NaN-poisoned under test (``_POISON``), uninitialised otherwise."""
+    if _POISON:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+_PLACEHOLDERS = {}
+
+
+def _placeholder(device) -> torch.Tensor:
+    """An int32 argument the kernels never read (no document ids): one per device, not an allocation per launch."""
+    device = torch.device(device)
+    if device not in _PLACEHOLDERS:
+        _PLACEHOLDERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _PLACEHOLDERS[device]
 
 
 def _strides3(x):
@@ -1324,7 +1357,7 @@ def _document_args(documents, q):
     """The kernels' (DOC_Q, DOC_K, stride_docq, stride_dock) and DOCUMENTS: the queries' and keys' document ids
     ((B, Nq), (B, Nk) int32, rows contiguous), or an unread placeholder without documents."""
     if documents is None:
-        placeholder = torch.zeros(1, dtype=torch.int32, device=q.device)
+        placeholder = _placeholder(q.device)
         return (placeholder, placeholder, 0, 0), dict(DOCUMENTS=False)
     q_ids, k_ids = documents
     return (q_ids, k_ids, q_ids.stride(0), k_ids.stride(0)), dict(DOCUMENTS=True)
@@ -1336,7 +1369,7 @@ def _diff_attn_lse(q, k, value_dim, causal, causal_offset, softmax_scale, shared
     batch, n_q, two_h, _ = q.shape
     n_heads, n_k = two_h // 2, k.shape[1]
     group = n_heads // (k.shape[2] if shared_k else k.shape[2] // 2)
-    lse = torch.full((batch, two_h, n_q), float("nan"), dtype=torch.float32, device=q.device)
+    lse = _written((batch, two_h, n_q), torch.float32, q.device)
     constants = _kernel_constants(q, q.shape[3], causal, shared_k, design, _use_descriptors(design, q, k))
     for name in ("VALUE_D", "BLOCK_DV", "BLOCK_DV2"):
         del constants[name]
@@ -1359,10 +1392,9 @@ def _diff_attn_forward(q, k, v, lam_rows, norm_weight, causal, causal_offset, so
     n_heads, n_k, n_kv_groups, value_dim = two_h // 2, k.shape[1], v.shape[2], v.shape[3]
     norm = norm_weight is not None
     epilogue = norm or output_scale != 1.0
-    # Poisoned with NaN so that any element the kernels fail to write shows up.
-    out = torch.full((batch, n_q, n_heads, value_dim), float("nan"), dtype=out_dtype or q.dtype, device=q.device)
-    y = torch.full_like(out, float("nan")) if epilogue else out
-    rstd = torch.full((batch, n_heads, n_q), float("nan"), dtype=torch.float32, device=q.device) if norm else None
+    out = _written((batch, n_q, n_heads, value_dim), out_dtype or q.dtype, q.device)
+    y = _written(out.shape, out.dtype, q.device) if epilogue else out
+    rstd = _written((batch, n_heads, n_q), torch.float32, q.device) if norm else None
     constants = _kernel_constants(q, value_dim, causal, shared_k, design, _use_descriptors(design, q, k, v))
     constants.update(EPILOGUE=epilogue, NORM=norm)
     document_args, document_flag = _document_args(documents, q)
@@ -1378,7 +1410,7 @@ def _diff_attn_forward(q, k, v, lam_rows, norm_weight, causal, causal_offset, so
         args = (q, k, v, lam_rows, lse, out, y, rstd if norm else lse, norm_weight if norm else lse, *tail)
         _launch("forward_out", _diff_attn_fwd_out_kernel, grid, args, constants, q, n_q, n_k, plan, design)
     else:
-        lse = torch.full((batch, two_h, n_q), float("nan"), dtype=torch.float32, device=q.device)
+        lse = _written((batch, two_h, n_q), torch.float32, q.device)
         args = (q, k, v, lam_rows, out, y, lse, rstd if norm else lse, norm_weight if norm else lse, *tail)
         _launch("forward", _diff_attn_fwd_kernel, grid, args, constants, q, n_q, n_k, plan, design)
     return out, y, lse, rstd
@@ -1392,10 +1424,9 @@ def _diff_attn_preprocess(dout, q, k, v, lam_rows, y, lse, rstd, norm_weight, ca
     n_heads, n_k, n_kv_groups, value_dim = two_h // 2, k.shape[1], v.shape[2], v.shape[3]
     norm = norm_weight is not None
     epilogue = norm or output_scale != 1.0
-    nan = float("nan")
-    dy = torch.full_like(y, nan) if epilogue else dout
-    delta = torch.full((batch, two_h, n_q), nan, dtype=torch.float32, device=q.device)
-    r2 = torch.full((batch, n_heads, n_q), nan, dtype=torch.float32, device=q.device)
+    dy = _written(y.shape, y.dtype, y.device) if epilogue else dout
+    delta = _written((batch, two_h, n_q), torch.float32, q.device)
+    r2 = _written((batch, n_heads, n_q), torch.float32, q.device)
     # Rows of query blocks that a config with larger blocks has no program for stay 0 in the sum.
     dw_partial = torch.zeros((batch * n_heads * triton.cdiv(n_q, _MIN_BLOCK_M), value_dim) if norm else (1,),
                              dtype=torch.float32, device=q.device)
@@ -1421,13 +1452,12 @@ def _diff_attn_grads(dy, q, k, v, lam_rows, lse, delta, causal, causal_offset, s
     n_heads, n_k, n_kv_groups, value_dim = two_h // 2, k.shape[1], v.shape[2], v.shape[3]
     group = n_heads // n_kv_groups
     grad_dtype = grad_dtype or q.dtype
-    nan = float("nan")
-    dk = torch.full(k.shape, nan, dtype=grad_dtype, device=k.device)
-    dv = torch.full(v.shape, nan, dtype=grad_dtype, device=v.device)
+    dk = _written(k.shape, grad_dtype, k.device)
+    dv = _written(v.shape, grad_dtype, v.device)
     if design.backward == "atomic":
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     else:
-        dq = torch.full(q.shape, nan, dtype=grad_dtype, device=q.device)
+        dq = _written(q.shape, grad_dtype, q.device)
     constants = _kernel_constants(q, value_dim, causal, shared_k, design, _use_descriptors(design, q, k, v, dy))
     document_args, document_flag = _document_args(documents, q)
     constants.update(document_flag)

@@ -146,7 +146,8 @@ class _GradInOutputLayout(torch.autograd.Function):
     The library kernel's output follows the query's stride order (megatron's [s, b, heads, d]); a gradient that
     arrives in another order (DIFF's unfused epilogue gives (b, s, heads, d)) made cuDNN's attention backward wrong on
     an H100 (torch 2.11: 5.6e-1 relative error in DIFF's gradients, benchmarks/results/core_attention_d128_*). One copy,
-    only when the orders differ."""
+    only when the orders differ: strides that differ only along dimensions of size 1 (a micro-batch of one) address
+    the same memory, and the gradient is handed on as a view with the output's strides exactly."""
 
     @staticmethod
     def forward(ctx, out):
@@ -158,6 +159,8 @@ class _GradInOutputLayout(torch.autograd.Function):
         shape, stride = ctx.layout
         if grad.stride() == stride:
             return grad
+        if all(g == o for g, o, size in zip(grad.stride(), stride, shape) if size > 1):
+            return grad.as_strided(shape, stride, grad.storage_offset())
         return torch.empty_strided(shape, stride, dtype=grad.dtype, device=grad.device).copy_(grad)
 
 

@@ -1,0 +1,205 @@
+"""Benchmark: the host's time for one layer's core attention, forward+backward, by kind and backend: what the GPU waits
+for when the host issues kernels more slowly than the GPU runs them.
+
+    GPU:  python benchmarks/host_overhead.py        # the 830m layer's heads (H=8, d=96) at N=128, B=1: its kernels
+                                                    # take microseconds, so a call's wall time is the host's
+    CPU:  python benchmarks/host_overhead.py        # the same calls at N=16, Triton's launches left out (the
+                                                    # interpreter would time itself), the launchers planning as on an
+                                                    # H100
+
+On an H100 (2026-11-27) DIFF's `830m` step idled 23% of its time with its kernels busy 1.24x the baseline's: the
+step is the host's. Each row gives the median host time of a call (a call's wall time, calls issued back to back with
+no synchronisation between them; on a GPU, the synchronised time is given too: where it is much larger, the GPU and
+not the host limited the row), its ratio to the baseline's (one ``sdpa`` call over 2H heads), and what a call issues:
+torch operations that do work (aten ops other than views and metadata, counted by a TorchDispatchMode: on a GPU each
+is a kernel launch or a copy) and Triton launches. On a CPU the times are the Python and dispatcher work of the same
+code path; a GPU adds each launch's own cost (a Triton launch's host time, cuDNN's plan lookup), so the counts are the
+part of the comparison that carries over from a CPU unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import datetime
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # before the first triton import: the launchers' GPU branch, interpreted
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("DIFF_ATTN_SIMULATE_GPU", "sm_90")
+    os.environ.setdefault("DIFF_ATTN_POISON", "0")  # the fused kernel's buffers as a GPU allocates them
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.core_attention import _fwd_bwd, _inputs, _module  # noqa: E402
+from benchmarks.reports import machine_name, table_cell  # noqa: E402
+
+# aten ops that move no data: views, metadata, and the profiler's markers
+_NO_WORK = {
+    "view", "_unsafe_view", "reshape", "transpose", "permute", "unflatten", "flatten", "select", "slice", "unsqueeze",
+    "squeeze", "expand", "alias", "t", "as_strided", "unbind", "split", "chunk", "detach", "view_as", "lift_fresh",
+    "_record_function_enter_new", "_record_function_exit", "promote_types", "result_type", "is_same_size",
+    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "empty", "empty_like", "empty_strided", "new_empty",
+    "new_empty_strided",
+}
+# (kind, backend, epilogue) in order: the baseline first (every ratio divides by it)
+ROWS = [
+    ("vanilla", "sdpa", "unfused"),
+    ("diff", "sdpa", "triton"),
+    ("diff", "triton", "triton"),
+    ("diff_v2", "sdpa", "triton"),
+]
+FA4_ROWS = [("vanilla", "flash_attn4", "unfused"), ("diff", "flash_attn4", "triton")]
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def triton_launches(run: bool):
+    """Inside the block, every Triton launch (``kernel[grid](...)``) is counted into the yielded list's first entry;
+    with ``run=False`` it is left out (on a CPU, where the interpreter would run it)."""
+    from triton.runtime.jit import KernelInterface
+
+    count = [0]
+    original = KernelInterface.__getitem__
+
+    def getitem(self, grid):
+        launch = original(self, grid)
+
+        def counted(*args, **kwargs):
+            count[0] += 1
+            return launch(*args, **kwargs) if run else None
+
+        return counted
+
+    KernelInterface.__getitem__ = getitem
+    try:
+        yield count
+    finally:
+        KernelInterface.__getitem__ = original
+
+
+def measure(kind, backend, epilogue, heads, d, n, b, dtype, device, calls, repeats):
+    """(host µs per call, synchronised µs per call or None on a CPU, work ops per call, Triton launches per call,
+    the most frequent work ops)."""
+    module = _module(kind, backend, epilogue, heads, heads, d, dtype, device)
+    tensors, bias = _inputs(kind, heads, heads, d, n, b, dtype, device)
+    on_gpu = device == "cuda"
+    with triton_launches(run=on_gpu) as launches:
+        for _ in range(3):  # compiles, chooses configs, warms the caches
+            _fwd_bwd(module, tensors, bias)
+        with _CountOps() as counter:
+            _fwd_bwd(module, tensors, bias)
+        before = launches[0]
+        _fwd_bwd(module, tensors, bias)
+        per_call_launches = launches[0] - before
+        host, synced = [], []
+        for _ in range(repeats):
+            if on_gpu:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                _fwd_bwd(module, tensors, bias)
+            host.append((time.perf_counter() - start) / calls * 1e6)
+            if on_gpu:
+                torch.cuda.synchronize()
+                synced.append((time.perf_counter() - start) / calls * 1e6)
+    work = {op: c for op, c in counter.ops.items() if op not in _NO_WORK}
+    top = ", ".join(f"{op} {c}" for op, c in sorted(work.items(), key=lambda x: (-x[1], x[0]))[:6])
+    return (statistics.median(host), statistics.median(synced) if synced else None, sum(work.values()),
+            per_call_launches, top)
+
+
+def render(results, heads, d, n, b, dtype, device, command) -> str:
+    base = next((r[1] for r in results if r[0].startswith("vanilla sdpa") and r[1] is not None), None)
+    where = ("its kernels launched" if device == "cuda" else
+             "Triton's launches left out, the launchers planning as on an H100 (DIFF_ATTN_SIMULATE_GPU=sm_90)")
+    lines = [
+        f"# Host time of one layer's core attention, forward+backward: {machine_name()}, {datetime.date.today()}",
+        "",
+        f"torch {torch.__version__}; {str(dtype).replace('torch.', '')}; H={heads} differential heads (baseline "
+        f"2H={2 * heads}), d={d}, N={n}, B={b}, causal; {where}. Command: `{command}`. Host µs: the median wall time "
+        "of a call among calls issued back to back" + (", and synchronised (the GPU's limit where much larger)"
+                                                       if device == "cuda" else "") + ". Work ops: aten ops other "
+        "than views, metadata and allocations (each a kernel launch or a copy on a GPU); Triton: launches.",
+        "",
+        "| module | host µs / call | / baseline |" + (" synchronised µs |" if device == "cuda" else "")
+        + " work ops | Triton launches | most frequent work ops |",
+        "|---|---|---|" + ("---|" if device == "cuda" else "") + "---|---|---|",
+    ]
+    for label, host, synced, ops, launches, top in results:
+        if host is None:
+            lines.append(f"| {label} | {top} | |" + (" |" if device == "cuda" else "") + " | | |")
+            continue
+        ratio = f"{host / base:.2f}x" if base else ""
+        sync_cell = f" {synced:.0f} |" if device == "cuda" else ""
+        lines.append(f"| {label} | {host:.0f} | {ratio} |{sync_cell} {ops} | {launches} | {top} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", type=int, default=8, help="differential heads H (the baseline has 2H)")
+    parser.add_argument("--head-dim", type=int, default=96)
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="short, so that the kernels' own time stays small: default 128 on a GPU, 16 on a CPU "
+                             "(whose attention kernels run on the host)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--calls", type=int, default=20, help="calls per timed batch")
+    parser.add_argument("--repeats", type=int, default=15, help="timed batches per row (median)")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"),
+                        help="directory of the report host_overhead_d<d>_N<N>_<machine>_<date>.md")
+    args = parser.parse_args()
+
+    from diff_transformer.compat import apply_cpu_patches
+    from diff_transformer.models.attention.base import flash_library_installed
+
+    apply_cpu_patches()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    args.seq_len = args.seq_len or (128 if device == "cuda" else 16)
+    torch.manual_seed(0)
+    rows = ROWS + (FA4_ROWS if device == "cuda" and flash_library_installed("flash_attn4") else [])
+    command = (f"python benchmarks/host_overhead.py --heads {args.heads} --head-dim {args.head_dim} --seq-len "
+               f"{args.seq_len} --batch {args.batch} --calls {args.calls} --repeats {args.repeats}")
+    results = []
+    for kind, backend, epilogue in rows:
+        label = f"{kind} {backend}" + ("" if kind == "vanilla" or backend == "triton" else f" + {epilogue} epilogue")
+        try:
+            results.append((label, *measure(kind, backend, epilogue, args.heads, args.head_dim, args.seq_len,
+                                            args.batch, dtype, device, args.calls, args.repeats)))
+        except Exception as err:  # one failing row hides no other
+            results.append((label, None, None, None, None, table_cell(f"failed: {type(err).__name__}: {err}")))
+        print(results[-1], flush=True)
+    report = render(results, args.heads, args.head_dim, args.seq_len, args.batch, dtype, device, command)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"host_overhead_d{args.head_dim}_N{args.seq_len}_{machine_name()}_{datetime.date.today()}.md"
+    path.write_text(report)
+    print(report)
+    base = results[0][1]
+    print("headline: host µs per core-attention call fwd+bwd (/ baseline; work ops, Triton launches): " + "; ".join(
+        f"{label} " + ("failed" if host is None else f"{host:.0f} ({host / base:.2f}x; {ops}, {launches})")
+        for label, host, _, ops, launches, _ in results))
+    print(f"written: {path}")
+    return 0 if all(r[1] is not None for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
