@@ -11,8 +11,8 @@ On an H100 (2026-11-27) DIFF's `830m` step idled 23% of its time with its kernel
 step is the host's. Each row gives the median host time of a call (a call's wall time, calls issued back to back with
 no synchronisation between them; on a GPU, the synchronised time is given too: where it is much larger, the GPU and
 not the host limited the row), its ratio to the baseline's (one ``sdpa`` call over 2H heads), and what a call issues:
-torch operations that do work (aten ops other than views and metadata, counted by a TorchDispatchMode: on a GPU each
-is a kernel launch or a copy) and Triton launches. On a CPU the times are the Python and dispatcher work of the same
+torch operations that do work (aten ops other than views and metadata, counted by a TorchDispatchMode with
+compiled functions run eagerly: on a GPU each is a kernel launch or a copy) and Triton launches. On a CPU the times are the Python and dispatcher work of the same
 code path; a GPU adds each launch's own cost (a Triton launch's host time, cuDNN's plan lookup), so the counts are the
 part of the comparison that carries over from a CPU unchanged.
 """
@@ -104,7 +104,9 @@ def measure(kind, backend, epilogue, heads, d, n, b, dtype, device, calls, repea
     with triton_launches(run=on_gpu) as launches:
         for _ in range(3):  # compiles, chooses configs, warms the caches
             _fwd_bwd(module, tensors, bias)
-        with _CountOps() as counter:
+        # counted eagerly (a compiled function, such as the fused λ, is not traced under a dispatch mode): its ops
+        # as eager issues them
+        with torch.compiler.set_stance("force_eager"), _CountOps() as counter:
             _fwd_bwd(module, tensors, bias)
         before = launches[0]
         _fwd_bwd(module, tensors, bias)
