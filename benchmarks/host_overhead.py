@@ -106,10 +106,9 @@ def measure(kind, backend, epilogue, heads, d, n, b, dtype, device, calls, repea
             _fwd_bwd(module, tensors, bias)
         # counted eagerly (a compiled function, such as the fused λ, is not traced under a dispatch mode): its ops
         # as eager issues them
+        before = launches[0]
         with torch.compiler.set_stance("force_eager"), _CountOps() as counter:
             _fwd_bwd(module, tensors, bias)
-        before = launches[0]
-        _fwd_bwd(module, tensors, bias)
         per_call_launches = launches[0] - before
         host, synced = [], []
         for _ in range(repeats):
@@ -128,8 +127,13 @@ def measure(kind, backend, epilogue, heads, d, n, b, dtype, device, calls, repea
             per_call_launches, top)
 
 
+def baseline_host(results):
+    """The baseline's host µs a call (``vanilla sdpa``, the row every ratio divides by), or None where it failed."""
+    return next((r[1] for r in results if r[0] == "vanilla sdpa"), None)
+
+
 def render(results, heads, d, n, b, dtype, device, command) -> str:
-    base = next((r[1] for r in results if r[0].startswith("vanilla sdpa") and r[1] is not None), None)
+    base = baseline_host(results)
     where = ("its kernels launched" if device == "cuda" else
              "Triton's launches left out, the launchers planning as on an H100 (DIFF_ATTN_SIMULATE_GPU=sm_90)")
     lines = [
@@ -155,19 +159,34 @@ def render(results, heads, d, n, b, dtype, device, command) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--heads", type=int, default=8, help="differential heads H (the baseline has 2H)")
-    parser.add_argument("--head-dim", type=int, default=96)
-    parser.add_argument("--seq-len", type=int, default=None,
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of at least 1")
+    return value
+
+
+def main(argv=None) -> int:
+    from diff_transformer.cli import ArgumentParser
+
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", type=_positive, default=8, help="differential heads H (the baseline has 2H)")
+    parser.add_argument("--head-dim", type=_positive, default=96)
+    parser.add_argument("--seq-len", type=_positive, default=None,
                         help="short, so that the kernels' own time stays small: default 128 on a GPU, 16 on a CPU "
                              "(whose attention kernels run on the host)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--calls", type=int, default=20, help="calls per timed batch")
-    parser.add_argument("--repeats", type=int, default=15, help="timed batches per row (median)")
+    parser.add_argument("--batch", type=_positive, default=1)
+    parser.add_argument("--calls", type=_positive, default=20, help="calls per timed batch")
+    parser.add_argument("--repeats", type=_positive, default=15, help="timed batches per row (median)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"),
                         help="directory of the report host_overhead_d<d>_N<N>_<machine>_<date>.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {out}: a file, not a directory for the report")
 
     from diff_transformer.compat import apply_cpu_patches
     from diff_transformer.models.attention.base import flash_library_installed
@@ -190,18 +209,20 @@ def main() -> int:
             results.append((label, None, None, None, None, table_cell(f"failed: {type(err).__name__}: {err}")))
         print(results[-1], flush=True)
     report = render(results, args.heads, args.head_dim, args.seq_len, args.batch, dtype, device, command)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"host_overhead_d{args.head_dim}_N{args.seq_len}_{machine_name()}_{datetime.date.today()}.md"
     path.write_text(report)
     print(report)
-    base = results[0][1]
+    base = baseline_host(results)
     print("headline: host µs per core-attention call fwd+bwd (/ baseline; work ops, Triton launches): " + "; ".join(
-        f"{label} " + ("failed" if host is None else f"{host:.0f} ({host / base:.2f}x; {ops}, {launches})")
+        f"{label} " + ("failed" if host is None else
+                       f"{host:.0f} ({f'{host / base:.2f}x; ' if base else ''}{ops}, {launches})")
         for label, host, _, ops, launches, _ in results))
     print(f"written: {path}")
     return 0 if all(r[1] is not None for r in results) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from diff_transformer.cli import run
+
+    sys.exit(run(main))
