@@ -555,6 +555,17 @@ def test_autotune_result_round_trips_through_the_disk_cache(tmp_path, monkeypatc
                                                 other_problem.cache_key(H100, "3.6.0")}
 
 
+def test_poison_setting_takes_0_or_1_and_names_a_bad_value(monkeypatch):
+    """DIFF_ATTN_POISON: the suite poisons (tests/conftest.py sets 1); 0 leaves the buffers uninitialised; anything
+    else is refused by name."""
+    assert fused._POISON and fused._written((2, 3), torch.float32, "cpu").isnan().all()
+    monkeypatch.setenv(fused.POISON_ENV, "0")
+    assert fused.poison_setting() is False
+    monkeypatch.setenv(fused.POISON_ENV, "yes")
+    with pytest.raises(ValueError, match=r"DIFF_ATTN_POISON='yes'; expected 0 .* or 1"):
+        fused.poison_setting()
+
+
 def test_launcher_asks_for_the_table_config_once_per_problem(monkeypatch):
     """The launcher's wiring, with the GPU replaced: the problem it builds, and one selection per shape class."""
     monkeypatch.setattr(fused, "_CHOSEN_CONFIGS", {})

@@ -1324,7 +1324,18 @@ def _launch(name, kernel, grid, args, constants, q, n_q, n_k, plan, design, valu
 # Buffers the kernels write in full are poisoned with NaN under test, so that any element a kernel fails to write shows
 # up: DIFF_ATTN_POISON=1, the default in the interpreter (tests/conftest.py sets it, so the GPU tests poison too).
 # Elsewhere they are left uninitialised: a fill is a launch and a full write of the tensor, ten a layer's call.
-_POISON = os.environ.get("DIFF_ATTN_POISON", "1" if _INTERPRET else "0") == "1"
+POISON_ENV = "DIFF_ATTN_POISON"
+
+
+def poison_setting() -> bool:
+    """``DIFF_ATTN_POISON`` (0 or 1; unset: 1 in the interpreter, 0 on a GPU)."""
+    value = os.environ.get(POISON_ENV, "1" if _INTERPRET else "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{POISON_ENV}={value!r}; expected 0 (buffers left uninitialised) or 1 (NaN-poisoned)")
+    return value == "1"
+
+
+_POISON = poison_setting()
 
 
 def _written(shape, dtype, device) -> torch.Tensor:
