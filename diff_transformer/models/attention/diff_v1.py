@@ -258,7 +258,7 @@ class DifferentialCoreAttention(CoreAttentionBase):
         if group > 1:  # K_m of group g for query head 2h + m, g = h // group
             k = k.unflatten(2, (two_g // 2, 2)).repeat_interleave(group, dim=2).flatten(2, 3)
         out = flash_attention(q, k, v, self.softmax_scale, documents, "flash_attn4")  # (b, s, 2H, 2d)
-        maps = out.unflatten(2, (q.shape[2] // 2, 2)).transpose(2, 3)  # (b, s, 2, H, 2d), a view
+        maps = paired_halves(out, "interleaved")  # (b, s, 2, H, 2d), a view
         return [maps[..., :d], maps[..., d:]]
 
     def _forward_triton(self, q, k, v, lam, documents):
