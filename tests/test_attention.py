@@ -132,6 +132,17 @@ def test_lambda_reparameterisation_and_init():
     assert all(p.dtype == torch.float32 and p.shape == (32,) for p in attn.lambda_parameters())
 
 
+def test_frozen_lambda_is_made_once_per_device():
+    """model.lambda_learnable=false: λ is one constant per device, not a tensor made (and, on a GPU, copied from
+    pageable memory, which waits for the GPU) in every call."""
+    attn = DifferentialCoreAttention(make_config(2, 2, 8), 2, AttnMaskType.causal, lambda_learnable=False)
+    first = attn.lambda_full(torch.device("cpu"))
+    assert attn.lambda_full(torch.device("cpu")) is first and attn.lambda_full() is first
+    meta = attn.lambda_full(torch.device("meta"))
+    assert meta.device.type == "meta" and attn.lambda_full(torch.device("meta")) is meta
+    assert first.dtype == torch.float32 and float(first) == pytest.approx(lambda_init_for_layer(2))
+
+
 def _run(module, q, k, v):
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
     out = module(q, k, v, None, attn_mask_type=AttnMaskType.causal)

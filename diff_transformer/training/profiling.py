@@ -28,7 +28,7 @@ CATEGORIES = ("GEMM", "attention", "DIFF epilogue", "norms", "other elementwise"
 
 # (kind, substrings of a lower-cased name), first match wins
 _PATTERNS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
-    ("DIFF epilogue", ("diff_epilogue", "diffepilogue", "lambda_difference")),
+    ("DIFF epilogue", ("diff_epilogue", "diffepilogue")),
     ("attention", ("flash", "fmha", "scaled_dot_product", "sdpa", "attention", "_diff_attn", "cudnn_attn", "mha_")),
     ("communication", ("nccl", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast",
                        "c10d", "gloo", "sendrecv", "isend", "irecv")),
