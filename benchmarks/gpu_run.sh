@@ -182,8 +182,8 @@ plan_first() {
   local toy=()
   [ $dry_run -eq 1 ] && toy=(--calls 2 --repeats 2)
   step host_overhead 120 45 '^headline' "$py" benchmarks/host_overhead.py --out "$out" "${toy[@]}"
-  gpu_tests kernel_tests 240 165 tests/test_diff_attn_kernel.py tests/test_diff_epilogue.py tests/test_attention.py \
-    tests/test_context_parallel.py tests/test_profiling.py
+  gpu_tests kernel_tests 250 175 tests/test_diff_attn_kernel.py tests/test_diff_epilogue.py tests/test_rope_kernel.py \
+    tests/test_attention.py tests/test_context_parallel.py tests/test_profiling.py
 }
 
 plan_second() {

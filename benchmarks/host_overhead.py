@@ -95,20 +95,17 @@ def triton_launches(run: bool):
         KernelInterface.__getitem__ = original
 
 
-def measure(kind, backend, epilogue, heads, d, n, b, dtype, device, calls, repeats):
-    """(host µs per call, synchronised µs per call or None on a CPU, work ops per call, Triton launches per call,
-    the most frequent work ops)."""
-    module = _module(kind, backend, epilogue, heads, heads, d, dtype, device)
-    tensors, bias = _inputs(kind, heads, heads, d, n, b, dtype, device)
+def time_calls(call, device, calls, repeats):
+    """(host µs per call, synchronised µs per call or None on a CPU, work ops per call, Triton launches per call, the
+    most frequent work ops) of ``call()``."""
     on_gpu = device == "cuda"
     with triton_launches(run=on_gpu) as launches:
         for _ in range(3):  # compiles, chooses configs, warms the caches
-            _fwd_bwd(module, tensors, bias)
-        # counted eagerly (a compiled function, such as the fused λ, is not traced under a dispatch mode): its ops
-        # as eager issues them
+            call()
+        # counted eagerly (a compiled function is not traced under a dispatch mode): its ops as eager issues them
         before = launches[0]
         with torch.compiler.set_stance("force_eager"), _CountOps() as counter:
-            _fwd_bwd(module, tensors, bias)
+            call()
         per_call_launches = launches[0] - before
         host, synced = [], []
         for _ in range(repeats):
@@ -116,7 +113,7 @@ def measure(kind, backend, epilogue, heads, d, n, b, dtype, device, calls, repea
                 torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(calls):
-                _fwd_bwd(module, tensors, bias)
+                call()
             host.append((time.perf_counter() - start) / calls * 1e6)
             if on_gpu:
                 torch.cuda.synchronize()
@@ -127,24 +124,42 @@ def measure(kind, backend, epilogue, heads, d, n, b, dtype, device, calls, repea
             per_call_launches, top)
 
 
+def measure(kind, backend, epilogue, heads, d, n, b, dtype, device, calls, repeats):
+    """time_calls of one core-attention call, forward+backward."""
+    module = _module(kind, backend, epilogue, heads, heads, d, dtype, device)
+    tensors, bias = _inputs(kind, heads, heads, d, n, b, dtype, device)
+    return time_calls(lambda: _fwd_bwd(module, tensors, bias), device, calls, repeats)
+
+
+def rope_implementations():
+    """(label, function) of RoPE as the model can apply it to its query and key, twice a layer."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from diff_transformer.models.rope import FusedRoPEFunction
+    from kernels.rope import rotary
+
+    return [("megatron-core unfused", _apply_rotary_pos_emb_bshd),
+            ("compiled (jit_fuser; trainer.compile inlines it)", FusedRoPEFunction.apply),
+            ("Triton (kernels.rope; the model's on a GPU)", rotary)]
+
+
+def measure_rope(function, heads, d, n, b, dtype, device, calls, repeats):
+    """time_calls of RoPE on one [N, B, 2H, d] query, forward+backward."""
+    x = torch.randn(n, b, 2 * heads, d, dtype=dtype, device=device, requires_grad=True)
+    inverse = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    angles = torch.outer(torch.arange(n, dtype=torch.float32, device=device), inverse)
+    freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :]
+    grad = torch.ones(n, b, 2 * heads, d, dtype=dtype, device=device)
+    return time_calls(lambda: function(x, freqs).backward(grad), device, calls, repeats)
+
+
 def baseline_host(results):
     """The baseline's host µs a call (``vanilla sdpa``, the row every ratio divides by), or None where it failed."""
     return next((r[1] for r in results if r[0] == "vanilla sdpa"), None)
 
 
-def render(results, heads, d, n, b, dtype, device, command) -> str:
-    base = baseline_host(results)
-    where = ("its kernels launched" if device == "cuda" else
-             "Triton's launches left out, the launchers planning as on an H100 (DIFF_ATTN_SIMULATE_GPU=sm_90)")
+def _table(results, base, device):
     lines = [
-        f"# Host time of one layer's core attention, forward+backward: {machine_name()}, {datetime.date.today()}",
-        "",
-        f"torch {torch.__version__}; {str(dtype).replace('torch.', '')}; H={heads} differential heads (baseline "
-        f"2H={2 * heads}), d={d}, N={n}, B={b}, causal; {where}. Command: `{command}`. Host µs: the median wall time "
-        "of a call among calls issued back to back" + (", and synchronised (the GPU's limit where much larger)"
-                                                       if device == "cuda" else "") + ". Work ops: aten ops other "
-        "than views, metadata and allocations (each a kernel launch or a copy on a GPU); Triton: launches.",
-        "",
         "| module | host µs / call | / baseline |" + (" synchronised µs |" if device == "cuda" else "")
         + " work ops | Triton launches | most frequent work ops |",
         "|---|---|---|" + ("---|" if device == "cuda" else "") + "---|---|---|",
@@ -156,6 +171,33 @@ def render(results, heads, d, n, b, dtype, device, command) -> str:
         ratio = f"{host / base:.2f}x" if base else ""
         sync_cell = f" {synced:.0f} |" if device == "cuda" else ""
         lines.append(f"| {label} | {host:.0f} | {ratio} |{sync_cell} {ops} | {launches} | {top} |")
+    return lines
+
+
+def render(results, rope_results, heads, d, n, b, dtype, device, command) -> str:
+    base = baseline_host(results)
+    where = ("its kernels launched" if device == "cuda" else
+             "Triton's launches left out, the launchers planning as on an H100 (DIFF_ATTN_SIMULATE_GPU=sm_90)")
+    lines = [
+        f"# Host time of one layer's core attention, forward+backward: {machine_name()}, {datetime.date.today()}",
+        "",
+        f"torch {torch.__version__}; {str(dtype).replace('torch.', '')}; H={heads} differential heads (baseline "
+        f"2H={2 * heads}), d={d}, N={n}, B={b}, causal; {where}. Command: `{command}`. Host µs: the median wall time "
+        "of a call among calls issued back to back" + (", and synchronised (the GPU's limit where much larger)"
+                                                       if device == "cuda" else "") + ". Work ops: aten ops other "
+        "than views, metadata and allocations (each a kernel launch or a copy on a GPU; a compiled function's counted "
+        "as eager issues them, where on a GPU it launches its fused kernels instead); Triton: launches.",
+        "",
+    ]
+    lines += _table(results, base, device)
+    lines += [
+        "",
+        f"RoPE of one query (or key) of the layer, [N, B, 2H, d] = [{n}, {b}, {2 * heads}, {d}], forward+backward: "
+        "twice a layer and micro-batch, in DIFF's layer and the baseline's alike (/ baseline: over megatron-core's "
+        "unfused RoPE).",
+        "",
+    ]
+    lines += _table(rope_results, rope_results[0][1] if rope_results else None, device)
     return "\n".join(lines) + "\n"
 
 
@@ -208,7 +250,15 @@ def main(argv=None) -> int:
         except Exception as err:  # one failing row hides no other
             results.append((label, None, None, None, None, table_cell(f"failed: {type(err).__name__}: {err}")))
         print(results[-1], flush=True)
-    report = render(results, args.heads, args.head_dim, args.seq_len, args.batch, dtype, device, command)
+    rope_results = []
+    for label, function in rope_implementations():
+        try:
+            rope_results.append((label, *measure_rope(function, args.heads, args.head_dim, args.seq_len, args.batch,
+                                                      dtype, device, args.calls, args.repeats)))
+        except Exception as err:  # one failing row hides no other
+            rope_results.append((label, None, None, None, None, table_cell(f"failed: {type(err).__name__}: {err}")))
+        print(rope_results[-1], flush=True)
+    report = render(results, rope_results, args.heads, args.head_dim, args.seq_len, args.batch, dtype, device, command)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"host_overhead_d{args.head_dim}_N{args.seq_len}_{machine_name()}_{datetime.date.today()}.md"
     path.write_text(report)
@@ -218,8 +268,11 @@ def main(argv=None) -> int:
         f"{label} " + ("failed" if host is None else
                        f"{host:.0f} ({f'{host / base:.2f}x; ' if base else ''}{ops}, {launches})")
         for label, host, _, ops, launches, _ in results))
+    print("headline: host µs per RoPE call fwd+bwd (work ops, Triton launches): " + "; ".join(
+        f"{label.split(' (')[0]} " + ("failed" if host is None else f"{host:.0f} ({ops}, {launches})")
+        for label, host, _, ops, launches, _ in rope_results))
     print(f"written: {path}")
-    return 0 if all(r[1] is not None for r in results) else 1
+    return 0 if all(r[1] is not None for r in results + rope_results) else 1
 
 
 if __name__ == "__main__":

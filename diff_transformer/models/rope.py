@@ -3,9 +3,14 @@ otherwise needs TransformerEngine; ``compat.install_fused_rope`` puts it there).
 
 megatron-core's unfused RoPE (``_apply_rotary_pos_emb_bshd``) is six kernels and a ``cat`` forward and autograd's
 transposes of them backward, and keeps cos/sin-sized temporaries for the backward. Here the forward and the backward
-are each one function that ``jit_fuser`` (megatron-core's own torch.compile decorator) fuses into a single kernel;
-the backward is written out (the transpose of the rotation) and keeps only the frequencies. Same math, same
-rounding of cos/sin to the input's dtype as megatron-core's, so fp32 results are the same."""
+are each one kernel, and the backward is written out (the transpose of the rotation) and keeps only the frequencies.
+Same math, same rounding of cos/sin to the input's dtype as megatron-core's, so fp32 results are the same. Two
+implementations of it:
+
+- on a GPU, one Triton kernel each way (``kernels.rope``): one launch, where a compiled function pays
+  torch.compile's call overhead (guards, its wrapper) on every call, twice per layer and micro-batch;
+- on a CPU, and inside a compiled region (``trainer.compile``, where inductor fuses RoPE into the layer's graph), one
+  function each way that ``jit_fuser`` (megatron-core's own torch.compile decorator) fuses."""
 
 from __future__ import annotations
 
@@ -46,4 +51,8 @@ def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved
     signature, as megatron-core calls it (rope_utils.py:287)."""
     if interleaved:
         raise ValueError("the fused RoPE implements the rotate-half layout; rotary_interleaved needs the unfused one")
+    if t.is_cuda and not torch.compiler.is_compiling():
+        from kernels.rope import rotary
+
+        return rotary(t, freqs)
     return FusedRoPEFunction.apply(t, freqs)
