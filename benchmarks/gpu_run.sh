@@ -188,9 +188,10 @@ plan_first() {
 
 plan_second() {
   # regional compilation (trainer.compile): the first plan's 830m rows again, each layer under torch.compile (the
-  # eager rows are throughput_830m's); the dry run's TORCHDYNAMO_DISABLE=1 runs them eagerly, labelled so
+  # eager rows are throughput_830m's), on sdpa, whose core attention the compiled layer's graph takes in; the dry
+  # run's TORCHDYNAMO_DISABLE=1 runs them eagerly, labelled so
   throughput throughput_830m_compile 300 200 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 \
-    --steps 8 --compile on
+    --steps 8 --compile on model.attention_backend=sdpa
   throughput throughput_3b 300 150 --model 3b --seq-length 4096 --micro-batch-size 1 --micro-batches 8 --steps 5 \
     --fit-gib 75 optim=adamw_3b
   if [ $dry_run -eq 1 ]; then

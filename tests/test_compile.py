@@ -1,8 +1,10 @@
-"""trainer.compile: every TransformerLayer under torch.compile (inductor, C++ on a CPU), its core attention eager.
+"""trainer.compile: every TransformerLayer under torch.compile (inductor, C++ on a CPU), its core attention in the
+layer's graph where dynamo traces it (sdpa), eager otherwise.
 
-The compiled model gives the eager model's loss and gradients over a few training steps (DIFF V1 on sdpa and the
-baseline), dynamo compiles each layer with no graph break but the core attention's, evaluation and the attention
-capture hooks run eagerly, train.py logs the compiling first step, and what compile cannot run with is refused."""
+The compiled model gives the eager model's loss and gradients over a few training steps (DIFF V1 on sdpa, its core
+attention in the graph; the baseline under selective recomputation, its core attention eager), dynamo compiles each
+layer with no graph break (DIFF) or none but the core attention's (the baseline), evaluation and the attention capture
+hooks run eagerly, train.py logs the compiling first step, and what compile cannot run with is refused."""
 
 import math
 import subprocess
@@ -18,20 +20,22 @@ from tests.train_runs import REPO, read_metrics, run_train, train_env
 VOCAB, BATCH, SEQ, STEPS = 128, 2, 32, 3
 # The error floor, measured on the 2-core CPU (torch 2.13, inductor's C++ backend, fp32), the largest over these
 # STEPS steps: the loss equal bit for bit (relative error 0) for both kinds; the relative RMS error of a parameter's
-# gradient against eager at most 4.3e-7 (vanilla: linear_fc1.weight; diff: the norm weights, 4.2e-7), except DIFF's
-# λ vectors, 1.8e-5 (each λ gradient one sum over every output of the layer, with cancellation). Tolerances ~5x those.
+# gradient against eager at most 5.1e-7 (diff, its core attention in the graph; vanilla 4.3e-7: linear_fc1.weight),
+# except DIFF's λ vectors, 6.9e-5: each λ gradient is one sum over every output of the layer, with cancellation, and
+# against an fp64 run of the same steps eager's own error is 3.0e-5 and the compiled one's 3.9e-5 (inductor fuses the
+# epilogue's sums in another order). Tolerances ~4-5x those.
 LOSS_TOLERANCE = 1e-6
 GRAD_TOLERANCE = 2e-6
-LAMBDA_GRAD_TOLERANCE = 1e-4
+LAMBDA_GRAD_TOLERANCE = 3e-4
 
 
-def debug_cfg(kind):
+def debug_cfg(kind, recompute="none"):
     from diff_transformer.config import Config
 
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), {
         "model": {"name": "debug", "attention": kind, "attention_backend": "sdpa", "num_layers": 2, "hidden_size": 64,
                   "num_heads": 2, "ffn_hidden_size": 176, "seq_length": SEQ},
-        "trainer": {"max_steps": STEPS, "global_batch_size": BATCH, "compile": True},
+        "trainer": {"max_steps": STEPS, "global_batch_size": BATCH, "compile": True, "recompute": recompute},
     }))
 
 
@@ -39,18 +43,21 @@ def rel_rms(got, want):
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("kind", ["diff", "vanilla"])
-def test_compiled_layers_give_the_eager_loss_and_gradients(kind, megatron_single_process):
+@pytest.mark.parametrize("kind,recompute", [("diff", "none"), ("vanilla", "selective")],
+                         ids=["diff-attention-in-graph", "vanilla-selective-attention-eager"])
+def test_compiled_layers_give_the_eager_loss_and_gradients(kind, recompute, megatron_single_process):
     """Both models start from the same weights and take the same steps (the eager gradients), so each step measures
     the compiled layers' error afresh; the test fails if compile_layers compiled nothing (no dynamo graphs)."""
     from diff_transformer.models.attention_maps import capture_attention
-    from diff_transformer.models.gpt import build_model_chunk, compile_layers
+    from diff_transformer.models.gpt import build_model_chunk, compile_layers, core_attention_in_graph
 
-    cfg = debug_cfg(kind)
+    cfg = debug_cfg(kind, recompute)
     eager, compiled = build_model_chunk(cfg, VOCAB), build_model_chunk(cfg, VOCAB)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     assert compile_layers(compiled) == 2
+    in_graph = recompute == "none"  # selective recomputation checkpoints the core attention: eager, out of the graph
+    assert core_attention_in_graph(compiled) == (2 if in_graph else 0)
     g = torch.Generator().manual_seed(0)
     positions = torch.arange(SEQ).expand(BATCH, SEQ)
     loss_errors, grad_errors, lambda_errors = [], [], [0.0]
@@ -75,10 +82,14 @@ def test_compiled_layers_give_the_eager_loss_and_gradients(kind, megatron_single
     assert max(loss_errors) <= LOSS_TOLERANCE, loss_errors
     assert max(grad_errors) <= GRAD_TOLERANCE and max(lambda_errors) <= LAMBDA_GRAD_TOLERANCE, (grad_errors, lambda_errors)
 
-    # compiled indeed: dynamo made graphs of the layers (one set shared by both), broken only at the core attention
+    # compiled indeed: dynamo made graphs of the layers (one set shared by both), with no graph break where the core
+    # attention is in the graph, broken only at the core attention where it runs eagerly
     stats, breaks = torch._dynamo.utils.counters["stats"], torch._dynamo.utils.counters["graph_break"]
-    assert stats["unique_graphs"] >= 2 and stats["calls_captured"] > 20, dict(stats)
-    assert breaks and all("torch.compiler.disable" in reason for reason in breaks), list(breaks)
+    assert stats["unique_graphs"] >= (1 if in_graph else 2) and stats["calls_captured"] > 20, dict(stats)
+    if in_graph:
+        assert not breaks, list(breaks)
+    else:
+        assert breaks and all("torch.compiler.disable" in reason for reason in breaks), list(breaks)
     assert all(layer._compiled_call_impl is not None for layer in compiled.decoder.layers)
 
     # evaluation runs eagerly, so that the capture hooks (registered after compiling) see every layer

@@ -210,11 +210,32 @@ def build_model_chunk(
     )
 
 
-def compile_layers(chunk: torch.nn.Module) -> int:
+# the core attention backends whose forward and backward are torch operations dynamo traces (library calls through
+# torch's SDPA, the materialised maps, DIFF V1's combined map with its written-out backward): under trainer.compile
+# they stay in the layer's graph
+TRACEABLE_BACKENDS = ("sdpa", "eager", "combined")
+
+
+def core_attention_traceable(attention: torch.nn.Module, document_mask: bool) -> bool:
+    """Whether a layer's SelfAttention can keep its core attention in the compiled layer's graph: a traceable backend
+    (``TRACEABLE_BACKENDS``), no context-parallel ring (collectives), no selective recomputation (megatron's
+    checkpoint saves and restores RNG states) and no document masking (its variable-length kernel takes the longest
+    document as a host integer)."""
+    core = attention.core_attention
+    return (getattr(core, "backend", None) in TRACEABLE_BACKENDS and getattr(core, "ring", None) is None
+            and not attention.checkpoint_core_attention and not document_mask)
+
+
+def compile_layers(chunk: torch.nn.Module, document_mask: bool = False) -> int:
     """``trainer.compile``: each TransformerLayer of ``chunk`` under ``torch.compile`` in place (regional compilation,
-    torchtitan's approach: identical layers share one compiled graph, so compiling costs one layer's worth), its core
-    attention left eager (``compat.call_core_attention_eagerly``): on each side of it inductor fuses the norms, RoPE,
-    SwiGLU and the residual adds around the projections' matmuls. Returns how many layers it compiled.
+    torchtitan's approach: identical layers share one compiled graph, so compiling costs one layer's worth), so that
+    inductor fuses the norms, RoPE, SwiGLU and the residual adds around the projections' matmuls. The core attention
+    stays in the layer's graph where dynamo traces it (``core_attention_traceable``: ``sdpa`` and DIFF V1's
+    ``combined`` outside context parallelism, selective recomputation and document masking), so that its elementwise work (DIFF's λ, layouts and
+    epilogue) fuses too and the layer is one graph each way: the host issues a compiled layer's kernels from one
+    wrapper, where eagerly each torch operation pays the dispatcher and autograd. Otherwise it runs eagerly, out of
+    the graph (``compat.call_core_attention_eagerly``): the fused kernel's launchers choose configs in Python,
+    flash-attn and the context-parallel ring call libraries and collectives. Returns how many layers it compiled.
 
     Only training forwards run compiled; the others (validation, the attention diagnostics' probe, anything in eval
     mode) run the layer eagerly: dynamo does not guard on module hooks (``torch._dynamo.config.
@@ -226,10 +247,17 @@ def compile_layers(chunk: torch.nn.Module) -> int:
     compat.resolve_default_tp_group_quietly()
     layers = [m for m in chunk.modules() if isinstance(m, TransformerLayer)]
     for layer in layers:
-        compat.call_core_attention_eagerly(layer.self_attention)
+        if not core_attention_traceable(layer.self_attention, document_mask):
+            compat.call_core_attention_eagerly(layer.self_attention)
         layer.compile(dynamic=False)  # sets the module's _compiled_call_impl, which nn.Module.__call__ runs
         layer._compiled_call_impl = functools.partial(_compiled_when_training, layer, layer._compiled_call_impl)
     return len(layers)
+
+
+def core_attention_in_graph(chunk: torch.nn.Module) -> int:
+    """How many of ``chunk``'s compiled layers keep their core attention in the graph (``compile_layers``)."""
+    return sum(1 for m in chunk.modules() if isinstance(m, TransformerLayer) and m._compiled_call_impl is not None
+               and not getattr(m.self_attention, "_core_attention_eager", False))
 
 
 def dynamo_disabled() -> bool:

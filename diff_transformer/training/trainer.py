@@ -28,6 +28,7 @@ from diff_transformer.models.gpt import (
     attention_parameters_per_layer,
     build_model_chunk,
     compile_layers,
+    core_attention_in_graph,
     count_parameters,
     dex_parameters,
     epilogue_impl,
@@ -118,6 +119,7 @@ class Trainer:
         self.launch_record: Dict[str, str] = {}  # Hydra's record of this launch (.hydra/), written at the commit
         self.tokenizer = None  # the run's tokenizer, once setup has prepared the data
         self.compiled_layers = 0  # trainer.compile: this rank's layers under torch.compile
+        self.attention_in_graph = 0  # of them, those whose core attention is in the layer's graph
         self._first_step_done = False  # the first step of this process (which compiles them) has been logged
 
     # -- setup -------------------------------------------------------------------------------------------------------
@@ -260,7 +262,8 @@ class Trainer:
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
         if self.cfg.trainer.compile:  # before DDP, whose hooks then see the compiled layers as any module
-            self.compiled_layers = compile_layers(chunk)
+            self.compiled_layers = compile_layers(chunk, document_mask=self.cfg.data.document_mask)
+            self.attention_in_graph = core_attention_in_graph(chunk)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=p.overlap_grad_reduce,
@@ -407,8 +410,14 @@ class Trainer:
                            "(TORCHDYNAMO_DISABLE=1 or TORCH_COMPILE_DISABLE=1): the layers run eagerly")
             return
         layers = f"{self.compiled_layers} layer{'s' if self.compiled_layers != 1 else ''}"
-        logger.info("trainer.compile: %s of this rank under torch.compile (the core attention eager; evaluation "
-                    "eager); the first step compiles them", layers)
+        if self.attention_in_graph == self.compiled_layers:
+            where = "the core attention in the graph"
+        elif self.attention_in_graph == 0:
+            where = "the core attention eager"
+        else:
+            where = f"the core attention in the graph in {self.attention_in_graph} of them, eager in the others"
+        logger.info("trainer.compile: %s of this rank under torch.compile (%s; evaluation eager); the first step "
+                    "compiles them", layers, where)
 
     def _log_epochs(self) -> None:
         """How many passes over each blend entry's train split the planned steps make; a warning above a few."""

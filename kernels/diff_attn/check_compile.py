@@ -146,6 +146,53 @@ def ptxas_registers(ptx, arch):
     return int(registers.group(1)), int(spills.group(1))
 
 
+def compile_plain(kernel, constexprs, dtype, arch, fp32_pointers=(), fp32_scalars=()):
+    """Compile ``kernel`` for sm_``arch`` with 4 warps: pointers in ``dtype`` (those named in ``fp32_pointers`` fp32),
+    the scalars named in ``fp32_scalars`` fp32, every other lower-case argument i32."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in fp32_scalars:
+            signature[name] = "fp32"
+        elif name.isupper():
+            signature[name] = "*fp32" if name in fp32_pointers else f"*{dtype}"
+        else:
+            signature[name] = "i32"
+    return triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=4))
+
+
+def arch_arguments(doc):
+    """--arch of a compile check's command line, parsed; prints the Triton version and the target first."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
+    args = parser.parse_args()
+    print(f"triton {triton.__version__}, sm_{args.arch}", flush=True)
+    return args
+
+
+def report_no_spill(label, compile, arch, failures):
+    """Compile (``compile()``, a Triton CompiledKernel), print its registers and spills, and add to ``failures`` a
+    failure to compile or any spill: the check of the memory-bound kernels (the epilogue, RoPE), whose spills cost
+    more than the registers they save."""
+    start = time.perf_counter()
+    try:
+        compiled = compile()
+    except Exception as err:  # noqa: BLE001 - report every failure, then exit non-zero
+        failures.append(f"{label}: {type(err).__name__}: {err}")
+        print(f"{label}: FAILED to compile ({type(err).__name__})", flush=True)
+        return
+    registers = ptxas_registers(compiled.asm["ptx"], arch)
+    text = "registers n/a" if registers is None else f"{registers[0]} registers, {registers[1]} B spilled"
+    print(f"{label}: ok, {text}, {time.perf_counter() - start:.1f} s", flush=True)
+    if registers is not None and registers[1] > 0:
+        failures.append(f"{label}: {registers[1]} B spilled")
+
+
 _MMA_LAYOUT = re.compile(
     r"^#(\w+) = #ttg\.nvidia_mma<\{versionMajor = (\d+), versionMinor = \d+, warpsPerCTA = \[(\d+), (\d+)\], "
     r"instrShape = \[(\d+), (\d+), (\d+)\]", re.MULTILINE)

@@ -43,7 +43,11 @@ def diff_epilogue(
     scale: float,
     impl: str = "unfused",
 ) -> torch.Tensor:
-    """(N, B, H·n·d) in the halves' dtype (see the module docstring); differentiable in halves, lam and weight."""
+    """(N, B, H·n·d) in the halves' dtype (see the module docstring); differentiable in halves, lam and weight. Inside
+    a compiled region (``trainer.compile`` with the core attention in the layer's graph) always the definition,
+    which inductor fuses with the work around it."""
+    if torch.compiler.is_compiling():
+        return diff_epilogue_naive(halves, lam, weight, eps, scale)
     with torch.profiler.record_function("diff_epilogue"):
         if impl == "unfused":
             return diff_epilogue_naive(halves, lam, weight, eps, scale)
