@@ -94,6 +94,24 @@ def test_fused_rope_matches_megatrons_unfused_rope(name, dtype, branch):
     assert torch.equal(y[..., rotated:], x[..., rotated:])  # passed through bit for bit
 
 
+@pytest.mark.parametrize("branch", ["interpreter", "sm_90"])
+def test_fused_rope_takes_each_sequences_own_positions(branch):
+    """freqs [s, b, 1, d_rot]: positions restarting with every document (data.reset_position_ids, models.gpt's
+    PackedGPTModel), a different position for each sequence of the micro-batch."""
+    seq, batch, heads, d = 9, 3, 4, 16
+    generator = torch.Generator().manual_seed(3)
+    x = qkv_view(seq, batch, heads, d, generator, torch.float32, "cpu")
+    positions = torch.stack([torch.arange(seq), torch.arange(seq) % 4, torch.arange(seq) % 5 + 2], dim=1)  # [s, b]
+    inverse = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    angles = positions.float()[..., None] * inverse
+    freqs = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # [s, b, 1, d]
+    grad = torch.randn(seq, batch, heads, d, generator=generator)
+    with gpu_target.simulate(branch) if branch != "interpreter" else _nothing():
+        y, dx = run(rotary, x, freqs, grad)
+    want_y, want_dx = reference(x, freqs, grad)
+    assert rel_rms(y, want_y) < FP32_TOLERANCE and rel_rms(dx, want_dx) < FP32_TOLERANCE
+
+
 class _nothing:
     def __enter__(self):
         return None
@@ -104,11 +122,11 @@ class _nothing:
 
 def test_fused_rope_refuses_what_it_cannot_compute():
     x = torch.randn(4, 1, 2, 8)
-    with pytest.raises(ValueError, match=r"freqs has shape \(3, 1, 1, 8\); expected \[s >= 4, 1, 1, d_rot\]"):
+    with pytest.raises(ValueError, match=r"freqs has shape \(3, 1, 1, 8\); expected \[s >= 4, 1 or b = 1, 1, d_rot\]"):
         rotary(x, torch.zeros(3, 1, 1, 8))
     with pytest.raises(ValueError, match=r"freqs rotates 10 features; expected an even number of at most the head dim 8"):
         rotary(x, torch.zeros(4, 1, 1, 10))
-    with pytest.raises(TypeError, match=r"freqs has dtype torch.float64; expected float32"):
+    with pytest.raises(TypeError, match=r"freqs has dtype torch.float64; expected one of float32 \(megatron-core's\)"):
         rotary(x, torch.zeros(4, 1, 1, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"x has shape \(4, 2, 8\); expected \[s, b, heads, d\]"):
         rotary(torch.randn(4, 2, 8), torch.zeros(4, 1, 1, 8))

@@ -41,7 +41,7 @@ def _rope_kernel(
     X, FREQS, Y,
     batch, heads, half, rest,
     s_xs, s_xb, s_xh, s_xd,
-    s_fs, s_fd,
+    s_fs, s_fb, s_fd,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
     BACKWARD: tl.constexpr,
 ):
@@ -51,8 +51,9 @@ def _rope_kernel(
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     j = tl.arange(0, BLOCK_HALF)
     in_half = j < half
-    f1 = tl.load(FREQS + s * s_fs + j * s_fd, mask=in_half, other=0.0)
-    f2 = tl.load(FREQS + s * s_fs + (j + half) * s_fd, mask=in_half, other=0.0)
+    f_row = FREQS + s * s_fs + b * s_fb
+    f1 = tl.load(f_row + j * s_fd, mask=in_half, other=0.0).to(tl.float32)
+    f2 = tl.load(f_row + (j + half) * s_fd, mask=in_half, other=0.0).to(tl.float32)
     dtype = Y.dtype.element_ty
     c1 = tl.cos(f1).to(dtype).to(tl.float32)
     c2 = tl.cos(f2).to(dtype).to(tl.float32)
@@ -98,7 +99,8 @@ def _rotate(x: torch.Tensor, freqs: torch.Tensor, backward: bool) -> torch.Tenso
     block_h, block_half, block_rest = _tile(heads, half, rest)
     grid = (seq * batch, triton.cdiv(heads, block_h))
     _rope_kernel[grid](
-        x, freqs, y, batch, heads, half, rest, *x.stride(), freqs.stride(0), freqs.stride(-1),
+        x, freqs, y, batch, heads, half, rest, *x.stride(),
+        freqs.stride(0), freqs.stride(1) if freqs.shape[1] > 1 else 0, freqs.stride(-1),
         BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_REST=block_rest, BACKWARD=backward, num_warps=4,
     )
     return y
@@ -127,14 +129,14 @@ def _check(x: torch.Tensor, freqs: torch.Tensor) -> None:
         raise ValueError(f"x has shape {tuple(x.shape)}; expected [s, b, heads, d]")
     if x.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"x has dtype {x.dtype}; expected one of float16, bfloat16, float32")
-    seq, _, _, d = x.shape
-    if freqs.dim() != 4 or freqs.shape[1:3] != (1, 1) or freqs.shape[0] < seq:
-        raise ValueError(f"freqs has shape {tuple(freqs.shape)}; expected [s >= {seq}, 1, 1, d_rot]")
+    seq, batch, _, d = x.shape
+    if freqs.dim() != 4 or freqs.shape[1] not in (1, batch) or freqs.shape[2] != 1 or freqs.shape[0] < seq:
+        raise ValueError(f"freqs has shape {tuple(freqs.shape)}; expected [s >= {seq}, 1 or b = {batch}, 1, d_rot]")
     rotated = freqs.shape[-1]
     if rotated % 2 or rotated > d:
         raise ValueError(f"freqs rotates {rotated} features; expected an even number of at most the head dim {d}")
-    if freqs.dtype != torch.float32:
-        raise TypeError(f"freqs has dtype {freqs.dtype}; expected float32, as megatron-core's rotary embedding gives")
+    if freqs.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"freqs has dtype {freqs.dtype}; expected one of float32 (megatron-core's), bfloat16, float16")
     if freqs.device != x.device:
         raise ValueError(f"freqs is on {freqs.device}, x on {x.device}; expected one device")
     if not _INTERPRET and x.device.type != "cuda":
@@ -143,8 +145,9 @@ def _check(x: torch.Tensor, freqs: torch.Tensor) -> None:
 
 
 def rotary(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """RoPE of x [s, b, heads, d] (any strides) by freqs [≥ s, 1, 1, d_rot] (fp32), rotate-half layout; the first s
-    rows of freqs are used, features past d_rot pass through. Returns a contiguous tensor in x's dtype; differentiable
+    """RoPE of x [s, b, heads, d] (any strides) by the angles freqs [≥ s, 1, 1, d_rot] (fp32 as megatron-core gives
+    them; or [≥ s, b, 1, d_rot], each sequence's own positions, as with positions restarting per document),
+    rotate-half layout; the first s rows of freqs are used, features past d_rot pass through. Returns a contiguous tensor in x's dtype; differentiable
     in x."""
     _check(x, freqs)
     return RotaryFunction.apply(x, freqs)
