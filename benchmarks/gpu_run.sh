@@ -175,23 +175,26 @@ gpu_tests() {  # name, limit, need, pytest arguments
 }
 
 plan_first() {
-  core_attention core_attention_d128 150 70 --heads 8 --head-dim 128 --seq-len 4096 --batch 4
-  core_attention core_attention_d96 120 65 --heads 8 --head-dim 96 --seq-len 2048 --batch 4
+  # in priority order: the 830m targets eagerly with the profile, then under trainer.compile (DIFF's step waits on
+  # the host: regional compilation keeps sdpa's core attention in the layer's graph), the gpu tests of this code,
+  # the host's time a call, the core attention's kernels
   throughput throughput_830m 300 125 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 --steps 8
-  # the host's time a core-attention call, by backend (the 830m heads at N=128: the kernels' own time small)
+  # the dry run's TORCHDYNAMO_DISABLE=1 runs these eagerly, labelled so (an override before --compile, which takes
+  # one value or more)
+  throughput throughput_830m_compile 300 200 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 \
+    --steps 8 model.attention_backend=sdpa --compile on
+  gpu_tests kernel_tests 250 175 tests/test_diff_attn_kernel.py tests/test_diff_epilogue.py tests/test_rope_kernel.py \
+    tests/test_attention.py tests/test_context_parallel.py tests/test_profiling.py
+  # the host's time a core-attention call, by backend, and a RoPE call (the 830m heads at N=128: kernels take
+  # microseconds)
   local toy=()
   [ $dry_run -eq 1 ] && toy=(--calls 2 --repeats 2)
   step host_overhead 120 45 '^headline' "$py" benchmarks/host_overhead.py --out "$out" "${toy[@]}"
-  gpu_tests kernel_tests 250 175 tests/test_diff_attn_kernel.py tests/test_diff_epilogue.py tests/test_rope_kernel.py \
-    tests/test_attention.py tests/test_context_parallel.py tests/test_profiling.py
+  core_attention core_attention_d128 150 70 --heads 8 --head-dim 128 --seq-len 4096 --batch 4
+  core_attention core_attention_d96 120 65 --heads 8 --head-dim 96 --seq-len 2048 --batch 4
 }
 
 plan_second() {
-  # regional compilation (trainer.compile): the first plan's 830m rows again, each layer under torch.compile (the
-  # eager rows are throughput_830m's), on sdpa, whose core attention the compiled layer's graph takes in; the dry
-  # run's TORCHDYNAMO_DISABLE=1 runs them eagerly, labelled so
-  throughput throughput_830m_compile 300 200 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 \
-    --steps 8 --compile on model.attention_backend=sdpa
   throughput throughput_3b 300 150 --model 3b --seq-length 4096 --micro-batch-size 1 --micro-batches 8 --steps 5 \
     --fit-gib 75 optim=adamw_3b
   if [ $dry_run -eq 1 ]; then

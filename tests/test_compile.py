@@ -105,6 +105,32 @@ def test_compiled_layers_give_the_eager_loss_and_gradients(kind, recompute, mega
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("kind,backend", [("diff", "sdpa"), ("diff", "combined"), ("diff_v2", "sdpa"),
+                                          ("vanilla_subln", "sdpa"), ("vanilla", "sdpa")])
+def test_every_layer_shares_one_graph_with_its_core_attention_in_it(kind, backend, monkeypatch,
+                                                                     megatron_single_process):
+    """Layers differ in λ_init and the output factor (1 − λ_init): as a module's Python floats they would be guards,
+    one recompilation per layer and, past dynamo's recompile limit of 8, the rest eager; as buffers they are data, and
+    three layers share one graph with no break (dynamo's guards alone, so backend="eager": no inductor)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from diff_transformer.models.gpt import build_model_chunk, compile_layers, core_attention_in_graph
+
+    monkeypatch.setattr(TransformerLayer, "compile",
+                        lambda self, **kwargs: torch.nn.Module.compile(self, backend="eager", **kwargs))
+    cfg = debug_cfg(kind)
+    cfg.model.attention_backend, cfg.model.num_layers = backend, 3
+    model = build_model_chunk(cfg, VOCAB)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert compile_layers(model) == 3 and core_attention_in_graph(model) == 3
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    model(tokens, torch.arange(SEQ).expand(BATCH, SEQ), None, labels=tokens).mean().backward()
+    stats, breaks = torch._dynamo.utils.counters["stats"], torch._dynamo.utils.counters["graph_break"]
+    assert stats["unique_graphs"] == 1 and not breaks, (dict(stats), list(breaks))
+    torch._dynamo.reset()
+
+
 def test_train_py_logs_the_compiling_first_step(tmp_path):
     """The trainer compiles the layers before DDP, logs the first step's time once, and its evaluation and attention
     diagnostics run (eagerly)."""

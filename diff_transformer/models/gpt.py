@@ -217,13 +217,14 @@ TRACEABLE_BACKENDS = ("sdpa", "eager", "combined")
 
 
 def core_attention_traceable(attention: torch.nn.Module, document_mask: bool) -> bool:
-    """Whether a layer's SelfAttention can keep its core attention in the compiled layer's graph: a traceable backend
+    """Whether a layer's SelfAttention can keep its core attention in the compiled layer's graph: a kind that allows
+    it (``traceable``: not DEX, whose annealing fraction changes every step) on a traceable backend
     (``TRACEABLE_BACKENDS``), no context-parallel ring (collectives), no selective recomputation (megatron's
     checkpoint saves and restores RNG states) and no document masking (its variable-length kernel takes the longest
     document as a host integer)."""
     core = attention.core_attention
-    return (getattr(core, "backend", None) in TRACEABLE_BACKENDS and getattr(core, "ring", None) is None
-            and not attention.checkpoint_core_attention and not document_mask)
+    return (getattr(core, "traceable", False) and getattr(core, "backend", None) in TRACEABLE_BACKENDS
+            and getattr(core, "ring", None) is None and not attention.checkpoint_core_attention and not document_mask)
 
 
 def compile_layers(chunk: torch.nn.Module, document_mask: bool = False) -> int:

@@ -278,6 +278,10 @@ class CoreAttentionBase(MegatronModule):
     # A kind whose forward has a ring-attention path (``self.ring``: models/ring_attention.py) for a sequence split
     # over a context-parallel group; the others refuse parallel.cp > 1. Its ring runs on these backends.
     supports_context_parallel = False
+    # trainer.compile may keep the forward in the compiled layer's graph (models.gpt.core_attention_traceable) on a
+    # traceable backend: no per-layer or per-step Python values that dynamo would guard on (per-layer constants go in
+    # buffers), no host reads
+    traceable = True
     ring_backends = RING_IMPLEMENTATIONS
 
     def __init__(

@@ -44,6 +44,7 @@ class DexCoreAttention(VanillaCoreAttention):
     """
 
     supports_context_parallel = False  # the head calibration reads whole attention maps
+    traceable = False  # the annealing fraction changes every step, and the calibration reads statistics to the host
 
 
     def __init__(

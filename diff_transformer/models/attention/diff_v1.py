@@ -105,6 +105,10 @@ class DifferentialCoreAttention(CoreAttentionBase):
         self.lambda_learnable = lambda_learnable
         self.output_scale = 1.0 - (self.lambda_init if lambda_learnable else lambda_init_for_layer(layer_number))
         self._lambda_constants = {}  # a frozen λ per device (lambda_full)
+        # λ_init and the output factor as data inside a compiled layer (trainer.compile), where a module's Python floats
+        # are guards: one recompilation per layer, and eager after dynamo's recompile limit (8); buffers are inputs
+        self.register_buffer("compiled_constants", torch.tensor([self.lambda_init, self.output_scale]),
+                             persistent=False)
         if lambda_learnable:
             # In the model's dtype like every other weight (the mixed-precision optimizer keeps the fp32 main copy, and
             # megatron-core's optimizer checkpoint maps state to parameters assuming no fp32 weight in a bf16 model);
@@ -134,7 +138,8 @@ class DifferentialCoreAttention(CoreAttentionBase):
         per forward. A frozen λ is a constant made once per device (``device``, default the CPU): a tensor made per
         call would be copied to the GPU in every call, and a copy from pageable memory waits for the GPU."""
         if self.lambda_learnable:
-            return lambda_difference(*self.lambda_parameters()) + self.lambda_init
+            init = self.compiled_constants[0] if torch.compiler.is_compiling() else self.lambda_init
+            return lambda_difference(*self.lambda_parameters()) + init
         device = torch.device(device if device is not None else "cpu")
         constant = self._lambda_constants.get(device)
         if constant is None:
@@ -170,9 +175,10 @@ class DifferentialCoreAttention(CoreAttentionBase):
         if two_h % 2 or two_g % 2:
             raise ValueError(f"query heads ({two_h}) and key heads ({two_g}) per rank must be even (head pairs)")
         lam = self.lambda_full(query.device)
+        output_scale = self.compiled_constants[1] if torch.compiler.is_compiling() else self.output_scale
         if self.backend == "combined" and self.ring is None:
             return combined_map_attention(query, key, value, lam, *self._own_epilogue_norm(query.dtype),
-                                          self.softmax_scale, self.output_scale, documents_of(documents))
+                                          self.softmax_scale, output_scale, documents_of(documents))
         # (s, b, heads, d) -> (b, s, heads, d): the layout every backend below starts from.
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))
         if self.backend == "triton" and self.ring is None:
@@ -185,7 +191,7 @@ class DifferentialCoreAttention(CoreAttentionBase):
         norm = self.sublayer_norm
         out = diff_epilogue(
             halves, lam, norm.weight if norm is not None else None, norm.eps if norm is not None else 0.0,
-            self.output_scale, impl="unfused" if self.backend == "eager" else self.epilogue,
+            output_scale, impl="unfused" if self.backend == "eager" else self.epilogue,
         )
         return out.to(query.dtype)  # eager's halves are fp32 (fp64): round once, at the end
 

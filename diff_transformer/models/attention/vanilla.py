@@ -89,6 +89,8 @@ class VanillaSublnCoreAttention(VanillaCoreAttention):
     ):
         super().__init__(config, layer_number, attn_mask_type, **protocol)
         self.lambda_init = lambda_init if lambda_init is not None else lambda_init_for_layer(layer_number)
+        # (1 − λ_init) as data inside a compiled layer (trainer.compile; DIFF V1's compiled_constants says why)
+        self.register_buffer("compiled_output_scale", torch.tensor(1.0 - self.lambda_init), persistent=False)
         self.sublayer_norm = torch.nn.RMSNorm(
             self.head_dim, eps=norm_eps, elementwise_affine=True, dtype=config.params_dtype
         )
@@ -100,6 +102,7 @@ class VanillaSublnCoreAttention(VanillaCoreAttention):
         out = super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
         s, b, heads, d = query.shape
         # (1 − λ_init) folded into the norm weight at run time: one fused norm kernel, the parameter unchanged
-        weight = (self.sublayer_norm.weight.float() * (1.0 - self.lambda_init)).to(out.dtype)
+        scale = self.compiled_output_scale if torch.compiler.is_compiling() else 1.0 - self.lambda_init
+        weight = (self.sublayer_norm.weight.float() * scale).to(out.dtype)
         out = F.rms_norm(out.view(s, b, heads, d), (d,), weight, self.sublayer_norm.eps)
         return out.reshape(s, b, heads * d)
