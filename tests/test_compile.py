@@ -105,9 +105,11 @@ def test_compiled_layers_give_the_eager_loss_and_gradients(kind, recompute, mega
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("kind,backend", [("diff", "sdpa"), ("diff", "combined"), ("diff_v2", "sdpa"),
-                                          ("vanilla_subln", "sdpa"), ("vanilla", "sdpa")])
-def test_every_layer_shares_one_graph_with_its_core_attention_in_it(kind, backend, monkeypatch,
+@pytest.mark.parametrize("kind,backend,learnable", [
+    ("diff", "sdpa", True), ("diff", "combined", True), ("diff", "sdpa", False), ("diff_v2", "sdpa", True),
+    ("vanilla_subln", "sdpa", True), ("vanilla", "sdpa", True),
+], ids=["diff-sdpa", "diff-combined", "diff-frozen-lambda", "diff_v2", "vanilla_subln", "vanilla"])
+def test_every_layer_shares_one_graph_with_its_core_attention_in_it(kind, backend, learnable, monkeypatch,
                                                                      megatron_single_process):
     """Layers differ in λ_init and the output factor (1 − λ_init): as a module's Python floats they would be guards,
     one recompilation per layer and, past dynamo's recompile limit of 8, the rest eager; as buffers they are data, and
@@ -120,6 +122,8 @@ def test_every_layer_shares_one_graph_with_its_core_attention_in_it(kind, backen
                         lambda self, **kwargs: torch.nn.Module.compile(self, backend="eager", **kwargs))
     cfg = debug_cfg(kind)
     cfg.model.attention_backend, cfg.model.num_layers = backend, 3
+    if not learnable:
+        cfg.model.lambda_learnable = False
     model = build_model_chunk(cfg, VOCAB)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

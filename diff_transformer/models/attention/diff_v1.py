@@ -137,9 +137,11 @@ class DifferentialCoreAttention(CoreAttentionBase):
         """The layer's λ as a 0-dim fp32 tensor (fp64 in an fp64 model; differentiable when learnable), computed once
         per forward. A frozen λ is a constant made once per device (``device``, default the CPU): a tensor made per
         call would be copied to the GPU in every call, and a copy from pageable memory waits for the GPU."""
+        if torch.compiler.is_compiling():  # λ_init as data (compiled_constants): one graph for every layer
+            init = self.compiled_constants[0]
+            return lambda_difference(*self.lambda_parameters()) + init if self.lambda_learnable else init
         if self.lambda_learnable:
-            init = self.compiled_constants[0] if torch.compiler.is_compiling() else self.lambda_init
-            return lambda_difference(*self.lambda_parameters()) + init
+            return lambda_difference(*self.lambda_parameters()) + self.lambda_init
         device = torch.device(device if device is not None else "cpu")
         constant = self._lambda_constants.get(device)
         if constant is None:
