@@ -110,11 +110,12 @@ class TrainerConfig:
     gpu_memory_gib: Optional[float] = None  # memory plan budget per device; None: the GPU's memory (no check on CPU)
     # attention entropy, sink rate and largest logit per layer on eval steps: auto (on when it costs <= 1%) | on | off
     attention_diagnostics: str = "auto"
-    # fused RoPE, SwiGLU, cross-entropy, DIFF epilogue and λ: auto (on with CUDA, off on a CPU) | on | off
+    # fused RoPE, SwiGLU, cross-entropy and DIFF epilogue: auto (on with CUDA, off on a CPU) | on | off
     fusions: str = "auto"
     diff_epilogue: str = "triton"  # the DIFF epilogue when fusions are on: triton (one kernel each way) | compile
-    # each transformer layer under torch.compile (inductor fuses norms, RoPE, SwiGLU, residuals), its core attention
-    # eager; the first step pays the compilation; evaluation runs eagerly
+    # each transformer layer under torch.compile (inductor fuses norms, RoPE, SwiGLU, residuals), with its core
+    # attention on sdpa and combined (outside CP, selective recomputation, document masking), eager on the others;
+    # the first step pays the compilation; evaluation runs eagerly
     compile: bool = False
     profile_step: Optional[int] = None  # write profile_step_<N>.json: step N's time by kind of work (torch.profiler)
     # draw the initial weights on the GPU (seconds instead of minutes for billions of parameters); they then depend
