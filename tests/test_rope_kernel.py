@@ -4,7 +4,12 @@ On CPU the kernel runs in Triton's interpreter (tests/conftest.py sets TRITON_IN
 interpreter branch and through its GPU branch (an H100's tiles, ``gpu_target.simulate``); on a GPU the compiled kernel
 runs, and bf16 and the model's hook are checked there."""
 
+import contextlib
+import os
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,24 +59,23 @@ def reference(x, freqs, grad):
     """megatron-core's unfused RoPE in fp64 on the same inputs, cos and sin rounded to x's dtype as it rounds them."""
     seq = x.shape[0]
     rounded = freqs[:seq].double()
-    y, dx = run(_apply_rotary_pos_emb_bshd, x.double(), rounded, grad.double())
-    if x.dtype != torch.float32:  # megatron-core rounds cos and sin to the input's dtype: compare with the same
-        cos, sin = torch.cos(rounded).to(x.dtype).double(), torch.sin(rounded).to(x.dtype).double()
-        half = freqs.shape[-1] // 2
+    if x.dtype == torch.float32:
+        return run(_apply_rotary_pos_emb_bshd, x.double(), rounded, grad.double())
+    # megatron-core rounds cos and sin to the input's dtype: the same rotation written out, with cos and sin so rounded
+    cos, sin = torch.cos(rounded).to(x.dtype).double(), torch.sin(rounded).to(x.dtype).double()
+    half = freqs.shape[-1] // 2
 
-        def rotate(t, c, s, transpose):
-            rot, rest = t[..., : 2 * half], t[..., 2 * half:]
-            t1, t2 = rot[..., :half], rot[..., half:]
-            c1, c2, s1, s2 = c[..., :half], c[..., half:], s[..., :half], s[..., half:]
-            if transpose:
-                out = torch.cat((t1 * c1 + t2 * s2, t2 * c2 - t1 * s1), dim=-1)
-            else:
-                out = torch.cat((t1 * c1 - t2 * s1, t2 * c2 + t1 * s2), dim=-1)
-            return torch.cat((out, rest), dim=-1)
+    def rotate(t, c, s, transpose):
+        rot, rest = t[..., : 2 * half], t[..., 2 * half:]
+        t1, t2 = rot[..., :half], rot[..., half:]
+        c1, c2, s1, s2 = c[..., :half], c[..., half:], s[..., :half], s[..., half:]
+        if transpose:
+            out = torch.cat((t1 * c1 + t2 * s2, t2 * c2 - t1 * s1), dim=-1)
+        else:
+            out = torch.cat((t1 * c1 - t2 * s1, t2 * c2 + t1 * s2), dim=-1)
+        return torch.cat((out, rest), dim=-1)
 
-        y = rotate(x.double(), cos, sin, False)
-        dx = rotate(grad.double(), cos, sin, True)
-    return y, dx
+    return rotate(x.double(), cos, sin, False), rotate(grad.double(), cos, sin, True)
 
 
 @pytest.mark.parametrize("branch", ["interpreter", "sm_90"])
@@ -83,7 +87,7 @@ def test_fused_rope_matches_megatrons_unfused_rope(name, dtype, branch):
     x = qkv_view(seq, batch, heads, d, generator, dtype, "cpu")
     freqs = megatron_freqs(seq + 3, rotated, "cpu")  # longer than the sequence: its first rows are used
     grad = torch.randn(seq, batch, heads, d, generator=generator).to(dtype)
-    with gpu_target.simulate(branch) if branch != "interpreter" else _nothing():
+    with gpu_target.simulate(branch) if branch != "interpreter" else contextlib.nullcontext():
         y, dx = run(rotary, x, freqs, grad)
     want_y, want_dx = reference(x, freqs, grad)
     assert y.shape == x.shape and y.dtype == dtype and y.is_contiguous()
@@ -106,18 +110,10 @@ def test_fused_rope_takes_each_sequences_own_positions(branch):
     angles = positions.float()[..., None] * inverse
     freqs = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # [s, b, 1, d]
     grad = torch.randn(seq, batch, heads, d, generator=generator)
-    with gpu_target.simulate(branch) if branch != "interpreter" else _nothing():
+    with gpu_target.simulate(branch) if branch != "interpreter" else contextlib.nullcontext():
         y, dx = run(rotary, x, freqs, grad)
     want_y, want_dx = reference(x, freqs, grad)
     assert rel_rms(y, want_y) < FP32_TOLERANCE and rel_rms(dx, want_dx) < FP32_TOLERANCE
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_fused_rope_refuses_what_it_cannot_compute():
@@ -153,11 +149,6 @@ def test_fused_rope_in_bf16_on_the_gpu(name):
 def test_sm90_compile_check(tmp_path):
     """kernels/rope/check_compile.py under this Triton's real compiler: both directions, bf16 and fp32, the model's
     head dims and a partial rotation, each with the launcher's GPU tile, compile for sm_90 without a spill."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     result = subprocess.run([sys.executable, "kernels/rope/check_compile.py"], cwd=Path(__file__).resolve().parent.parent,
