@@ -179,10 +179,10 @@ plan_first() {
   # the host: regional compilation keeps sdpa's core attention in the layer's graph), the gpu tests of this code,
   # the host's time a call, the core attention's kernels
   throughput throughput_830m 300 125 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 --steps 8
-  # the dry run's TORCHDYNAMO_DISABLE=1 runs these eagerly, labelled so (an override before --compile, which takes
-  # one value or more)
+  # the dry run's TORCHDYNAMO_DISABLE=1 runs these eagerly, labelled so. --compile takes one value or more, so an
+  # option follows it: throughput() appends overrides on a GPU and none of its own options
   throughput throughput_830m_compile 300 200 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 \
-    --steps 8 model.attention_backend=sdpa --compile on
+    --compile on --steps 8 model.attention_backend=sdpa
   gpu_tests kernel_tests 250 175 tests/test_diff_attn_kernel.py tests/test_diff_epilogue.py tests/test_rope_kernel.py \
     tests/test_attention.py tests/test_context_parallel.py tests/test_profiling.py
   # the host's time a core-attention call, by backend, and a RoPE call (the 830m heads at N=128: kernels take
