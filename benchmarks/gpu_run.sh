@@ -10,17 +10,17 @@
 # the deadline, and a need, the least time it can finish in (measured on an H100 where it has run, with a little
 # room): a step with less than its need left is skipped and says so, rather than spend the window on a run that the
 # deadline cuts off):
-#   first   core attention at d=128 (N=4096) and d=96 (the 830m shape), the fused kernel's row first; 830m throughput
-#           (DIFF and the baseline with auto's choice, sequence 2048) with one step's profile; the host's time a
-#           core-attention call (benchmarks/host_overhead.py); the GPU tests of the kernels, the epilogue, the
-#           attention backends and the CUDA ring
-#   second  830m throughput with trainer.compile; 3b throughput at sequence 4096; the fused kernel's config sweep
+#   first   830m throughput (DIFF and the baseline, sequence 2048) with one step's profile, under trainer.compile on
+#           sdpa, then eagerly with auto's choice; the GPU tests of the kernels, the epilogue, RoPE, the attention
+#           backends and the CUDA ring; the host's time a core-attention call (benchmarks/host_overhead.py); core
+#           attention at d=128 (N=4096) and d=96 (the 830m shape), the fused kernel's row first
+#   second  3b throughput at sequence 4096; the fused kernel's config sweep
 #           (benchmarks/kernel_tuning.py); document masking's gpu tests and core attention at 4K and 32K
 #           (benchmarks/document_mask.py); evaluate and analyze on a run trained with the attention diagnostics
 #   long    long context: the fused kernel and the baselines at N = 8K-64K; evaluate (NIAH, perplexity) at 32K
-#   fa4     flash-attn-4 (two carried halves, benchmarks/gpu_wheels.sh --fa4): installed, then core attention at d=128
-#           with the baseline and DIFF V1 on it against sdpa, 830m throughput on it, the same core attention at d=96,
-#           its gpu tests
+#   fa4     flash-attn-4 (two carried halves, benchmarks/gpu_wheels.sh --fa4): installed, then 830m throughput under
+#           trainer.compile with it in the layers' graphs, its gpu tests, core attention at d=128 with the baseline and
+#           DIFF V1 on it against sdpa, 830m throughput on it eagerly, the same core attention at d=96
 # A step already measured on this card by this code (the ledger, $GPU_RUN_LEDGER or .gpu_run/ledger.tsv: card, code
 # hash, step, exit status) is skipped; the ledger stays on the machine between commands, and gpu_run.md says what each step did.
 #
@@ -175,14 +175,14 @@ gpu_tests() {  # name, limit, need, pytest arguments
 }
 
 plan_first() {
-  # in priority order: the 830m targets eagerly with the profile, then under trainer.compile (DIFF's step waits on
-  # the host: regional compilation keeps sdpa's core attention in the layer's graph), the gpu tests of this code,
-  # the host's time a call, the core attention's kernels
-  throughput throughput_830m 300 125 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 --steps 8
-  # the dry run's TORCHDYNAMO_DISABLE=1 runs these eagerly, labelled so. --compile takes one value or more, so an
-  # option follows it: throughput() appends overrides on a GPU and none of its own options
-  throughput throughput_830m_compile 300 200 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 \
+  # in priority order: the 830m targets under trainer.compile (the faster way on 2026-11-27: DIFF/baseline 0.866
+  # against 0.794 eagerly; regional compilation keeps sdpa's core attention in the layer's graph), then eagerly with
+  # the profile, the gpu tests of this code, the host's time a call, the core attention's kernels.
+  # The dry run's TORCHDYNAMO_DISABLE=1 runs the compiled steps eagerly, labelled so. --compile takes one value or
+  # more, so an option follows it: throughput() appends overrides on a GPU and none of its own options
+  throughput throughput_830m_compile 300 125 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 \
     --compile on --steps 8 model.attention_backend=sdpa
+  throughput throughput_830m 300 125 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 --steps 8
   gpu_tests kernel_tests 250 175 tests/test_diff_attn_kernel.py tests/test_diff_epilogue.py tests/test_rope_kernel.py \
     tests/test_attention.py tests/test_context_parallel.py tests/test_profiling.py
   # the host's time a core-attention call, by backend, and a RoPE call (the 830m heads at N=128: kernels take
@@ -262,16 +262,22 @@ print('flash-attn-4: CPU stand-in')"
     export PYTHONPATH="$saved_path"
     return 0
   fi
-  # the baseline and DIFF V1 on flash-attn-4 (one call over the 2d-wide V) against sdpa, at both head dims;
-  # the reports stay on the machine ($OUT brings back 8 files), their tables are in the log
+  # 830m under trainer.compile with flash-attn-4 in the layers' graphs (its custom operators,
+  # models/attention/flash_attn4_op.py): DIFF V1's one call over the 2d-wide V, 1.5x the baseline's attention FLOPs
+  # against sdpa's 2x, with the host's work compiled away; the baseline on sdpa (the ratio's first) and on it.
+  # Its report comes back; the other fa4 reports stay on the machine ($OUT brings back 8 files), their tables in the
+  # log
+  throughput throughput_830m_fa4_compile 360 240 --model 830m --seq-length 2048 --micro-batch-size 4 \
+    --micro-batches 8 --kinds diff:flash_attn4 vanilla:sdpa vanilla:flash_attn4 --compile on --steps 8
+  # its gpu tests (the custom operators against eager in bf16), the baseline and DIFF V1 on it against sdpa at both
+  # head dims, 830m eagerly on it
+  gpu_tests fa4_tests 150 60 tests/test_attention.py -k flash_attn4
   core_attention core_attention_fa4_d128 240 60 --heads 8 --head-dim 128 --seq-len 4096 --batch 4 \
     --v1-backends flash_attn4 sdpa --epilogues triton --v2-epilogues --out "$cache/fa4"
-  # then 830m training on it (the end-to-end number), before d=96's core attention and the tests
   throughput throughput_830m_fa4 300 180 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 --steps 8 \
     --kinds diff:flash_attn4 vanilla:flash_attn4 --out "$cache/fa4"
   core_attention core_attention_fa4_d96 200 60 --heads 8 --head-dim 96 --seq-len 2048 --batch 4 \
     --v1-backends flash_attn4 sdpa --epilogues triton --v2-epilogues --out "$cache/fa4"
-  gpu_tests fa4_tests 150 60 tests/test_attention.py -k flash_attn4
   export PYTHONPATH="$saved_path"
 }
 

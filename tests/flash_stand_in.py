@@ -31,6 +31,7 @@ def installed():
             importlib.import_module(name)
         reference.CALLS.clear()
         reference.TILES.clear()
+        reference.BACKWARD.clear()
         yield reference.CALLS
     finally:
         sys.path.remove(str(STAND_INS))

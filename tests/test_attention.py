@@ -275,6 +275,67 @@ def test_flash_backends_equal_eager_in_fp64(kind, backend, heads, kv_heads, docu
             assert q_shape == tokens + (2 * heads, d) and v_shape[-1] == d
 
 
+@pytest.mark.parametrize("kv_heads,head_dim_v", [(4, 8), (2, 8), (4, 16)], ids=["equal", "gqa", "wide-v"])
+def test_flash_attn4_custom_operator_passes_opcheck(kv_heads, head_dim_v, flash_libraries):
+    """flash-attn-4 as torch custom operators (models/attention/flash_attn4_op.py, its stand-in's library under
+    them): torch.library.opcheck's checks of the schema, the autograd registration, the declared output shapes and
+    strides against the real call's, and AOT autograd's trace of forward and backward (what trainer.compile's graph
+    records), on megatron-core's strided q; and the gradients equal the materialised map's in fp64."""
+    from diff_transformer.models.attention.flash_attn4_op import flash_attn4_causal
+    from flash_attn import _reference
+
+    torch.manual_seed(kv_heads + head_dim_v)
+    b, s, heads, d = 2, 11, 4, 8
+    buffer = torch.randn(b, s, heads + kv_heads, d, dtype=torch.float64)
+    q = buffer[:, :, :heads].requires_grad_(True)  # a strided view, as megatron's QKV projection leaves it
+    k = buffer[:, :, heads:].clone().requires_grad_(True)
+    v = torch.randn(b, s, kv_heads, head_dim_v, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(flash_attn4_causal, (q, k, v, 0.3))
+
+    out, lse = flash_attn4_causal(q, k, v, 0.3)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    assert _reference.BACKWARD and all(g.is_contiguous() for g in got)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(heads // kv_heads, dim=2)) * 0.3
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    want_out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v.repeat_interleave(heads // kv_heads, dim=2))
+    want = torch.autograd.grad(want_out, (q, k, v), grad)
+    assert lse.dtype == torch.float32 and rel_err(lse, scores.logsumexp(-1).float()) < 1e-7
+    assert rel_err(out, want_out) < 1e-12
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-12
+
+
+def test_flash_attn4_custom_operator_compiles_with_inductor(flash_libraries):
+    """Inductor (the C++ backend here) compiles the operators into a graph with elementwise work on both sides, on
+    megatron-core's strided q and DIFF V1's wide V, and gives eager's output and gradients: the declared output
+    layouts are the ones inductor's generated code reads."""
+    from diff_transformer.models.attention.flash_attn4_op import flash_attn4_causal
+    from flash_attn import _reference
+
+    def layer(buffer, v, scale):
+        q, k = buffer[:, :, :4] * scale, buffer[:, :, 4:]  # 4 query heads against 2 key heads
+        out, _ = flash_attn4_causal(q, k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2), 0.25)
+        return (out[..., :8] - 0.3 * out[..., 8:]).square().sum(-1)
+
+    torch.manual_seed(0)
+    buffer = torch.randn(2, 13, 6, 8, requires_grad=True)
+    v, scale = torch.randn(2, 13, 2, 16, requires_grad=True), torch.rand(8, requires_grad=True)
+    grad = torch.randn(2, 13, 4)
+    want_out = layer(buffer, v, scale)
+    want = torch.autograd.grad(want_out, (buffer, v, scale), grad)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="inductor", fullgraph=True)
+    got_out = compiled(buffer, v, scale)
+    got = torch.autograd.grad(got_out, (buffer, v, scale), grad)
+    assert len(_reference.BACKWARD) == 2  # eager's backward and the compiled graph's
+    # measured: output 8.1e-8, gradients 0, 0 and 2.3e-7 (the scale's, a sum over every output) in fp32
+    assert rel_err(got_out, want_out) < 1e-6
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 2e-6
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("kind", ["diff", "diff_v2"])
 @pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2), (4, 1)], ids=["H2-Hkv2", "H4-Hkv2-gqa", "H4-Hkv1-gqa"])
 def test_library_layout_equals_eager_in_fp64(kind, heads, kv_heads):

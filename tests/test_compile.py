@@ -107,13 +107,30 @@ def test_compiled_layers_give_the_eager_loss_and_gradients(kind, recompute, mega
 
 @pytest.mark.parametrize("kind,backend,learnable", [
     ("diff", "sdpa", True), ("diff", "combined", True), ("diff", "sdpa", False), ("diff_v2", "sdpa", True),
-    ("vanilla_subln", "sdpa", True), ("vanilla", "sdpa", True),
-], ids=["diff-sdpa", "diff-combined", "diff-frozen-lambda", "diff_v2", "vanilla_subln", "vanilla"])
+    ("vanilla_subln", "sdpa", True), ("vanilla", "sdpa", True), ("diff", "flash_attn4", True),
+    ("vanilla", "flash_attn4", True),
+], ids=["diff-sdpa", "diff-combined", "diff-frozen-lambda", "diff_v2", "vanilla_subln", "vanilla", "diff-flash_attn4",
+        "vanilla-flash_attn4"])
 def test_every_layer_shares_one_graph_with_its_core_attention_in_it(kind, backend, learnable, monkeypatch,
                                                                      megatron_single_process):
     """Layers differ in λ_init and the output factor (1 − λ_init): as a module's Python floats they would be guards,
     one recompilation per layer and, past dynamo's recompile limit of 8, the rest eager; as buffers they are data, and
-    three layers share one graph with no break (dynamo's guards alone, so backend="eager": no inductor)."""
+    three layers share one graph with no break (dynamo's guards alone, so backend="eager": no inductor). flash-attn-4
+    (its stand-in, tests/flash_stand_in.py) is in the graph as its custom operators, forward and backward."""
+    from tests.flash_stand_in import installed
+
+    if backend != "flash_attn4":
+        _one_graph_for_three_layers(kind, backend, learnable, monkeypatch)
+        return
+    with installed() as calls:
+        from flash_attn import _reference
+
+        _one_graph_for_three_layers(kind, backend, learnable, monkeypatch)
+        backward = list(_reference.BACKWARD)
+    assert [entry for _, entry, *_ in calls] == ["func"] * 3 and len(backward) == 3, (calls, backward)
+
+
+def _one_graph_for_three_layers(kind, backend, learnable, monkeypatch):
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from diff_transformer.models.gpt import build_model_chunk, compile_layers, core_attention_in_graph

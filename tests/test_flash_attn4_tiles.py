@@ -93,8 +93,10 @@ def test_diff_calls_flash_attn4_with_tiles_that_fit(d, heads, kv_heads):
         from flash_attn import _reference
 
         module(q, k, v, None, attn_mask_type=AttnMaskType.causal).sum().backward()
-        tiles = list(_reference.TILES)
-    assert len(tiles) == 1 and q.grad is not None and k.grad is not None
+        tiles, backward = list(_reference.TILES), list(_reference.BACKWARD)
+    # the forward's call and the backward's (the custom operator's, models/attention/flash_attn4_op.py), each looking
+    # the tiles up as the library does
+    assert len(tiles) == 2 and len(backward) == 1 and q.grad is not None and k.grad is not None
     for head_dim, head_dim_v, fwd, bwd in tiles:
         assert (head_dim, head_dim_v) == (d, 2 * d)
         assert forward_shared_memory(d, 2 * d, fwd) <= SM90_SHARED_MEMORY

@@ -13,11 +13,12 @@ from tests.train_runs import REPO
 
 PLANS = ("first", "second", "long", "fa4")
 STEPS = {
-    "first": ["throughput_830m", "throughput_830m_compile", "kernel_tests", "host_overhead", "core_attention_d128",
+    "first": ["throughput_830m_compile", "throughput_830m", "kernel_tests", "host_overhead", "core_attention_d128",
               "core_attention_d96"],
     "second": ["throughput_3b", "kernel_sweep", "document_mask_tests", "document_mask", "eval_analyze"],
     "long": ["kernel_long", "niah_long"],
-    "fa4": ["fa4_install", "core_attention_fa4_d128", "throughput_830m_fa4", "core_attention_fa4_d96", "fa4_tests"],
+    "fa4": ["fa4_install", "throughput_830m_fa4_compile", "fa4_tests", "core_attention_fa4_d128", "throughput_830m_fa4",
+            "core_attention_fa4_d96"],
 }
 
 

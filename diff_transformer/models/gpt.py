@@ -211,9 +211,9 @@ def build_model_chunk(
 
 
 # the core attention backends whose forward and backward are torch operations dynamo traces (library calls through
-# torch's SDPA, the materialised maps, DIFF V1's combined map with its written-out backward): under trainer.compile
-# they stay in the layer's graph
-TRACEABLE_BACKENDS = ("sdpa", "eager", "combined")
+# torch's SDPA or flash-attn-4's custom operators, the materialised maps, DIFF V1's combined map with its written-out
+# backward): under trainer.compile they stay in the layer's graph
+TRACEABLE_BACKENDS = ("sdpa", "eager", "combined", "flash_attn4")
 
 
 def core_attention_traceable(attention: torch.nn.Module, document_mask: bool) -> bool:
@@ -231,8 +231,8 @@ def compile_layers(chunk: torch.nn.Module, document_mask: bool = False) -> int:
     """``trainer.compile``: each TransformerLayer of ``chunk`` under ``torch.compile`` in place (regional compilation,
     torchtitan's approach: identical layers share one compiled graph, so compiling costs one layer's worth), so that
     inductor fuses the norms, RoPE, SwiGLU and the residual adds around the projections' matmuls. The core attention
-    stays in the layer's graph where dynamo traces it (``core_attention_traceable``: ``sdpa`` and DIFF V1's
-    ``combined`` outside context parallelism, selective recomputation and document masking), so that its elementwise
+    stays in the layer's graph where dynamo traces it (``core_attention_traceable``: ``sdpa``, ``flash_attn4`` and
+    DIFF V1's ``combined`` outside context parallelism, selective recomputation and document masking), so that its elementwise
     work (DIFF's λ, layouts and epilogue) fuses too and the layer is one graph each way: the host issues a compiled
     layer's kernels from one wrapper, where eagerly each torch operation pays the dispatcher and autograd. Otherwise
     it runs eagerly, out of the graph (``compat.call_core_attention_eagerly``): the fused kernel's launchers choose

@@ -30,6 +30,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from diff_transformer.models.attention.flash_attn4_op import flash_attn4_causal
 from diff_transformer.models.attention.flash_attn4_tiles import fit_wide_v_tiles
 from diff_transformer.models.attention_maps import AttentionMaps, causal_logits, query_rows
 from diff_transformer.models.documents import PackedDocuments, documents_of, same_document
@@ -92,7 +93,12 @@ def flash_attention(q, k, v, scale: float, documents: Optional[PackedDocuments],
     variable-length entry, over the same ``cu_seqlens`` as the ``sdpa`` path's variable-length kernel). The calls
     take keywords only past q, k, v: the two libraries share those names (flash-attn-4's fourth positional argument
     is ``qv``), and flash-attn-4 returns (out, lse). A v wider than q under flash-attn-4 gets Hopper tiles that fit
-    its shared memory (``flash_attn4_tiles``)."""
+    its shared memory (``flash_attn4_tiles``). flash-attn-4 without documents is a custom operator
+    (``flash_attn4_op``), so that compiled layers keep it in their graph."""
+    if backend == "flash_attn4" and documents is None:
+        if not torch.compiler.is_compiling():
+            load_flash_attn_func(False, backend)  # the clear error where the library is missing
+        return flash_attn4_causal(q, k, v, scale)[0]
     if backend == "flash_attn4" and v.shape[-1] > q.shape[-1]:
         fit_wide_v_tiles()
     if documents is None:

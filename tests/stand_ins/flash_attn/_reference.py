@@ -11,6 +11,7 @@ import torch
 
 CALLS = []
 TILES = []
+BACKWARD = []  # flash-attn-4's backward calls (the custom operator's, diff_transformer/models/attention/flash_attn4_op.py)
 
 
 def _attention(q, k, v, softmax_scale, causal):
@@ -29,6 +30,27 @@ def _attention(q, k, v, softmax_scale, causal):
         scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v), lse
+
+
+def _attention_backward(q, k, v, dout, softmax_scale, causal):
+    """The gradients of one sequence's attention (q, k, v and dout as in ``_attention``), written out from the map: a
+    custom operator's backward runs where autograd records nothing."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    group = heads // kv_heads
+    scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(q.shape[-1])
+    kr, vr = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q, kr) * scale
+    if causal:
+        s_q, s_k = q.shape[0], k.shape[0]
+        visible = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(diagonal=s_k - s_q)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    dv = torch.einsum("hqk,qhd->khd", probs, dout)
+    dprobs = torch.einsum("qhd,khd->hqk", dout, vr)
+    dscores = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True)) * scale
+    dq = torch.einsum("hqk,khd->qhd", dscores, kr)
+    dk = torch.einsum("hqk,qhd->khd", dscores, q)
+    return dq, dk.unflatten(1, (kv_heads, group)).sum(2), dv.unflatten(1, (kv_heads, group)).sum(2)
 
 
 def _batched(q, k, v, softmax_scale, causal):
@@ -73,11 +95,24 @@ def _fa4_checks(q, k, v, causal):
                   interface._tile_size_bwd_sm90(q.shape[-1], v.shape[-1], causal, False)))
 
 
-def fa4_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causal=False, **unused):
+def fa4_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causal=False, return_lse=False,
+             **unused):
     CALLS.append(("flash_attn4", "func", q.shape, k.shape, v.shape))
     assert qv is None and gather_kv_indices is None and not unused, unused
     _fa4_checks(q, k, v, causal)
-    return _batched(q, k, v, softmax_scale, causal)
+    out, lse = _batched(q, k, v, softmax_scale, causal)
+    return out, lse.float()  # with or without return_lse, as the library: its LSE in fp32
+
+
+def fa4_backward(q, k, v, out, dout, lse, softmax_scale=None, causal=False, dq=None, dk=None, dv=None, **unused):
+    """flash-attn-4's ``interface._flash_attn_bwd``: (dq, dk, dv), written into dq, dk and dv where given."""
+    BACKWARD.append(("flash_attn4", q.shape, k.shape, v.shape))
+    assert not unused, unused
+    _fa4_checks(q, k, v, causal)
+    grads = [torch.stack(g) for g in zip(*(_attention_backward(q[b], k[b], v[b], dout[b], softmax_scale, causal)
+                                           for b in range(q.shape[0])))]
+    given = (dq, dk, dv)
+    return tuple(g if buffer is None else buffer.copy_(g) for g, buffer in zip(grads, given))
 
 
 def fa4_varlen(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
@@ -86,4 +121,5 @@ def fa4_varlen(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqle
     CALLS.append(("flash_attn4", "varlen", q.shape, k.shape, v.shape))
     assert qv is None and cu_seqlens_q is not None and cu_seqlens_k is not None and not unused, unused
     _fa4_checks(q, k, v, causal)
-    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+    out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+    return out, lse.float()

@@ -5,6 +5,8 @@ call, through this module, as the library does, and record them (``_reference.TI
 
 from dataclasses import dataclass
 
+from flash_attn._reference import fa4_backward as _flash_attn_bwd  # noqa: F401
+
 
 @dataclass(frozen=True)
 class FwdConfig:
