@@ -354,6 +354,33 @@ def test_auto_under_context_parallelism_times_the_ring_backends(tmp_path, cache_
     assert q.grad is not None and k.grad is not None
 
 
+def test_auto_under_compile_takes_the_backends_the_graph_keeps(tmp_path, cache_dir):
+    """With trainer.compile keeping the core attention in the layers' graphs, auto chooses among the backends that
+    stay there (sdpa; flash_attn4 where installed: its stand-in here), whatever an eager timing says, and caches that
+    timing apart; where the graph breaks at the core attention (selective recomputation) it times every candidate."""
+    from tests.flash_stand_in import installed
+
+    calls = []
+    timer = fake_timer({"sdpa": 3.0, "triton": 2.0, "flash_attn": 2.5, "flash_attn4": 2.8}, calls)
+    compiled = compose_cfg("model=debug", "trainer.compile=true")
+    decision = backend_choice.decide_attention_backend(compiled, str(tmp_path / "a"), torch.bfloat16, "triton",
+                                                       cuda=True, device_name="NVIDIA H100", measure=timer)
+    assert decision["backend"] == "sdpa" and calls == []
+    assert decision["how"] == "the only candidate that trainer.compile keeps in the layers' graphs"
+    with installed():
+        decision = backend_choice.decide_attention_backend(compiled, str(tmp_path / "b"), torch.bfloat16, "triton",
+                                                           cuda=True, device_name="NVIDIA H100", measure=timer)
+    assert decision["backend"] == "flash_attn4" and calls == ["sdpa", "flash_attn4"]
+    assert decision["how"] == "timed among the backends trainer.compile keeps in the layers' graphs"
+    assert json.loads(decision["key"])["in_graph"] is True
+    calls.clear()
+    selective = compose_cfg("model=debug", "trainer.compile=true", "trainer.recompute=selective")
+    decision = backend_choice.decide_attention_backend(selective, str(tmp_path / "c"), torch.bfloat16, "triton",
+                                                       cuda=True, device_name="NVIDIA H100", measure=timer)
+    assert decision["backend"] == "triton" and decision["how"] == "timed" and calls == ["sdpa", "triton"]
+    assert "in_graph" not in json.loads(decision["key"])
+
+
 def test_fusion_keys_are_validated():
     from diff_transformer.config import validate
 

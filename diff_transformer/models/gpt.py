@@ -26,6 +26,7 @@ from diff_transformer.models.attention import (
     DifferentialCoreAttention,
     dex_anneal_fraction,
 )
+from diff_transformer.models.attention.base import TRACEABLE_BACKENDS
 from diff_transformer.models.layer_specs import head_dim  # noqa: F401  (re-exported: accounting reads it here)
 from diff_transformer.models.layer_specs import attention_heads, layer_spec_for, num_kv_heads, resolved_backend
 from diff_transformer.models.norms import RMSNorm
@@ -208,12 +209,6 @@ def build_model_chunk(
         position_embedding_type="rope",
         rotary_base=int(cfg.model.rope_base),
     )
-
-
-# the core attention backends whose forward and backward are torch operations dynamo traces (library calls through
-# torch's SDPA or flash-attn-4's custom operators, the materialised maps, DIFF V1's combined map with its written-out
-# backward): under trainer.compile they stay in the layer's graph
-TRACEABLE_BACKENDS = ("sdpa", "eager", "combined", "flash_attn4")
 
 
 def core_attention_traceable(attention: torch.nn.Module, document_mask: bool) -> bool:

@@ -23,7 +23,14 @@ Rank 0 decides, in this order, and every rank follows (``distributed.broadcast_o
    around a ring that hands the rank its own K and V back (``models.ring_attention.LoopbackRing``): the kernels of
    a real rank, without the transfers, which the ring overlaps with them. With document masking
    (``data.document_mask``) the candidates are timed masked, on the document ids of the run's first training
-   micro-batch, and the key holds its documents a sample.
+   micro-batch, and the key holds its documents a sample. Under ``trainer.compile`` where the compiled layers keep
+   the core attention in their graph (:func:`core_attention_in_graph`: one context-parallel rank, no selective
+   recomputation, no document masking, a kind that allows it), the candidates are the backends that stay in the
+   graph (``TRACEABLE_BACKENDS``: ``sdpa``, and ``flash_attn4`` where installed): a core attention timed eagerly
+   cannot show what the compiled layer takes off the host and fuses around it. On one H100 (``830m``, 2026-11-27)
+   DIFF on ``sdpa`` in the compiled graph gave 0.866 of the baseline's tokens/s where the eagerly timed choice
+   (``triton``, 3.3 against 5.0 ms a layer) gave 0.794 eagerly, and the fused kernel's attention kernels took longer
+   than the two cuDNN calls' (272 against 241 ms a step).
 
 The decision, how it was reached and the timings go to the log and to ``<run dir>/attention_backend.json``. An
 explicit ``model.attention_backend`` is never replaced.
@@ -43,7 +50,7 @@ import torch
 
 from diff_transformer.fileio import atomic_write_json
 from diff_transformer.models.attention import combined_map
-from diff_transformer.models.attention.base import FLASH_LIBRARIES, flash_library_installed
+from diff_transformer.models.attention.base import FLASH_LIBRARIES, TRACEABLE_BACKENDS, flash_library_installed
 from diff_transformer.models.layer_specs import attention_kind, core_attention_class, head_dim, num_kv_heads
 
 RECORD_FILE = "attention_backend.json"
@@ -70,12 +77,26 @@ def layout_backends(model: Any, cp: int = 1) -> Tuple[str, ...]:
     return core_attention_class(model, model.attention).ring_backends if cp > 1 else attention_kind(model).backends
 
 
-def candidates(model: Any, cp: int = 1) -> List[str]:
+def candidates(model: Any, cp: int = 1, in_graph: bool = False) -> List[str]:
     """The backends ``auto`` chooses among for this attention kind: the kind's (under context parallelism, ``cp`` > 1,
-    those with a ring path), minus eager, minus those whose library is missing; ``sdpa`` first (the choice when timing
+    those with a ring path), minus eager, minus those whose library is missing; with ``in_graph`` (compiled layers
+    that keep the core attention in their graph) those that stay in the graph; ``sdpa`` first (the choice when timing
     cannot separate them)."""
-    found = [b for b in layout_backends(model, cp) if b not in NOT_CANDIDATES and installed(b)]
+    found = [b for b in layout_backends(model, cp) if b not in NOT_CANDIDATES and installed(b)
+             and (not in_graph or b in TRACEABLE_BACKENDS)]
     return sorted(found, key=lambda b: b != "sdpa")
+
+
+def core_attention_in_graph(cfg: Any) -> bool:
+    """Whether this run's compiled layers keep the core attention in their graph on a backend that allows it
+    (``models.gpt.core_attention_traceable``'s conditions, read from the config): ``trainer.compile`` with TorchDynamo
+    on, one context-parallel rank, no selective recomputation, no document masking, a kind whose core attention
+    allows it (not DEX)."""
+    from diff_transformer.models.gpt import dynamo_disabled  # megatron-core's model: imported where needed
+
+    m, t = cfg.model, cfg.trainer
+    return (bool(t.compile) and not dynamo_disabled() and (cfg.parallel.cp or 1) == 1 and t.recompute != "selective"
+            and not cfg.data.document_mask and getattr(core_attention_class(m, m.attention), "traceable", False))
 
 
 def cpu_backend(cfg: Any) -> Dict[str, str]:
@@ -112,6 +133,8 @@ def problem_key(cfg: Any, device_name: str, dtype: torch.dtype, epilogue: str,
     }
     if (p.cp or 1) > 1:  # the ring's timings (without CP the key is what it always was: cached timings stay valid)
         key["cp"] = p.cp
+    if core_attention_in_graph(cfg):  # the candidates of a compiled graph (as above: other keys stay valid)
+        key["in_graph"] = True
     if document_ids is not None:
         runs = sum(len(torch.unique_consecutive(row)) for row in document_ids)
         key["documents_per_sample"] = round(runs / document_ids.shape[0], 1)
@@ -190,9 +213,11 @@ def decide_attention_backend(
     elif not cuda:
         decision.update(cpu_backend(cfg))
     else:
-        options = candidates(cfg.model, cfg.parallel.cp or 1)
+        in_graph = core_attention_in_graph(cfg)
+        options = candidates(cfg.model, cfg.parallel.cp or 1, in_graph)
         if len(options) == 1:
-            decision.update(backend=options[0], how="the only candidate")
+            decision.update(backend=options[0], how="the only candidate" + (
+                " that trainer.compile keeps in the layers' graphs" if in_graph else ""))
         else:
             device_name = device_name or torch.cuda.get_device_name()
             key = problem_key(cfg, device_name, dtype, epilogue, document_ids)
@@ -205,7 +230,9 @@ def decide_attention_backend(
                 measure = measure or (lambda backend: time_core_attention(cfg, backend, dtype, epilogue,
                                                                           document_ids=document_ids))
                 chosen = choose(options, measure)
-                decision.update(backend=chosen["backend"], how="timed", timings_ms=chosen["timings_ms"], key=key)
+                decision.update(backend=chosen["backend"], how="timed" + (
+                    " among the backends trainer.compile keeps in the layers' graphs" if in_graph else ""),
+                    timings_ms=chosen["timings_ms"], key=key)
                 if chosen["errors"]:
                     decision["errors"] = chosen["errors"]
                 cache[key] = {"backend": chosen["backend"], "timings_ms": chosen["timings_ms"]}

@@ -38,6 +38,10 @@ from diff_transformer.models.ring_attention import IMPLEMENTATIONS as RING_IMPLE
 from diff_transformer.models.ring_attention import ProcessGroupRing
 
 BACKENDS = ("eager", "sdpa", "flash_attn", "flash_attn4", "triton", "combined")
+# the backends whose forward and backward are torch operations dynamo traces (library calls through torch's SDPA or
+# flash-attn-4's custom operators, the materialised maps, DIFF V1's combined map with its written-out backward): under
+# trainer.compile they stay in the layer's graph (models.gpt.core_attention_traceable)
+TRACEABLE_BACKENDS = ("sdpa", "eager", "combined", "flash_attn4")
 # the FlashAttention libraries, by backend: (the module of its entry points, how to install it). flash-attn 2 (CUDA
 # C++, built against the GPU's torch; flash-attn-4 installs a flash_attn package too, so its own module says it is
 # there) and flash-attn-4 (CuTe DSL, pure Python, compiled at the first call of a shape; Hopper and Blackwell), whose
