@@ -153,6 +153,12 @@ def profile_table(rows) -> list[str]:
     for r in profiled:
         top = ", ".join(f"{t['name'][:60]} ({t['kind']}, {t['seconds'] * 1e3:.2f} ms)" for t in r["profile"]["top"][:8])
         lines.append(f"- {r['label']}: {top}")
+    # the elementwise kernels by name: what fusing further would take off (inductor's names say what each fused)
+    lines += ["", "Largest elementwise items (other elementwise, norms) of the profiled step:", ""]
+    for r in profiled:
+        top = ", ".join(f"{t['name'][:100]} ({t['seconds'] * 1e3:.2f} ms)" for t in r["profile"]["top"]
+                        if t["kind"] in ("other elementwise", "norms"))
+        lines.append(f"- {r['label']}: {top or 'none among the 30 largest items'}")
     return lines + [""] + idle_lines(profiled)
 
 
