@@ -485,6 +485,30 @@ def test_gpu_backends_in_bf16_match_eager_in_fp32(kind, backend):
         assert rel_err(got, want) < 3e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["diff", "vanilla"])
+def test_gpu_flash_attn4_compiled_matches_its_eager_run(kind):
+    """On a GPU, the core attention on flash_attn4 under torch.compile (inductor, the library's custom operators in
+    the graph, DIFF's layout and epilogue fused around them) against the same module eagerly, bf16, forward and
+    backward: the same library kernels, so only the fused elementwise work differs."""
+    from diff_transformer.training.backend_choice import installed
+
+    if not installed("flash_attn4"):
+        pytest.skip("flash_attn4's library is not installed")
+    torch.manual_seed(6)
+    heads, d, n, b = 4, 64, 257, 2
+    cls = DifferentialCoreAttention if kind == "diff" else VanillaCoreAttention
+    module = cls(make_config(heads, heads, d), 2, AttnMaskType.causal, backend="flash_attn4").cuda().bfloat16()
+    q, k, v = (torch.randn(n, b, 2 * heads, d, device="cuda").bfloat16() for _ in range(3))
+    out_e, grads_e, _ = _run(module, q, k, v)
+    torch._dynamo.reset()
+    out_c, grads_c, _ = _run(torch.compile(module, fullgraph=True), q, k, v)
+    torch._dynamo.reset()
+    assert rel_err(out_c, out_e) < 1e-2  # bf16 roundings of the fused epilogue against eager's
+    for got, want in zip(grads_c, grads_e):
+        assert rel_err(got, want) < 2e-2
+
+
 def test_output_layout_gradient_copies_only_a_different_memory_layout():
     """dO is handed on in O's strides: as it came when they are equal, as a view when they differ only along a
     dimension of size 1 (the micro-batch of one: the same memory, no copy), copied when the memory order differs."""
