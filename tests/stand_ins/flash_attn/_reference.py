@@ -21,29 +21,30 @@ def _attention(q, k, v, softmax_scale, causal):
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % kv_heads or v.shape[1] != kv_heads:
         raise ValueError(f"{heads} query heads against {kv_heads} key and {v.shape[1]} value heads")
+    k, v, scores, _ = _scores(q, k, v, softmax_scale, causal)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v), lse
+
+
+def _scores(q, k, v, softmax_scale, causal):
+    """k and v repeated to the query heads (query head h reads KV head h // group), the scaled and masked scores
+    (h, s_q, s_k) and the scale."""
+    heads, kv_heads = q.shape[1], k.shape[1]
     scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(q.shape[-1])
-    k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))  # query head h reads KV head h // group
+    k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     if causal:
         s_q, s_k = q.shape[0], k.shape[0]
         visible = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(diagonal=s_k - s_q)
         scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v), lse
+    return k, v, scores, scale
 
 
 def _attention_backward(q, k, v, dout, softmax_scale, causal):
     """The gradients of one sequence's attention (q, k, v and dout as in ``_attention``), written out from the map: a
     custom operator's backward runs where autograd records nothing."""
-    heads, kv_heads = q.shape[1], k.shape[1]
-    group = heads // kv_heads
-    scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(q.shape[-1])
-    kr, vr = (t.repeat_interleave(group, dim=1) for t in (k, v))
-    scores = torch.einsum("qhd,khd->hqk", q, kr) * scale
-    if causal:
-        s_q, s_k = q.shape[0], k.shape[0]
-        visible = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(diagonal=s_k - s_q)
-        scores = scores.masked_fill(~visible, float("-inf"))
+    kv_heads, group = k.shape[1], q.shape[1] // k.shape[1]
+    kr, vr, scores, scale = _scores(q, k, v, softmax_scale, causal)
     probs = torch.softmax(scores, dim=-1)
     dv = torch.einsum("hqk,qhd->khd", probs, dout)
     dprobs = torch.einsum("qhd,khd->hqk", dout, vr)
