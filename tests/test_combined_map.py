@@ -110,3 +110,36 @@ def test_memory_plan_counts_the_maps_combined_keeps():
     kept, _ = core_attention_bytes_per_token(model, "combined", "cpu", 4)
     # A1 and A2 of 2 heads over 64 keys, q and k (4 heads of 16) copied, x (2 heads of 32), in fp32
     assert kept == (2 * 2 * 64 + 2 * 64 + 64) * 4
+
+
+def test_compiled_combined_keeps_what_eager_keeps():
+    """Under trainer.compile the layer's graph keeps for the backward what the eager autograd node keeps (the plan
+    above): the backward's combined map is its own expression, so AOT autograd does not merge it with the forward's
+    and keep that map too (a third fp32 map a layer: 69.6 GiB peak against 60.2 planned for 830m on an H100,
+    benchmarks/results/train_throughput_830m_combined_compile-on_NVIDIA-H100-80GB-HBM3_2026-11-27c.md). AOT
+    autograd's default partition (aot_eager) keeps what the backward reads; inductor's, the same here."""
+    heads, d, s, b = 4, 16, 128, 2
+    config = TransformerConfig(num_layers=4, hidden_size=2 * heads * d, num_attention_heads=2 * heads,
+                               num_query_groups=2 * heads, kv_channels=d, use_cpu_initialization=True)
+    module = DifferentialCoreAttention(config, 2, AttnMaskType.causal, backend="combined")
+
+    def kept_bytes(fn):
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(s, b, 2 * heads, d, requires_grad=True) for _ in range(3))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(q, k, v, None, attn_mask_type=AttnMaskType.causal)
+        return sum(storages.values())
+
+    eager = kept_bytes(module)
+    torch._dynamo.reset()
+    compiled = kept_bytes(torch.compile(module, backend="aot_eager"))
+    torch._dynamo.reset()
+    one_map = b * heads * s * s * 4
+    # measured: 1,577,356 bytes eager, 1,577,368 compiled (2,101,656 with the forward's addcmul in the backward)
+    assert compiled - eager < one_map // 8, (compiled, eager, one_map)
