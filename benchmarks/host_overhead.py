@@ -14,7 +14,9 @@ not the host limited the row), its ratio to the baseline's (one ``sdpa`` call ov
 torch operations that do work (aten ops other than views and metadata, counted by a TorchDispatchMode with
 compiled functions run eagerly: on a GPU each is a kernel launch or a copy) and Triton launches. On a CPU the times are the Python and dispatcher work of the same
 code path; a GPU adds each launch's own cost (a Triton launch's host time, cuDNN's plan lookup), so the counts are the
-part of the comparison that carries over from a CPU unchanged.
+part of the comparison that carries over from a CPU unchanged. The same for RoPE, and then each Triton kernel of those
+rows replayed alone with a call's arguments: Triton's own time a launch, apart from the launchers around it (on an
+H100 a DIFF epilogue's two launches and their launcher cost V2 about 1 ms a call more than the baseline's).
 """
 
 from __future__ import annotations
@@ -71,9 +73,10 @@ class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def triton_launches(run: bool):
-    """Inside the block, every Triton launch (``kernel[grid](...)``) is counted into the yielded list's first entry;
-    with ``run=False`` it is left out (on a CPU, where the interpreter would run it)."""
+def triton_launches(run: bool, record: list | None = None):
+    """Inside the block, every Triton launch (``kernel[grid](...)``) is counted into the yielded list's first entry
+    (and appended to ``record`` as (kernel, grid, args, kwargs)); with ``run=False`` it is left out (on a CPU, where
+    the interpreter would run it)."""
     from triton.runtime.jit import KernelInterface
 
     count = [0]
@@ -84,6 +87,8 @@ def triton_launches(run: bool):
 
         def counted(*args, **kwargs):
             count[0] += 1
+            if record is not None:
+                record.append((self, grid, args, kwargs))
             return launch(*args, **kwargs) if run else None
 
         return counted
@@ -143,14 +148,56 @@ def rope_implementations():
             ("Triton (kernels.rope; the model's on a GPU)", rotary)]
 
 
-def measure_rope(function, heads, d, n, b, dtype, device, calls, repeats):
-    """time_calls of RoPE on one [N, B, 2H, d] query, forward+backward."""
+def rope_call(function, heads, d, n, b, dtype, device):
+    """RoPE on one [N, B, 2H, d] query, forward+backward, as a call."""
     x = torch.randn(n, b, 2 * heads, d, dtype=dtype, device=device, requires_grad=True)
     inverse = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
     angles = torch.outer(torch.arange(n, dtype=torch.float32, device=device), inverse)
     freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :]
     grad = torch.ones(n, b, 2 * heads, d, dtype=dtype, device=device)
-    return time_calls(lambda: function(x, freqs).backward(grad), device, calls, repeats)
+    return lambda: function(x, freqs).backward(grad)
+
+
+def measure_rope(function, heads, d, n, b, dtype, device, calls, repeats):
+    """time_calls of RoPE on one [N, B, 2H, d] query, forward+backward."""
+    return time_calls(rope_call(function, heads, d, n, b, dtype, device), device, calls, repeats)
+
+
+def _launch_path(kind, backend, epilogue, args, dtype, device):
+    module = _module(kind, backend, epilogue, args.heads, args.heads, args.head_dim, dtype, device)
+    tensors, bias = _inputs(kind, args.heads, args.heads, args.head_dim, args.seq_len, args.batch, dtype, device)
+    return lambda: _fwd_bwd(module, tensors, bias)
+
+
+def _rope_path(args, dtype, device):
+    from kernels.rope import rotary
+
+    return rope_call(rotary, args.heads, args.head_dim, args.seq_len, args.batch, dtype, device)
+
+
+def _kernel_name(kernel) -> str:
+    fn = getattr(kernel, "fn", None)
+    return getattr(fn, "__name__", None) or type(kernel).__name__
+
+
+def measure_launches(paths, device, calls, repeats):
+    """(label, time_calls of the launch) of each distinct Triton kernel the ``paths`` ((label, call) pairs) launch,
+    replayed alone with the arguments its first launch in that call passed: Triton's own host time a launch, apart
+    from the launchers' Python and the torch operations around them (on a CPU the launch is left out, so only the
+    replay's own Python is timed)."""
+    on_gpu, seen, rows = device == "cuda", set(), []
+    for path, call in paths:
+        record = []
+        with triton_launches(run=on_gpu, record=record):
+            call()
+        for kernel, grid, args, kwargs in record:
+            name = _kernel_name(kernel)
+            if name in seen:
+                continue
+            seen.add(name)
+            rows.append((f"{name} ({path})", *time_calls(lambda: kernel[grid](*args, **kwargs), device, calls,
+                                                         repeats)))
+    return rows
 
 
 def baseline_host(results):
@@ -174,7 +221,7 @@ def _table(results, base, device):
     return lines
 
 
-def render(results, rope_results, heads, d, n, b, dtype, device, command) -> str:
+def render(results, rope_results, launch_results, heads, d, n, b, dtype, device, command) -> str:
     base = baseline_host(results)
     where = ("its kernels launched" if device == "cuda" else
              "Triton's launches left out, the launchers planning as on an H100 (DIFF_ATTN_SIMULATE_GPU=sm_90)")
@@ -198,6 +245,14 @@ def render(results, rope_results, heads, d, n, b, dtype, device, command) -> str
         "",
     ]
     lines += _table(rope_results, rope_results[0][1] if rope_results else None, device)
+    lines += [
+        "",
+        "Each Triton kernel of the rows above, one launch replayed alone with the arguments a call passed: Triton's "
+        "own host time a launch" + ("" if device == "cuda" else " (left out on a CPU: the replay's Python alone)")
+        + " (/ baseline: over the baseline's whole call).",
+        "",
+    ]
+    lines += _table(launch_results, baseline_host(results), device)
     return "\n".join(lines) + "\n"
 
 
@@ -258,7 +313,18 @@ def main(argv=None) -> int:
         except Exception as err:  # one failing row hides no other
             rope_results.append((label, None, None, None, None, table_cell(f"failed: {type(err).__name__}: {err}")))
         print(rope_results[-1], flush=True)
-    report = render(results, rope_results, args.heads, args.head_dim, args.seq_len, args.batch, dtype, device, command)
+    paths = [(f"{kind} {backend}", _launch_path(kind, backend, epilogue, args, dtype, device))
+             for kind, backend, epilogue in ROWS if backend == "triton" or epilogue == "triton"]
+    paths.append(("RoPE", _rope_path(args, dtype, device)))
+    try:
+        launch_results = measure_launches(paths, device, args.calls, args.repeats)
+    except Exception as err:  # the tables above stand without it
+        launch_results = [("replayed launches", None, None, None, None,
+                           table_cell(f"failed: {type(err).__name__}: {err}"))]
+    for row in launch_results:
+        print(row, flush=True)
+    report = render(results, rope_results, launch_results, args.heads, args.head_dim, args.seq_len, args.batch, dtype,
+                    device, command)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"host_overhead_d{args.head_dim}_N{args.seq_len}_{machine_name()}_{datetime.date.today()}.md"
     path.write_text(report)
@@ -271,8 +337,11 @@ def main(argv=None) -> int:
     print("headline: host µs per RoPE call fwd+bwd (work ops, Triton launches): " + "; ".join(
         f"{label.split(' (')[0]} " + ("failed" if host is None else f"{host:.0f} ({ops}, {launches})")
         for label, host, _, ops, launches, _ in rope_results))
+    print("headline: host µs per Triton launch replayed alone: " + "; ".join(
+        f"{label.split(' (')[0]} " + ("failed" if host is None else f"{host:.0f}")
+        for label, host, *_ in launch_results))
     print(f"written: {path}")
-    return 0 if all(r[1] is not None for r in results + rope_results) else 1
+    return 0 if all(r[1] is not None for r in results + rope_results + launch_results) else 1
 
 
 if __name__ == "__main__":

@@ -23,3 +23,19 @@ def test_bad_arguments_are_refused(tmp_path, args, message):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [f"error: {message.format(file=a_file)} (usage: host_overhead.py --help)"]
     assert a_file.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_each_triton_kernel_is_replayed_alone_once():
+    """The table of launches replayed alone: each distinct kernel of the paths once, named, one launch a replay, no
+    torch operation (on a CPU the launch is left out: only the replay's own Python is timed)."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks.host_overhead import measure_launches, rope_call
+    from kernels.rope import rotary
+
+    call = rope_call(rotary, 2, 16, 8, 1, torch.float32, "cpu")
+    rows = measure_launches([("RoPE", call), ("RoPE again", call)], "cpu", 2, 2)
+    assert [row[0] for row in rows] == ["_rope_kernel (RoPE)"]
+    label, host, synced, ops, launches, _ = rows[0]
+    assert host > 0 and synced is None and ops == 0 and launches == 1
