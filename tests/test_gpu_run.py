@@ -13,11 +13,11 @@ from tests.train_runs import REPO
 
 PLANS = ("first", "second", "long", "fa4")
 STEPS = {
-    "first": ["throughput_830m_compile", "throughput_830m", "kernel_tests", "host_overhead", "core_attention_d128",
-              "core_attention_d96"],
+    "first": ["throughput_830m_compile", "host_overhead", "kernel_tests", "core_attention_d128", "core_attention_d96",
+              "throughput_830m"],
     "second": ["throughput_3b", "kernel_sweep", "document_mask_tests", "document_mask", "eval_analyze"],
     "long": ["kernel_long", "niah_long"],
-    "fa4": ["fa4_install", "throughput_830m_fa4_compile", "fa4_tests", "core_attention_fa4_d128", "throughput_830m_fa4",
+    "fa4": ["fa4_install", "throughput_830m_fa4_compile", "fa4_tests", "core_attention_fa4_d128",
             "core_attention_fa4_d96"],
 }
 
@@ -79,14 +79,14 @@ def test_a_step_is_skipped_when_less_than_its_need_is_left(dry_run):
     code = re.search(r"code ([0-9a-f]{12})", (out / "gpu_run.md").read_text()).group(1)
     ledger = out.parent / "need_ledger.tsv"  # every step of the second plan measured but the first
     ledger.write_text("".join(f"cpu-dry-run\t{code}\t{name}\t0\t1\n" for name in STEPS["second"][1:]))
-    # the dry run triples limits and needs: throughput_3b's 900 s limit, 450 s need; 400 s is more than a third of
+    # the dry run triples limits and needs: throughput_3b's 990 s limit, 600 s need; 400 s is more than a third of
     # the limit
     assert STEPS["second"][0] == "throughput_3b"
     proc = gpu_run(out.parent / "need", "--dry-run", "second", "--deadline", "400", timeout=120,
                    ledger="need_ledger.tsv")
     assert proc.returncode == 1, proc.stdout[-3000:]
     status = summary_rows(out.parent / "need")["throughput_3b"]
-    assert re.fullmatch(r"skipped: \d+ s left of the deadline, it needs 450 s \(limit 900 s\)", status), status
+    assert re.fullmatch(r"skipped: \d+ s left of the deadline, it needs 600 s \(limit 990 s\)", status), status
 
 
 @pytest.mark.parametrize("args,message", [
