@@ -227,12 +227,12 @@ def compile_layers(chunk: torch.nn.Module, document_mask: bool = False) -> int:
     torchtitan's approach: identical layers share one compiled graph, so compiling costs one layer's worth), so that
     inductor fuses the norms, RoPE, SwiGLU and the residual adds around the projections' matmuls. The core attention
     stays in the layer's graph where dynamo traces it (``core_attention_traceable``: ``sdpa``, ``flash_attn4`` and
-    DIFF V1's ``combined`` outside context parallelism, selective recomputation and document masking), so that its elementwise
-    work (DIFF's λ, layouts and epilogue) fuses too and the layer is one graph each way: the host issues a compiled
-    layer's kernels from one wrapper, where eagerly each torch operation pays the dispatcher and autograd. Otherwise
-    it runs eagerly, out of the graph (``compat.call_core_attention_eagerly``): the fused kernel's launchers choose
-    configs in Python, flash-attn and the context-parallel ring call libraries and collectives. Returns how many
-    layers it compiled.
+    DIFF V1's ``combined`` outside context parallelism, selective recomputation and document masking), so that its
+    elementwise work (DIFF's λ, layouts and epilogue) fuses too and the layer is one graph each way: the host issues a
+    compiled layer's kernels from one wrapper, where eagerly each torch operation pays the dispatcher and autograd.
+    Otherwise it runs eagerly, out of the graph (``compat.call_core_attention_eagerly``): the fused kernel's launchers
+    choose configs in Python, flash-attn 2 and the context-parallel ring call libraries and collectives. Returns how
+    many layers it compiled.
 
     Only training forwards run compiled; the others (validation, the attention diagnostics' probe, anything in eval
     mode) run the layer eagerly: dynamo does not guard on module hooks (``torch._dynamo.config.

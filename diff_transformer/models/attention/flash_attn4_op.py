@@ -10,10 +10,10 @@ around it, as it does around torch's SDPA. Eagerly they cost a dispatcher call m
 
 The forward is the library's public entry with ``return_lse`` (the backward needs the LSE); the backward is its
 ``flash_attn.cute.interface._flash_attn_bwd``, called as its autograd Function calls it, its gradients made
-contiguous (the layout declared here, whatever layout q, k and v have; a copy only where the library's is not). A V wider than Q·K (DIFF V1's
-one call over the 2d-wide V) gets Hopper tiles that fit (``flash_attn4_tiles``) each way. Variable-length calls
-(documents) keep the library's own entry: the longest document is a host integer, and document masking keeps the core
-attention out of compiled graphs anyway.
+contiguous (the layout declared here, whatever layout q, k and v have; a copy only where the library's is not). A V
+wider than Q·K (DIFF V1's one call over the 2d-wide V) gets Hopper tiles that fit (``flash_attn4_tiles``) each way.
+Variable-length calls (documents) keep the library's own entry: the longest document is a host integer, and document
+masking keeps the core attention out of compiled graphs anyway.
 """
 
 from __future__ import annotations

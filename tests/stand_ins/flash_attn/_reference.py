@@ -11,7 +11,8 @@ import torch
 
 CALLS = []
 TILES = []
-BACKWARD = []  # flash-attn-4's backward calls (the custom operator's, diff_transformer/models/attention/flash_attn4_op.py)
+# flash-attn-4's backward calls (the custom operator's, diff_transformer/models/attention/flash_attn4_op.py)
+BACKWARD = []
 
 
 def _attention(q, k, v, softmax_scale, causal):
