@@ -162,8 +162,10 @@ throughput() {  # name, limit, need, train_throughput.py arguments (a later --ou
   shift 3
   local toy=()
   [ $dry_run -eq 1 ] && toy=(--model debug --steps 3 --micro-batch-size 1 --micro-batches 1 --seq-length 32)
+  # the overrides right after the step's arguments on a GPU and in the dry run alike (an option that takes several
+  # values, such as --compile, takes what follows it: the dry run sees it as the GPU does), the toy sizes last
   step "$name" "$limit" "$need" '(tok/s|tokens/s at TP|FAILED)' "$py" benchmarks/train_throughput.py --out "$out" "$@" \
-    "${toy[@]}" trainer.init_on_gpu=true trainer.fusions=on
+    trainer.init_on_gpu=true trainer.fusions=on "${toy[@]}"
 }
 
 gpu_tests() {  # name, limit, need, pytest arguments
@@ -180,7 +182,7 @@ plan_first() {
   # call (and a Triton launch's), the gpu tests of this code, the core attention's kernels, then 830m eagerly (measured
   # on 2026-11-27 on code whose eager path is today's).
   # The dry run's TORCHDYNAMO_DISABLE=1 runs the compiled steps eagerly, labelled so. --compile takes one value or
-  # more, so an option follows it: throughput() appends overrides on a GPU and none of its own options
+  # more, so an option follows it: throughput() appends overrides after a step's arguments (the dry run too)
   throughput throughput_830m_compile 300 125 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 \
     --compile on --steps 8 model.attention_backend=sdpa
   # the host's time a core-attention call, by backend, a RoPE call and each Triton kernel's launch replayed alone
