@@ -676,7 +676,8 @@ def test_sm90_compile_lint(tmp_path):
     (kernels/diff_attn/compile_record/); the check reads them, compiles V1 d=128's forward_out afresh (an empty
     Triton cache) to prove this machine's compiler gives the recorded figures, and compiles whatever the record
     lacks (a changed kernel source: then every kernel, about 2 s of CPU each)."""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    # the real compiler: neither the interpreter nor a simulated GPU (kernels/gpu_target.py)
+    env = {key: value for key, value in os.environ.items() if key not in ("TRITON_INTERPRET", "DIFF_ATTN_SIMULATE_GPU")}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     command = [sys.executable, "kernels/diff_attn/check_compile.py", "--record", "--verify", "forward_out"]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)

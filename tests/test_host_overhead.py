@@ -1,6 +1,7 @@
 """benchmarks/host_overhead.py refuses bad arguments with one error line and status 2, before any work and without
 touching what is there (its end-to-end run on the CPU is a step of gpu_run.sh's dry run, tests/test_gpu_run.py)."""
 
+import os
 import subprocess
 import sys
 
@@ -25,12 +26,19 @@ def test_bad_arguments_are_refused(tmp_path, args, message):
     assert a_file.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
-def test_each_triton_kernel_is_replayed_alone_once():
+def test_each_triton_kernel_is_replayed_alone_once(monkeypatch):
     """The table of launches replayed alone: each distinct kernel of the paths once, named, one launch a replay, no
     torch operation (on a CPU the launch is left out: only the replay's own Python is timed)."""
     import torch
 
-    sys.path.insert(0, str(REPO))
+    # the benchmark sets these at import where there is no GPU; they leave with this test (a compile check in a
+    # subprocess of this worker must not inherit a simulated GPU)
+    for key in ("TRITON_INTERPRET", "DIFF_ATTN_SIMULATE_GPU", "DIFF_ATTN_POISON"):
+        present = key in os.environ
+        monkeypatch.setenv(key, os.environ.get(key, ""))  # recorded, so restored (or removed) after the test
+        if not present:
+            monkeypatch.delenv(key)
+    monkeypatch.syspath_prepend(str(REPO))
     from benchmarks.host_overhead import measure_launches, rope_call
     from kernels.rope import rotary
 

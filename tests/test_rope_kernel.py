@@ -149,7 +149,8 @@ def test_fused_rope_in_bf16_on_the_gpu(name):
 def test_sm90_compile_check(tmp_path):
     """kernels/rope/check_compile.py under this Triton's real compiler: both directions, bf16 and fp32, the model's
     head dims and a partial rotation, each with the launcher's GPU tile, compile for sm_90 without a spill."""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    # the real compiler: neither the interpreter nor a simulated GPU (kernels/gpu_target.py)
+    env = {key: value for key, value in os.environ.items() if key not in ("TRITON_INTERPRET", "DIFF_ATTN_SIMULATE_GPU")}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     result = subprocess.run([sys.executable, "kernels/rope/check_compile.py"], cwd=Path(__file__).resolve().parent.parent,
                             env=env, capture_output=True, text=True, timeout=600)
