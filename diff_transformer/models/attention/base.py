@@ -31,7 +31,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from diff_transformer.models.attention.flash_attn4_op import flash_attn4_causal
-from diff_transformer.models.attention.flash_attn4_tiles import fit_wide_v_tiles
+from diff_transformer.models.attention.flash_attn4_tiles import fit_tiles_for
 from diff_transformer.models.attention_maps import AttentionMaps, causal_logits, query_rows
 from diff_transformer.models.documents import PackedDocuments, documents_of, same_document
 from diff_transformer.models.ring_attention import IMPLEMENTATIONS as RING_IMPLEMENTATIONS
@@ -103,8 +103,8 @@ def flash_attention(q, k, v, scale: float, documents: Optional[PackedDocuments],
         if not torch.compiler.is_compiling():
             load_flash_attn_func(False, backend)  # the clear error where the library is missing
         return flash_attn4_causal(q, k, v, scale)[0]
-    if backend == "flash_attn4" and v.shape[-1] > q.shape[-1]:
-        fit_wide_v_tiles()
+    if backend == "flash_attn4":
+        fit_tiles_for(q, v)
     if documents is None:
         out = load_flash_attn_func(False, backend)(q, k, v, softmax_scale=scale, causal=True)
     else:

@@ -23,12 +23,7 @@ from typing import Tuple
 
 import torch
 
-from diff_transformer.models.attention.flash_attn4_tiles import fit_wide_v_tiles
-
-
-def _fit_tiles(q: torch.Tensor, v: torch.Tensor) -> None:
-    if v.shape[-1] > q.shape[-1]:
-        fit_wide_v_tiles()
+from diff_transformer.models.attention.flash_attn4_tiles import fit_tiles_for
 
 
 @torch.library.custom_op("diff_transformer::flash_attn4_causal", mutates_args=())
@@ -36,7 +31,7 @@ def flash_attn4_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
                        ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of q (b, s, h, d) over k (b, s, h_kv, d) and v (b, s, h_kv, d_v), query head i reading KV
     head i // (h / h_kv): the output (b, s, h, d_v) and the LSE (b, h, s) in fp32."""
-    _fit_tiles(q, v)
+    fit_tiles_for(q, v)
     out, lse = importlib.import_module("flash_attn.cute").flash_attn_func(
         q, k, v, softmax_scale=scale, causal=True, return_lse=True)
     return out, lse
@@ -53,7 +48,7 @@ def flash_attn4_causal_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
                                 out: torch.Tensor, lse: torch.Tensor, scale: float
                                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of :func:`flash_attn4_causal`, contiguous."""
-    _fit_tiles(q, v)
+    fit_tiles_for(q, v)
     grads = importlib.import_module("flash_attn.cute.interface")._flash_attn_bwd(q, k, v, out, dout, lse, scale, True)
     return tuple(g.contiguous() for g in grads[:3])  # the library's own buffers, copied only where one is strided
 

@@ -102,6 +102,12 @@ def _fitting_wide_v(library_choice, shared_memory, candidates):
     return tile_size_sm90
 
 
+def fit_tiles_for(q, v) -> None:
+    """:func:`fit_wide_v_tiles` where ``v``'s head dim exceeds ``q``'s (DIFF V1's call over the 2d-wide V)."""
+    if v.shape[-1] > q.shape[-1]:
+        fit_wide_v_tiles()
+
+
 def fit_wide_v_tiles(module_name: str = "flash_attn.cute.interface") -> bool:
     """Wrap the library's sm_90 tile choices (once) so that a V wider than Q·K gets the tiles above; returns whether
     the library has them to wrap."""
