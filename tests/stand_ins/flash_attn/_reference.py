@@ -106,15 +106,13 @@ def fa4_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causa
     return out, lse.float()  # with or without return_lse, as the library: its LSE in fp32
 
 
-def fa4_backward(q, k, v, out, dout, lse, softmax_scale=None, causal=False, dq=None, dk=None, dv=None, **unused):
-    """flash-attn-4's ``interface._flash_attn_bwd``: (dq, dk, dv), written into dq, dk and dv where given."""
+def fa4_backward(q, k, v, out, dout, lse, softmax_scale=None, causal=False, **unused):
+    """flash-attn-4's ``interface._flash_attn_bwd`` as this project calls it: (dq, dk, dv)."""
     BACKWARD.append(("flash_attn4", q.shape, k.shape, v.shape))
     assert not unused, unused
     _fa4_checks(q, k, v, causal)
-    grads = [torch.stack(g) for g in zip(*(_attention_backward(q[b], k[b], v[b], dout[b], softmax_scale, causal)
-                                           for b in range(q.shape[0])))]
-    given = (dq, dk, dv)
-    return tuple(g if buffer is None else buffer.copy_(g) for g, buffer in zip(grads, given))
+    return tuple(torch.stack(g) for g in zip(*(_attention_backward(q[b], k[b], v[b], dout[b], softmax_scale, causal)
+                                                for b in range(q.shape[0]))))
 
 
 def fa4_varlen(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
