@@ -24,7 +24,7 @@ Rank 0 decides, in this order, and every rank follows (``distributed.broadcast_o
    a real rank, without the transfers, which the ring overlaps with them. With document masking
    (``data.document_mask``) the candidates are timed masked, on the document ids of the run's first training
    micro-batch, and the key holds its documents a sample. Under ``trainer.compile`` where the compiled layers keep
-   the core attention in their graph (:func:`core_attention_in_graph`: one context-parallel rank, no selective
+   the core attention in their graph (:func:`attention_in_compiled_graph`: one context-parallel rank, no selective
    recomputation, no document masking, a kind that allows it), the candidates are the backends that stay in the
    graph (``TRACEABLE_BACKENDS``: ``sdpa``, and ``flash_attn4`` where installed): a core attention timed eagerly
    cannot show what the compiled layer takes off the host and fuses around it. On one H100 (``830m``, 2026-11-27)
@@ -87,7 +87,7 @@ def candidates(model: Any, cp: int = 1, in_graph: bool = False) -> List[str]:
     return sorted(found, key=lambda b: b != "sdpa")
 
 
-def core_attention_in_graph(cfg: Any) -> bool:
+def attention_in_compiled_graph(cfg: Any) -> bool:
     """Whether this run's compiled layers keep the core attention in their graph on a backend that allows it
     (``models.gpt.core_attention_traceable``'s conditions, read from the config): ``trainer.compile`` with TorchDynamo
     on, one context-parallel rank, no selective recomputation, no document masking, a kind whose core attention
@@ -133,7 +133,7 @@ def problem_key(cfg: Any, device_name: str, dtype: torch.dtype, epilogue: str,
     }
     if (p.cp or 1) > 1:  # the ring's timings (without CP the key is what it always was: cached timings stay valid)
         key["cp"] = p.cp
-    if core_attention_in_graph(cfg):  # the candidates of a compiled graph (as above: other keys stay valid)
+    if attention_in_compiled_graph(cfg):  # the candidates of a compiled graph (as above: other keys stay valid)
         key["in_graph"] = True
     if document_ids is not None:
         runs = sum(len(torch.unique_consecutive(row)) for row in document_ids)
@@ -213,7 +213,7 @@ def decide_attention_backend(
     elif not cuda:
         decision.update(cpu_backend(cfg))
     else:
-        in_graph = core_attention_in_graph(cfg)
+        in_graph = attention_in_compiled_graph(cfg)
         options = candidates(cfg.model, cfg.parallel.cp or 1, in_graph)
         if len(options) == 1:
             decision.update(backend=options[0], how="the only candidate" + (
