@@ -129,11 +129,11 @@ def time_calls(call, device, calls, repeats):
             per_call_launches, top)
 
 
-def measure(kind, backend, epilogue, heads, d, n, b, dtype, device, calls, repeats):
-    """time_calls of one core-attention call, forward+backward."""
+def core_attention_call(kind, backend, epilogue, heads, d, n, b, dtype, device):
+    """One core-attention call, forward+backward, as a call."""
     module = _module(kind, backend, epilogue, heads, heads, d, dtype, device)
     tensors, bias = _inputs(kind, heads, heads, d, n, b, dtype, device)
-    return time_calls(lambda: _fwd_bwd(module, tensors, bias), device, calls, repeats)
+    return lambda: _fwd_bwd(module, tensors, bias)
 
 
 def rope_implementations():
@@ -156,23 +156,6 @@ def rope_call(function, heads, d, n, b, dtype, device):
     freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :]
     grad = torch.ones(n, b, 2 * heads, d, dtype=dtype, device=device)
     return lambda: function(x, freqs).backward(grad)
-
-
-def measure_rope(function, heads, d, n, b, dtype, device, calls, repeats):
-    """time_calls of RoPE on one [N, B, 2H, d] query, forward+backward."""
-    return time_calls(rope_call(function, heads, d, n, b, dtype, device), device, calls, repeats)
-
-
-def _launch_path(kind, backend, epilogue, args, dtype, device):
-    module = _module(kind, backend, epilogue, args.heads, args.heads, args.head_dim, dtype, device)
-    tensors, bias = _inputs(kind, args.heads, args.heads, args.head_dim, args.seq_len, args.batch, dtype, device)
-    return lambda: _fwd_bwd(module, tensors, bias)
-
-
-def _rope_path(args, dtype, device):
-    from kernels.rope import rotary
-
-    return rope_call(rotary, args.heads, args.head_dim, args.seq_len, args.batch, dtype, device)
 
 
 def _kernel_name(kernel) -> str:
@@ -297,25 +280,26 @@ def main(argv=None) -> int:
     command = (f"python benchmarks/host_overhead.py --heads {args.heads} --head-dim {args.head_dim} --seq-len "
                f"{args.seq_len} --batch {args.batch} --calls {args.calls} --repeats {args.repeats}")
     results = []
+    paths = []  # (name, call) of every row that ran: their Triton launches are replayed alone below
     for kind, backend, epilogue in rows:
         label = f"{kind} {backend}" + ("" if kind == "vanilla" or backend == "triton" else f" + {epilogue} epilogue")
         try:
-            results.append((label, *measure(kind, backend, epilogue, args.heads, args.head_dim, args.seq_len,
-                                            args.batch, dtype, device, args.calls, args.repeats)))
+            call = core_attention_call(kind, backend, epilogue, args.heads, args.head_dim, args.seq_len, args.batch,
+                                       dtype, device)
+            results.append((label, *time_calls(call, device, args.calls, args.repeats)))
+            paths.append((f"{kind} {backend}", call))
         except Exception as err:  # one failing row hides no other
             results.append((label, None, None, None, None, table_cell(f"failed: {type(err).__name__}: {err}")))
         print(results[-1], flush=True)
     rope_results = []
     for label, function in rope_implementations():
         try:
-            rope_results.append((label, *measure_rope(function, args.heads, args.head_dim, args.seq_len, args.batch,
-                                                      dtype, device, args.calls, args.repeats)))
+            call = rope_call(function, args.heads, args.head_dim, args.seq_len, args.batch, dtype, device)
+            rope_results.append((label, *time_calls(call, device, args.calls, args.repeats)))
+            paths.append(("RoPE", call))
         except Exception as err:  # one failing row hides no other
             rope_results.append((label, None, None, None, None, table_cell(f"failed: {type(err).__name__}: {err}")))
         print(rope_results[-1], flush=True)
-    paths = [(f"{kind} {backend}", _launch_path(kind, backend, epilogue, args, dtype, device))
-             for kind, backend, epilogue in ROWS if backend == "triton" or epilogue == "triton"]
-    paths.append(("RoPE", _rope_path(args, dtype, device)))
     try:
         launch_results = measure_launches(paths, device, args.calls, args.repeats)
     except Exception as err:  # the tables above stand without it
