@@ -11,9 +11,9 @@ Two kinds:
   compiles a shared-memory all-reduce op when its communication backend starts; gloo reduces the same tensors. Like
   the CPU patches, applied only without CUDA.
 - **Speed workarounds** (:func:`apply_grad_norm_patches`, :func:`fuse_torch_adamw`, :func:`install_fused_rope`,
-  :func:`keep_fused_cross_entropy_grad_dtype`): where megatron-core without TransformerEngine or Apex falls back to
-  slow paths (a host sync per parameter tensor in the gradient norm, torch's foreach AdamW, no fused RoPE), or where
-  its fused path loses precision (the native fused cross-entropy's bf16 gradient), on any device.
+  :func:`install_fused_cross_entropy`): where megatron-core without TransformerEngine or Apex falls back to slow
+  paths (a host sync per parameter tensor in the gradient norm, torch's foreach AdamW, no fused RoPE, a native fused
+  cross-entropy that keeps an fp32 softmax and rounds an fp32 model's gradient to bf16), on any device.
 - **Compiled layers** (:func:`call_core_attention_eagerly`, :func:`resolve_default_tp_group_quietly`,
   ``trainer.compile``, any device): where megatron-core's TransformerLayer forward stops torch.compile from keeping one
   graph on each side of the core attention.
@@ -156,12 +156,11 @@ PATCH_SITES = (
     PatchSite("fused rope", "megatron.core.models.common.embeddings.rope_utils", "fused_apply_rotary_pos_emb"),
     PatchSite("fused rope", "megatron.core.models.common.embeddings.rope_utils", "apply_rotary_pos_emb",
               "fused_apply_rotary_pos_emb(t, freqs, interleaved=config.rotary_interleaved)"),
-    PatchSite("fused cross-entropy", "megatron.core.fusions.fused_cross_entropy", "calculate_gradients",
-              "grad_input = grad_input.to(torch.bfloat16)"),
-    PatchSite("fused cross-entropy", "megatron.core.fusions.fused_cross_entropy", "_VocabParallelCrossEntropy.backward",
-              "softmax, target_mask, masked_target_1d = ctx.saved_tensors"),
-    PatchSite("fused cross-entropy", "megatron.core.tensor_parallel.cross_entropy",
-              "VocabParallelCrossEntropy.prepare_gradient_calculation_operands"),
+    PatchSite("fused cross-entropy", "megatron.core.models.common.language_module.language_module",
+              "fused_vocab_parallel_cross_entropy"),
+    PatchSite("fused cross-entropy", "megatron.core.models.common.language_module.language_module",
+              "LanguageModule.compute_language_model_loss",
+              "loss = fused_vocab_parallel_cross_entropy(logits, labels, self.pg_collection.tp)"),
     PatchSite("compiled layers", "megatron.core.transformer.attention", "Attention.forward",
               "if self.checkpoint_core_attention and self.training:"),
     PatchSite("compiled layers", "megatron.core.transformer.attention", "Attention.forward", "with off_interface("),
@@ -540,40 +539,17 @@ def install_fused_rope(apply_fn) -> bool:
     return rope_utils.fused_apply_rotary_pos_emb is apply_fn
 
 
-@functools.lru_cache(maxsize=None)
-def keep_fused_cross_entropy_grad_dtype() -> None:
-    """megatron-core's native fused cross-entropy (``cross_entropy_fusion_impl="native"``) rounds the logits' gradient
-    to bf16 whatever the logits' dtype (fusions/fused_cross_entropy.py:82, in ``calculate_gradients``, called from
-    ``_VocabParallelCrossEntropy.backward`` at line 131): right for a bf16 model, a 3e-4 relative error in the
-    gradient norm of an fp32 one. Give the gradient the logits' own dtype instead (the same fused function, the cast
-    inside it: bf16 models are unchanged). Idempotent."""
+def install_fused_cross_entropy(cross_entropy_fn) -> None:
+    """megatron-core's ``cross_entropy_loss_fusion`` with ``cross_entropy_fusion_impl="native"`` calls its own fused
+    cross-entropy through a module global of ``LanguageModule.compute_language_model_loss``,
+    ``fused_vocab_parallel_cross_entropy(logits, labels, self.pg_collection.tp)``
+    (models/common/language_module/language_module.py:16 and 165). That one saves an fp32 softmax of the logits for
+    the backward and rounds the gradient to bf16 whatever the logits' dtype (fusions/fused_cross_entropy.py:82); put
+    ``cross_entropy_fn``, of the same signature, there instead (``models.cross_entropy``). Idempotent."""
     check_megatron_core_version()
-    from megatron.core.fusions import fused_cross_entropy
-    from megatron.core.jit import jit_fuser
-    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+    from megatron.core.models.common.language_module import language_module
 
-    @jit_fuser
-    def calculate_gradients(softmax, grad_output, target_mask, masked_target_1d, dtype: torch.dtype):
-        grad_2d, arange_1d, softmax_update, grad_input = (
-            VocabParallelCrossEntropy.prepare_gradient_calculation_operands(softmax, target_mask)
-        )
-        grad_input = VocabParallelCrossEntropy.calculate_gradients(
-            grad_2d, arange_1d, masked_target_1d, softmax_update, grad_input, grad_output
-        )
-        return grad_input.to(dtype)
-
-    function = fused_cross_entropy._VocabParallelCrossEntropy
-    original_forward = function.forward
-
-    def forward(ctx, vocab_parallel_logits, target, tp_group):
-        ctx.logits_dtype = vocab_parallel_logits.dtype
-        return original_forward(ctx, vocab_parallel_logits, target, tp_group)
-
-    def backward(ctx, grad_output):
-        softmax, target_mask, masked_target_1d = ctx.saved_tensors
-        return calculate_gradients(softmax, grad_output, target_mask, masked_target_1d, ctx.logits_dtype), None, None
-
-    function.forward, function.backward = staticmethod(forward), staticmethod(backward)
+    language_module.fused_vocab_parallel_cross_entropy = cross_entropy_fn
 
 
 # ---------------------------------------------------------------------------------------------------------------

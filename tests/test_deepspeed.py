@@ -511,5 +511,5 @@ def test_memory_estimate_falls_with_each_stage_and_offload_and_the_plan_names_th
     cfg = compose_cfg(*base, "engine=deepspeed", "engine.zero_stage=1", "trainer.gpu_memory_gib=24")
     problem = memory_plan_problem(cfg, torch.bfloat16, 2, 100352, 24, "cuda")
     assert problem.startswith("estimated memory per GPU")
-    assert "engine.zero_stage=3 engine.offload_optimizer=cpu engine.offload_param=cpu (4.2 GiB)" in problem
+    assert "engine.zero_stage=3 engine.offload_optimizer=cpu engine.offload_param=cpu (3.4 GiB)" in problem
     assert "parallel.distributed_optimizer" not in problem and "parallel.pp" not in problem

@@ -27,6 +27,7 @@ from diff_transformer.models.attention import (
     dex_anneal_fraction,
 )
 from diff_transformer.models.attention.base import TRACEABLE_BACKENDS
+from diff_transformer.models.cross_entropy import vocab_parallel_cross_entropy
 from diff_transformer.models.layer_specs import head_dim  # noqa: F401  (re-exported: accounting reads it here)
 from diff_transformer.models.layer_specs import attention_heads, layer_spec_for, num_kv_heads, resolved_backend
 from diff_transformer.models.norms import RMSNorm
@@ -114,12 +115,12 @@ def transformer_config(
     m, p = cfg.model, cfg.parallel
     bf16 = dtype == torch.bfloat16
     query_heads, kv_heads, head_size = attention_heads(m)
-    # trainer.fusions: megatron-core's own fused SwiGLU and cross-entropy (torch.compile'd, no TransformerEngine
-    # needed) and our fused RoPE in its TransformerEngine hook
+    # trainer.fusions: megatron-core's own fused SwiGLU (torch.compile'd, no TransformerEngine needed), and our fused
+    # cross-entropy and RoPE in its native cross-entropy's and TransformerEngine's hooks
     fused = fusions_enabled(cfg)
     if fused:
         compat.install_fused_rope(fused_apply_rotary_pos_emb)
-        compat.keep_fused_cross_entropy_grad_dtype()
+        compat.install_fused_cross_entropy(vocab_parallel_cross_entropy)
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,

@@ -194,11 +194,14 @@ def activation_bytes_per_layer(cfg: Any, a: int, device: str) -> Dict[str, float
     }
 
 
-def logits_bytes(cfg: Any, padded_vocab: int, a: int) -> float:
-    """The last stage's cross entropy keeps fp32 softmax over its vocabulary shard (computed in place of the logits in
-    fp32; from a bf16 copy that is alive at the same time in bf16)."""
+def logits_bytes(cfg: Any, padded_vocab: int, a: int, device: str) -> float:
+    """The last stage's logits over its vocabulary shard, and what its cross entropy adds. megatron-core's
+    (``trainer.fusions`` off) keeps an fp32 softmax (computed in place of the logits in fp32; from a bf16 copy that
+    is alive at the same time in bf16). ``trainer.fusions``' (``models.cross_entropy``) keeps the logits, and its
+    backward writes their gradient beside them (its fp32 values stay in the compiled kernels' registers)."""
     tokens = cfg.model.seq_length // context_parallel_size(cfg) * cfg.trainer.micro_batch_size
-    return tokens * padded_vocab / cfg.parallel.tp * (4 + (a if a != 4 else 0))
+    per_logit = 2 * a if fusions_enabled(cfg, device) else 4 + (a if a != 4 else 0)
+    return tokens * padded_vocab / cfg.parallel.tp * per_logit
 
 
 def activation_bytes_per_stage(cfg: Any, a: int, device: str, in_flight: int) -> Tuple[float, float]:
@@ -255,9 +258,10 @@ def estimate_memory_per_gpu(
     optim_bytes = (main + 8) / (dp * cp if p.distributed_optimizer else 1)  # sharded over DP×CP
     microbatches = t.global_batch_size // (t.micro_batch_size * dp)
     params = parameters_per_stage(cfg, padded_vocab)
-    stages = [(params["first"], min(p.pp, microbatches), 0.0 if p.pp > 1 else logits_bytes(cfg, padded_vocab, a))]
+    stages = [(params["first"], min(p.pp, microbatches),
+               0.0 if p.pp > 1 else logits_bytes(cfg, padded_vocab, a, device))]
     if p.pp > 1:
-        stages.append((params["last"], 1, logits_bytes(cfg, padded_vocab, a)))
+        stages.append((params["last"], 1, logits_bytes(cfg, padded_vocab, a, device)))
     best = None
     deepspeed = getattr(getattr(cfg, "engine", None), "name", "megatron") == "deepspeed"
     for n, in_flight, logits in stages:
