@@ -11,7 +11,8 @@
 # room): a step with less than its need left is skipped and says so, rather than spend the window on a run that the
 # deadline cuts off):
 #   first   830m throughput (DIFF and the baseline, sequence 2048) with one step's profile under trainer.compile on
-#           sdpa; the host's time a core-attention call and a Triton launch (benchmarks/host_overhead.py); the GPU tests
+#           sdpa; trainer.fusions' compiled RoPE and cross-entropy against what they replace (benchmarks/fusions.py);
+#           the host's time a core-attention call and a Triton launch (benchmarks/host_overhead.py); the GPU tests
 #           of the kernels, the epilogue, RoPE, the attention backends and the CUDA ring; core attention at d=128
 #           (N=4096) and d=96 (the 830m shape), the fused kernel's row first; 830m eagerly with auto's choice
 #   second  3b throughput at sequence 4096 under trainer.compile; the fused kernel's config sweep
@@ -185,9 +186,13 @@ plan_first() {
   # more, so an option follows it: throughput() appends overrides after a step's arguments (the dry run too)
   throughput throughput_830m_compile 300 125 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 \
     --compile on --steps 8 model.attention_backend=sdpa
+  # trainer.fusions' compiled RoPE and cross-entropy against what they replace (830m shapes; the report into the log)
+  local toy=()
+  [ $dry_run -eq 1 ] && toy=(--seq 32 --batch 1 --heads 2 --head-dim 16 --vocab 512 --repeats 2)
+  step fusions 150 60 '^headline' "$py" benchmarks/fusions.py --out "$cache/fusions" "${toy[@]}"
   # the host's time a core-attention call, by backend, a RoPE call and each Triton kernel's launch replayed alone
   # (the 830m heads at N=128: kernels take microseconds)
-  local toy=()
+  toy=()
   [ $dry_run -eq 1 ] && toy=(--calls 2 --repeats 2)
   step host_overhead 120 45 '^headline' "$py" benchmarks/host_overhead.py --out "$out" "${toy[@]}"
   gpu_tests kernel_tests 250 175 tests/test_diff_attn_kernel.py tests/test_diff_epilogue.py tests/test_rope_kernel.py \
