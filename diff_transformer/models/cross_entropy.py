@@ -33,7 +33,7 @@ def _local_statistics(
     logits: torch.Tensor, target: torch.Tensor, vocab_start: int, vocab_end: int
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Over this rank's vocabulary shard, each token's: maximum logit, sum of exp(logit − maximum), target's logit
-    (0 where another shard holds the target) and the target's index in the shard (0 there)."""
+    (0 where another shard holds the target) and the target's index in the shard (−1 there)."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
     maximum = x.max(dim=-1).values
     sum_exp = torch.exp(x - maximum.unsqueeze(-1)).sum(dim=-1)
