@@ -104,12 +104,16 @@ def collective_device(group: Optional[Any] = None) -> torch.device:
     return torch.device("cpu")
 
 
-def all_reduce_tensor(tensor: torch.Tensor, group: Optional[Any] = None) -> torch.Tensor:
-    """Sum ``tensor`` in place over ``group``; it must already live where the group's backend reduces."""
+_REDUCE_OPS = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX}
+
+
+def all_reduce_tensor(tensor: torch.Tensor, group: Optional[Any] = None, op: str = "sum") -> torch.Tensor:
+    """Reduce ``tensor`` in place over ``group`` (``op``: sum or max); it must already live where the group's backend
+    reduces."""
     if _is_trivial(group):
         return tensor
     _check_device(tensor, group, "all_reduce_tensor")
-    torch.distributed.all_reduce(tensor, group=group)
+    torch.distributed.all_reduce(tensor, op=_REDUCE_OPS[op], group=group)
     return tensor
 
 
@@ -143,8 +147,7 @@ def all_reduce_values(
     """Reduce Python numbers over ``group`` (``op``: sum or max) and return them as Python numbers on every rank."""
     tensor = torch.tensor(list(values), dtype=dtype, device=collective_device(group))
     if not _is_trivial(group):
-        reduce_op = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX}[op]
-        torch.distributed.all_reduce(tensor, op=reduce_op, group=group)
+        torch.distributed.all_reduce(tensor, op=_REDUCE_OPS[op], group=group)
     return tensor.cpu().tolist()
 
 

@@ -27,6 +27,8 @@ import torch
 from megatron.core.jit import jit_fuser
 from megatron.core.tensor_parallel.utils import VocabUtility
 
+from diff_transformer.distributed import all_reduce_tensor
+
 
 @jit_fuser
 def _local_statistics(
@@ -76,10 +78,8 @@ class _CrossEntropy(torch.autograd.Function):
         start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(logits.shape[-1], rank, world)
         maximum, sum_exp, predicted, index = _local_statistics(logits, target, start, end)
         if world > 1:
-            global_maximum = maximum.clone()
-            torch.distributed.all_reduce(global_maximum, op=torch.distributed.ReduceOp.MAX, group=tp_group)
-            sums = torch.stack((_rescaled(sum_exp, maximum, global_maximum), predicted))
-            torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM, group=tp_group)
+            global_maximum = all_reduce_tensor(maximum.clone(), tp_group, op="max")
+            sums = all_reduce_tensor(torch.stack((_rescaled(sum_exp, maximum, global_maximum), predicted)), tp_group)
             maximum, (sum_exp, predicted) = global_maximum, sums
         log_sum_exp, loss = _log_sum_exp_and_loss(maximum, sum_exp, predicted)
         ctx.save_for_backward(logits, log_sum_exp, index)
