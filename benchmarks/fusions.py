@@ -32,14 +32,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.reports import table_cell, write_report  # noqa: E402
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: expected a positive integer")
-    return value
+from benchmarks.reports import positive_int, table_cell, write_report  # noqa: E402
 
 
 def time_call(call, device: str, repeats: int, warmup: int = 3):
@@ -174,12 +167,12 @@ def main(argv=None) -> int:
     from diff_transformer.cli import ArgumentParser
 
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq", type=_positive, default=2048)
-    parser.add_argument("--batch", type=_positive, default=4)
-    parser.add_argument("--heads", type=_positive, default=16, help="query (and key) heads of a layer")
-    parser.add_argument("--head-dim", type=_positive, default=96)
-    parser.add_argument("--vocab", type=_positive, default=100352, help="the padded vocabulary (830m: 100,352)")
-    parser.add_argument("--repeats", type=_positive, default=20)
+    parser.add_argument("--seq", type=positive_int, default=2048)
+    parser.add_argument("--batch", type=positive_int, default=4)
+    parser.add_argument("--heads", type=positive_int, default=16, help="query (and key) heads of a layer")
+    parser.add_argument("--head-dim", type=positive_int, default=96)
+    parser.add_argument("--vocab", type=positive_int, default=100352, help="the padded vocabulary (830m: 100,352)")
+    parser.add_argument("--repeats", type=positive_int, default=20)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"),
                         help="directory of the report fusions_<machine>_<date>.md")
     args = parser.parse_args(argv)

@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.core_attention import _fwd_bwd, _inputs, _module  # noqa: E402
-from benchmarks.reports import machine_name, table_cell  # noqa: E402
+from benchmarks.reports import machine_name, positive_int, table_cell  # noqa: E402
 
 # aten ops that move no data: views, metadata, and the profiler's markers
 _NO_WORK = {
@@ -239,28 +239,18 @@ def render(results, rope_results, launch_results, heads, d, n, b, dtype, device,
     return "\n".join(lines) + "\n"
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of at least 1")
-    return value
-
-
 def main(argv=None) -> int:
     from diff_transformer.cli import ArgumentParser
 
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--heads", type=_positive, default=8, help="differential heads H (the baseline has 2H)")
-    parser.add_argument("--head-dim", type=_positive, default=96)
-    parser.add_argument("--seq-len", type=_positive, default=None,
+    parser.add_argument("--heads", type=positive_int, default=8, help="differential heads H (the baseline has 2H)")
+    parser.add_argument("--head-dim", type=positive_int, default=96)
+    parser.add_argument("--seq-len", type=positive_int, default=None,
                         help="short, so that the kernels' own time stays small: default 128 on a GPU, 16 on a CPU "
                              "(whose attention kernels run on the host)")
-    parser.add_argument("--batch", type=_positive, default=1)
-    parser.add_argument("--calls", type=_positive, default=20, help="calls per timed batch")
-    parser.add_argument("--repeats", type=_positive, default=15, help="timed batches per row (median)")
+    parser.add_argument("--batch", type=positive_int, default=1)
+    parser.add_argument("--calls", type=positive_int, default=20, help="calls per timed batch")
+    parser.add_argument("--repeats", type=positive_int, default=15, help="timed batches per row (median)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"),
                         help="directory of the report host_overhead_d<d>_N<N>_<machine>_<date>.md")
     args = parser.parse_args(argv)

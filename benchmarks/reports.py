@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import re
@@ -21,6 +22,17 @@ def table_cell(text: str, limit: int = 200) -> str:
     line, pipes escaped, at most ``limit`` characters (a library's multi-line, coloured error message included)."""
     text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", text).split())
     return text[:limit].replace("|", "\\|")
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type``: a whole number of at least 1, or the error argparse reports as one line."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of at least 1")
+    return value
 
 
 def write_report(report: str, out_dir: str | Path, what: str, quiet: bool = False) -> Path:

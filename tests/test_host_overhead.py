@@ -1,4 +1,4 @@
-"""benchmarks/host_overhead.py refuses bad arguments with one error line and status 2, before any work and without
+"""benchmarks/host_overhead.py (and benchmarks/fusions.py) refuses bad arguments with one error line and status 2, before any work and without
 touching what is there (its end-to-end run on the CPU is a step of gpu_run.sh's dry run, tests/test_gpu_run.py)."""
 
 import os
@@ -10,19 +10,23 @@ import pytest
 from tests.train_runs import REPO
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--calls", "0"], "argument --calls: '0': give a whole number of at least 1"),
-    (["--seq-len", "many"], "argument --seq-len: 'many': give a whole number of at least 1"),
-    (["--out", "{file}"], "--out {file}: a file, not a directory for the report"),
+@pytest.mark.parametrize("script,args,message", [
+    ("host_overhead.py", ["--calls", "0"], "argument --calls: '0': give a whole number of at least 1"),
+    ("host_overhead.py", ["--seq-len", "many"], "argument --seq-len: 'many': give a whole number of at least 1"),
+    ("host_overhead.py", ["--out", "{file}"], "--out {file}: a file, not a directory for the report"),
+    ("fusions.py", ["--vocab", "0"], "argument --vocab: '0': give a whole number of at least 1"),
+    ("fusions.py", ["--head-dim", "15"], "--head-dim 15: RoPE rotates pairs of features; expected an even number"),
+    ("fusions.py", ["--out", "{file}"], "--out {file}: a file, not a directory for the report"),
 ])
-def test_bad_arguments_are_refused(tmp_path, args, message):
+def test_bad_arguments_are_refused(tmp_path, script, args, message):
+    """benchmarks/host_overhead.py and benchmarks/fusions.py alike."""
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine")
     args = [a.format(file=a_file) for a in args]
-    proc = subprocess.run([sys.executable, "benchmarks/host_overhead.py", *args], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [f"error: {message.format(file=a_file)} (usage: host_overhead.py --help)"]
+    assert proc.stderr.strip().splitlines() == [f"error: {message.format(file=a_file)} (usage: {script} --help)"]
     assert a_file.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 

@@ -93,6 +93,7 @@ class _CrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None) -> torch.Tensor:
     """Cross-entropy of ``logits`` [s, b, vocab shard] against ``target`` [s, b] (ids over the whole vocabulary), each
-    token's loss [s, b] in fp32 (fp64 for fp64 logits); ``tp_group`` the tensor-parallel group whose ranks hold the vocabulary's shards in
-    order (None: the whole vocabulary here). megatron-core's ``fused_vocab_parallel_cross_entropy``'s signature."""
+    token's loss [s, b] in fp32 (fp64 for fp64 logits); ``tp_group`` the tensor-parallel group whose ranks hold the
+    vocabulary's shards in order (None: the whole vocabulary here). megatron-core's
+    ``fused_vocab_parallel_cross_entropy``'s signature."""
     return _CrossEntropy.apply(logits, target, tp_group)
