@@ -19,9 +19,7 @@ import argparse
 import datetime
 import math
 import os
-import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +34,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import triton  # noqa: E402
 
+from benchmarks.reports import time_ms  # noqa: E402
 from kernels import diff_flash_attn, diff_flash_attn_v2  # noqa: E402
 
 try:
@@ -161,18 +160,6 @@ def baseline_flash_attn(q, k, v, causal):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def bench_ms(fn, on_gpu, cpu_repeats):
-    if on_gpu:
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    fn()  # warm-up
-    times = []
-    for _ in range(cpu_repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def peak_memory_mib(fn, inputs, on_gpu):
     """Peak memory of one forward+backward above what the inputs and their gradients already hold."""
     if not on_gpu:
@@ -216,9 +203,9 @@ def measure(name, fn, inputs, p: Problem, flops, args):
     upstream = torch.randn_like(out)
     backward = lambda: torch.autograd.grad(out, inputs, upstream, retain_graph=True)  # noqa: E731
     both = lambda: torch.autograd.grad(forward(), inputs, upstream)  # noqa: E731
-    fwd_ms = bench_ms(forward, on_gpu, args.cpu_repeats)
-    bwd_ms = bench_ms(backward, on_gpu, args.cpu_repeats)
-    both_ms = bench_ms(both, on_gpu, args.cpu_repeats)
+    fwd_ms = time_ms(forward, p.device, args.cpu_repeats, "median")
+    bwd_ms = time_ms(backward, p.device, args.cpu_repeats, "median")
+    both_ms = time_ms(both, p.device, args.cpu_repeats, "median")
     del out
     memory = peak_memory_mib(forward, inputs, on_gpu)
     fwd_flops, bwd_flops = flops
@@ -232,7 +219,7 @@ def measure(name, fn, inputs, p: Problem, flops, args):
 def matmul_tflops(device, dtype, size):
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    ms = bench_ms(lambda: a @ b, device == "cuda", cpu_repeats=3)
+    ms = time_ms(lambda: a @ b, device, 3, "median")
     return 2 * size**3 / ms / 1e9
 
 

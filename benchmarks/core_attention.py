@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,7 +35,7 @@ if not torch.cuda.is_available():
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.reports import machine_name, table_cell  # noqa: E402
+from benchmarks.reports import machine_name, table_cell, time_ms  # noqa: E402
 
 
 def _config(heads: int, kv_heads: int, d: int, v2: bool, dtype):
@@ -98,20 +96,6 @@ def check_against_eager(kind, backend, epilogue, shape, dtype, device) -> float:
     got_out, got = _fwd_bwd(row, tensors, bias)
     want_out, want = _fwd_bwd(reference, [t.float() for t in tensors], None if bias is None else bias.float())
     return max(_rel(x, y) for x, y in zip([got_out] + got, [want_out] + want))
-
-
-def time_ms(fn, device, repeats) -> float:
-    if device == "cuda":
-        import triton
-
-        return triton.testing.do_bench(fn, warmup=25, rep=100)
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def rows_to_time(epilogues, v2_epilogues, v1_backends=("triton", "sdpa")):

@@ -1,6 +1,6 @@
 """Benchmark: ``trainer.fusions``' RoPE under ``torch.compile`` and its cross-entropy, each against the alternative it
-replaces, in the same run: the GPU's time a call, forward and backward (CUDA events, the median of the repeats), and
-for the cross-entropy the peak memory a call adds to its logits.
+replaces, in the same run: the GPU's time a call, forward and backward (``triton.testing.do_bench``'s median; on a
+CPU the median wall time of ``--repeats`` calls), and for the cross-entropy the peak memory a call adds to its logits.
 
     GPU:  python benchmarks/fusions.py      # the 830m: query and key [2048, 4, 16, 96], logits [2048, 4, 100352], bf16
     CPU:  python benchmarks/fusions.py --seq 32 --batch 1 --heads 2 --head-dim 16 --vocab 512 --repeats 2
@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,36 +30,19 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.reports import positive_int, table_cell, write_report  # noqa: E402
+from benchmarks.reports import positive_int, table_cell, time_ms, write_report  # noqa: E402
 
 
-def time_call(call, device: str, repeats: int, warmup: int = 3):
-    """Median ms of ``call()`` (forward and backward) over ``repeats``, on the GPU's clock with CUDA, else the wall's;
-    and the peak bytes allocated during one call above what was allocated before it (None on a CPU)."""
-    for _ in range(warmup):  # compiles, warms the caches
-        call()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            start = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - start) * 1e3)
-    peak = None
-    if device == "cuda":
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        call()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-    return statistics.median(times), peak
+def peak_bytes(call, device: str):
+    """The peak bytes allocated during one ``call()`` above what was allocated before it (None on a CPU)."""
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    call()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
 
 
 def rope_rows(seq, batch, heads, head_dim, dtype, device):
@@ -124,7 +105,7 @@ def measure(rows, device, repeats):
     results = []
     for label, call in rows:
         try:
-            results.append((label, *time_call(call, device, repeats), ""))
+            results.append((label, time_ms(call, device, repeats, "median"), peak_bytes(call, device), ""))
         except Exception as err:  # one failing row hides no other
             results.append((label, None, None, table_cell(f"failed: {type(err).__name__}: {err}")))
         print(results[-1], flush=True)
@@ -141,7 +122,7 @@ def render(rope, cross_entropy, args, dtype, device, compiled: bool) -> str:
         f"`python benchmarks/fusions.py --seq {args.seq} --batch {args.batch} --heads {args.heads} --head-dim "
         f"{args.head_dim} --vocab {args.vocab} --repeats {args.repeats}`; {device}, {str(dtype).split('.')[-1]}, "
         f"torch {torch.__version__}; "
-        + ("median GPU time of a call, forward and backward (CUDA events)." if device == "cuda" else
+        + ("median GPU time of a call, forward and backward (triton.testing.do_bench)." if device == "cuda" else
            "median wall time of a call, forward and backward.")
         + ("" if compiled else " torch.compile is off in this process (TORCHDYNAMO_DISABLE=1): the compiled rows "
            "ran eagerly."),
@@ -172,7 +153,8 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=positive_int, default=16, help="query (and key) heads of a layer")
     parser.add_argument("--head-dim", type=positive_int, default=96)
     parser.add_argument("--vocab", type=positive_int, default=100352, help="the padded vocabulary (830m: 100,352)")
-    parser.add_argument("--repeats", type=positive_int, default=20)
+    parser.add_argument("--repeats", type=positive_int, default=20,
+                        help="timed calls a row on a CPU (a GPU times with triton.testing.do_bench)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"),
                         help="directory of the report fusions_<machine>_<date>.md")
     args = parser.parse_args(argv)

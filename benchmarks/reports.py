@@ -6,7 +6,10 @@ import argparse
 import datetime
 import os
 import re
+import statistics
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -33,6 +36,23 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of at least 1")
     return value
+
+
+def time_ms(fn: Callable[[], object], device: str, repeats: int, return_mode: str = "mean") -> float:
+    """One ``fn()``'s time in ms: on a GPU ``triton.testing.do_bench``'s (warm-up, L2 flushed between calls;
+    ``return_mode`` "mean" or "median"), elsewhere the median wall time of ``repeats`` calls after one warm-up call
+    (which compiles what ``fn`` compiles)."""
+    if device == "cuda":
+        import triton
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode=return_mode)
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def write_report(report: str, out_dir: str | Path, what: str, quiet: bool = False) -> Path:
