@@ -102,3 +102,179 @@ def test_the_readme_reads_in_five_minutes():
     assert blocks[0].strip() == ('python3 -m venv .venv && .venv/bin/pip install -c constraints.txt -e ".[dev]" && '
                                  ".venv/bin/python -m diff_transformer.quickstart")
     assert blocks[1].strip() == ".venv/bin/python -m pytest"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Every page reads in one shape (issue 44's measure: tests/readability.py)
+# ------------------------------------------------------------------------------------------------------------------
+MEAN_WORDS_MAX, LONGEST_SENTENCE_MAX, COMMAND_FIRST_SHARE = 18, 60, 0.8
+
+
+def test_the_docs_read_in_short_sentences_with_the_command_first():
+    from tests import readability
+
+    measured = [readability.measure_page(p) for p in readability.pages(REPO)]
+    mean, longest, share = readability.summary(measured)
+    long_pages = {p.path.name: max(p.sentence_words) for p in measured if max(p.sentence_words or [0]) > LONGEST_SENTENCE_MAX}
+    assert mean <= MEAN_WORDS_MAX, f"{mean:.1f} words a sentence; run python tests/readability.py 18 60 0.8"
+    assert longest <= LONGEST_SENTENCE_MAX, long_pages
+    assert share >= COMMAND_FIRST_SHARE, sorted(p.path.name for p in measured if not p.command_first)
+
+
+def test_the_readability_measure_counts_prose_only():
+    from tests import readability
+
+    # headings, code blocks and tables are left out; inline code is one word; a bullet marker is a word; a
+    # parenthesis of 200 characters or more is one word
+    text = ("# A heading of many words that are not counted at all\n\n```bash\npython -m a.b --c d e f g h\n```\n\n"
+            "| a table | of words | not counted either |\n\nOne two three four. `a long inline code span` counts once:\n"
+            "* Five six seven.\n\nEight nine (" + "x " * 120 + ") ten.\n")
+    assert [len(s.split()) for s in readability.sentences(text)] == [4, 3, 4, 4]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Every documented command, flag and key exists
+# ------------------------------------------------------------------------------------------------------------------
+PROJECT_PACKAGES = ("diff_transformer", "data", "launch", "kernels", "benchmarks")
+LAUNCHERS = ("python", "python3", ".venv/bin/python", "torchrun", "bash")
+FILE_SUFFIXES = ("pt", "safetensors", "json", "jsonl", "py", "md", "bin", "idx", "yaml", "png")
+
+
+def documented_commands():
+    """(page, words) of every command line in the ```bash blocks of the README and docs/ (continuations joined,
+    comments dropped, `a && b` split)."""
+    commands = []
+    for path in markdown_files():
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                words, command = shlex.split(line, comments=True) + ["&&"], []
+                for word in words:
+                    if word != "&&":
+                        command.append(word)
+                    elif command:
+                        commands.append((path.name, command))
+                        command = []
+    return commands
+
+
+def invocation(words):
+    """("module" | "script", its name, its arguments) of a command line, or None for a third-party tool."""
+    words = [w for w in words if not re.match(r"[A-Z_]+=", w)]  # environment assignments
+    if words and (words[0] in LAUNCHERS or words[0].endswith("/python")):
+        words = [w for w in words[1:] if not w.startswith("--nproc")]  # torchrun's own
+        if words[:1] == ["-m"]:
+            return "module", words[1], words[2:]
+    if words and words[0].endswith((".py", ".sh")):
+        return "script", words[0], words[1:]
+    return None
+
+
+def test_documented_commands_are_found():
+    found = [invocation(words) for _, words in documented_commands()]
+    names = {f[1] for f in found if f}
+    assert {"train.py", "data.preprocess", "diff_transformer.evaluate", "benchmarks/train_throughput.py",
+            "launch.slurm", "benchmarks/gpu_run.sh"} <= names, names
+    assert sum(f is not None for f in found) >= 100
+
+
+@pytest.mark.parametrize("page", [p.name for p in markdown_files()])
+def test_every_documented_command_and_flag_exists(page, monkeypatch):
+    """A module runs with -m, a script is in the repository, and every --flag given to a project command is one of
+    its parser's (the command's own parser where main() builds one, else the flag is spelled in its source)."""
+    import importlib.util
+
+    from tests.test_command_flags import COMMANDS, FORWARDED
+
+    wrong = []
+    for _, words in (c for c in documented_commands() if c[0] == page):
+        found = invocation(words)
+        if found is None:
+            continue
+        kind, name, args = found
+        flags = {a.strip("[]|").split("=")[0] for a in args if a.strip("[]|").startswith("--")}
+        if kind == "module":
+            if importlib.util.find_spec(name) is None:
+                wrong.append(f"no module {name}")
+                continue
+            if name.split(".")[0] not in PROJECT_PACKAGES:
+                continue
+            if name in COMMANDS:
+                accepted = parser_flags(name, monkeypatch) | {"--help"}
+                accepted |= parser_flags(FORWARDED[name], monkeypatch) if name in FORWARDED else set()
+                missing = flags - accepted
+            else:
+                missing = {f for f in flags if f not in (REPO / (name.replace(".", "/") + ".py")).read_text()}
+        elif name == "train.py" or not (REPO / name).exists():
+            missing = set() if (REPO / name).exists() else {f"no file {name}"}
+        else:
+            missing = {f for f in flags if not re.search(re.escape(f) + r"(?![\w-])", (REPO / name).read_text())}
+        wrong += [f"{name} {m}" for m in sorted(missing)]
+    assert not wrong, f"{page}: {wrong}"
+
+
+def test_every_documented_override_composes():
+    """Every train.py (and quickstart) line of the docs composes against the config schema: its keys exist, its
+    values have their types. hydra.* settings and <placeholders> aside."""
+    from hydra import compose, initialize_config_dir
+
+    from diff_transformer.config import register_configs, to_object
+
+    register_configs()
+    failed, checked = [], 0
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        for page, words in documented_commands():
+            found = invocation(words)
+            if not found or found[1] not in ("train.py", "diff_transformer.quickstart"):
+                continue
+            overrides = [re.sub(r"<[^>]*>", "X", a) for a in found[2]
+                         if "=" in a and not a.startswith(("-", "hydra.", "hydra/"))]
+            try:
+                to_object(compose("config", overrides=overrides))
+                checked += 1
+            except Exception as error:  # noqa: BLE001 - every failure is a finding, reported with its page
+                failed.append(f"{page}: {overrides}: {type(error).__name__}: {str(error).splitlines()[0]}")
+    assert not failed, "\n".join(failed)
+    assert checked >= 30, checked
+
+
+def schema_has(dotted):
+    import dataclasses
+    import typing
+
+    from diff_transformer.config import Config
+
+    node = Config
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(node):
+            return True  # a Dict field (engine.extra): free-form below it
+        if part not in {f.name for f in dataclasses.fields(node)}:
+            return False
+        node = typing.get_type_hints(node)[part]
+    return True
+
+
+def test_every_key_the_docs_name_is_a_config_key():
+    """Inline `group.key` and `group.key=value` in the prose and tables name config keys; a dotted name that is a
+    module of the repository (data.inspect, data.datasets.prepare) or a file (model.safetensors) is not a key."""
+    import dataclasses
+
+    from diff_transformer.config import Config
+
+    key = re.compile(r"(%s)((?:\.[a-z0-9_]+)+)(=.*)?$" % "|".join(f.name for f in dataclasses.fields(Config)))
+    unknown, checked = [], 0
+    for path in markdown_files():
+        text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+        for span in re.findall(r"`([^`\n]+)`", text):
+            match = key.fullmatch(span.strip())
+            if not match:
+                continue
+            dotted = match.group(1) + match.group(2)
+            parts = dotted.split(".")
+            is_module = any((REPO / Path(*parts[:i])).with_suffix(".py").exists() for i in range(1, len(parts) + 1))
+            if is_module or parts[-1] in FILE_SUFFIXES:
+                continue
+            checked += 1
+            if not schema_has(dotted):
+                unknown.append(f"{path.name}: {span}")
+    assert not unknown, unknown
+    assert checked >= 200, checked
