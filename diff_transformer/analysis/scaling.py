@@ -33,6 +33,7 @@ from diff_transformer.figure_style import human_number, variant_name
 
 LABELS = {DIFF: "DIFF", BASELINE: "the Transformer"}  # in sentences; figures and tables use variant_name
 MIN_RESIDUAL_DF = 2  # a fit with fewer residual degrees of freedom gives no interval
+UNBOUNDED_RATIO = 1e6  # refits matching at a millionth of the size or less do not bound a ratio
 HUBER_DELTA = 1e-3
 BOOTSTRAP_SAMPLES = 200
 INTERVAL_PERCENTILES = (15.865, 84.135)  # the central 68%
@@ -442,10 +443,11 @@ def matching_ratio(variant_fit: PowerLawFit, reference_fit: PowerLawFit, at: flo
             # a refit whose reference never reaches the loss: ratio 0 (no reference size is enough)
             ratios = np.where(valid, at / np.where(valid, x_r, 1.0), 0.0)
         valid_fraction = float(valid.mean())
-        if np.all(np.isfinite(ratios)):
-            low, high = (float(q) for q in np.percentile(ratios, INTERVAL_PERCENTILES))
-        else:
-            interval_reason = "some refits match at no finite size: the refits do not bound the ratio"
+        low, high = (float(q) for q in np.percentile(ratios, INTERVAL_PERCENTILES))
+        if not (math.isfinite(high) and high <= UNBOUNDED_RATIO):
+            low = high = None
+            interval_reason = (f"over {100 - INTERVAL_PERCENTILES[1]:.0f}% of the refits match at a size under "
+                               f"1/{UNBOUNDED_RATIO:.0e} of {label(variant)}'s: the refits do not bound the ratio")
     ratio = at / matched
     if low is not None and (high > 4 * ratio or low < ratio / 4):
         bound.append("the refits disagree by more than a factor of 4")
