@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Sequence
 
 from diff_transformer.cli import EXIT_REFUSED, USER_ERRORS, ArgumentParser, print_error
-from diff_transformer.analysis.plots import data_label, plot_comparison, plot_variant_spread
+from diff_transformer.analysis.plots import data_label, plot_comparison, plot_variant_spread, tokens_label
 from diff_transformer.analysis.runs import PARAMETER_COUNTS, RunMismatchError, check_comparable, load_runs
 from diff_transformer.analysis.scaling import BOOTSTRAP_SAMPLES, compare_runs, format_report
 from diff_transformer.analysis.variants import format_table, seed_spread
@@ -172,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_REFUSED
     if args.table:
         print(format_table(stats))
-        plot_variant_spread(stats, out, args.title, data_label(runs))
+        plot_variant_spread(stats, out, args.title, f"{data_label(runs)}; {tokens_label(runs)}")
         summary = _write_summary(out, {"variants": [s.summary() for s in stats]})
         print(f"\nfigure: {out}\nsummary: {summary}")
         return 0

@@ -357,6 +357,7 @@ def test_wandb_runs_are_read_like_run_directories():
                     for n in (1_000_000, 3_000_000, 10_000_000, 30_000_000)]
 
     runs = wandb_runs.load_wandb_runs("team/proj/sweep-1", api=FakeApi())
+    assert wandb_runs.sweep_filter("sweep:2026-11-28_04-00-00-ab12") == {"tags": {"$in": ["sweep:2026-11-28_04-00-00-ab12"]}}
     assert {(r.attention, r.model, r.num_parameters, r.token_budget) for r in runs} >= {("diff", "n1000000", 1_000_000, 20)}
     comparison = scaling.compare_runs(runs, num_bootstrap=30)
     assert comparison.size_fits["vanilla"].E == pytest.approx(E, rel=1e-3)
@@ -400,10 +401,12 @@ def test_table_groups_variants_over_seeds_and_pairs_them_by_seed(tmp_path, capsy
     frozen = lines[3].split(" | ")
     assert "inside noise" in frozen[5] and "outside noise" in frozen[6]  # vs vanilla: jitter; vs diff: +0.01
     assert "(1 seed)" in lines[4]
-    summary = json.loads((tmp_path / "t.json").read_text())["variants"]
+    summary_file = json.loads((tmp_path / "t.json").read_text())
+    summary = summary_file["variants"]
     assert summary[0]["variant"] == "vanilla" and summary[0]["seeds"] == [1, 2, 3]
     assert summary[1]["deltas"]["vanilla"]["outside_noise"] is True
     assert (tmp_path / "t.png").stat().st_size > 0
+    assert summary_file["written_by"] == "diff_transformer.compare" and summary_file["figure"]["path"] == "t.png"
     assert summary[3]["std"] is None and summary[3]["std_reason"] == "one seed"  # never NaN in the JSON
 
 
@@ -515,6 +518,8 @@ def test_comparison_figure_at_any_run_count_says_what_it_shows(tmp_path, count):
     texts = [t.get_text() for t in fig.findobj(matplotlib.text.Text) if t.get_visible() and t.get_text()]
     assert not [t for t in texts if "nan" in t.lower()]
     assert SHARDS in fig._suptitle.get_text() and not [t for t in texts if "bundled" in t]
+    assert "1 seed per size" in fig._suptitle.get_text() and "tokens per run" in fig._suptitle.get_text()
+    assert any("Verdict: DIFF undetermined against Transformer" in t for t in texts) or count == 1
     assert overlapping_tick_labels(fig) == []
     loss_panel, size_panel, token_panel = fig.axes
     # One colour per kind: DIFF's curves red, the Transformer's blue, whatever the sizes.

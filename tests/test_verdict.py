@@ -283,3 +283,22 @@ def test_the_default_output_in_the_sweep_directory_is_refused_when_foreign(tmp_p
     (root / "compare.json").unlink()
     assert compare.main([str(root), "--bootstrap", "10"]) == 0
     assert compare.main([str(root), "--bootstrap", "10"]) == 0  # rerunning on the same sweep rewrites its own files
+
+
+def test_where_the_loss_against_flops_curves_cross(tmp_path):
+    """DIFF with a lower floor but a larger coefficient (E 1.6, A 2.6 against 1.8, 2.5): worse at small sizes, better
+    from N = 1e8 · 2^(-1/0.35) ≈ 13.8M, i.e. 6N·D FLOPs; inside the measured range."""
+    def late_winner(n):
+        return 1.6 + 2.6 * (np.asarray(n) / 1e8) ** -0.35
+
+    root = short_sweep(tmp_path / "sweep", noise=0.002, seeds=2, diff_law=late_winner)
+    for run_json in root.glob("*/run.json"):
+        description = json.loads(run_json.read_text())
+        run_json.write_text(json.dumps({**description, "flops_per_token": 6.0 * description["num_parameters"]}))
+    pair = scaling.compare_runs(run_records.load_runs([root]), num_bootstrap=20).primary
+    cross = pair.flops.crossover
+    tokens = 20 * 1000
+    assert cross["direction"] == "starts to win" and cross["extrapolated"] is None
+    assert cross["at"] == pytest.approx(6 * 1e8 * 2 ** (-1 / 0.35) * tokens, rel=0.1)
+    assert cross["text"].startswith("DIFF starts to win at ≈ ") and cross["text"].endswith("(inside the measured range)")
+    assert pair.verdict.outcome == "worse"  # over the sizes measured, on average

@@ -105,7 +105,7 @@ def _draw_fit(ax, fit: PowerLawFit, low: float, high: float, color, style: str, 
 
 def _fit_label(name: str, fit: PowerLawFit, exponent: str) -> str:
     fixed = "" if fit.fixed_E is None else f" (E fixed at {fit.fixed_E:g})"
-    asymptote = f"E={fit.E:.3f}, " if fit.fixed_E is None else ""
+    asymptote = f"E={fit.E:.3g}, " if fit.fixed_E is None else ""
     flag = " (α at bound: unconstrained)" if fit.alpha_at_bound else ""
     return f"{name} fit{fixed}: {asymptote}{exponent}={fit.alpha:.2f}{flag}"
 
@@ -118,6 +118,12 @@ def _law_title(fits: List[PowerLawFit], unit: str, coefficient: str, exponent: s
 def data_label(runs: List[RunRecord]) -> str:
     labels = list(dict.fromkeys(r.data_label for r in runs))
     return labels[0] if len(labels) == 1 else "; ".join(labels)
+
+
+def tokens_label(runs: List[RunRecord]) -> str:
+    budgets = sorted({r.token_budget for r in runs})
+    shown = human_number(budgets[0]) if len(budgets) == 1 else f"{human_number(budgets[0])}-{human_number(budgets[-1])}"
+    return f"{shown} tokens per run"
 
 
 def with_data(title: str, data: str) -> str:
@@ -160,13 +166,16 @@ def plot_comparison(comparison: Comparison, out_path: str | Path, title: str | N
 def _draw_loss_curves(ax, runs: List[RunRecord]) -> None:
     """Train (faint) and validation (marked) loss against tokens: each kind in its colour, smaller models lighter."""
     variants = sorted({r.variant for r in runs})
+    labelled = set()  # one legend entry per (variant, model): the seeds share it
     for r in runs:
         same = sorted({x.parameters("total") for x in runs if x.variant == r.variant})
         color = _shade(kind_color(r.variant), same.index(r.parameters("total")), len(same))
         style = _style(r.variant, variants)
         ax.plot(r.tokens, r.train_loss, style, color=color, alpha=0.3, lw=1)
+        name = f"{variant_name(r.variant)} {r.model}"
         ax.plot(r.val_tokens, r.val_loss, style, marker=_marker(r.variant, variants), ms=3, color=color,
-                label=f"{variant_name(r.variant)} {r.model}")
+                label=None if name in labelled else name)
+        labelled.add(name)
     # Early steps dwarf the curves' ends: frame the validation losses, with the train curves' tail in view.
     val_all = np.concatenate([r.val_loss for r in runs])
     tail_all = np.concatenate([r.train_loss[len(r.train_loss) // 10:] for r in runs])
@@ -177,7 +186,7 @@ def _draw_loss_curves(ax, runs: List[RunRecord]) -> None:
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss (train faint, validation marked)")
     ax.set_title(f"loss curves ({len(runs)} run{'s' if len(runs) != 1 else ''})")
-    ax.legend(fontsize=7, ncol=1 if len(runs) <= 5 else 2)
+    ax.legend(fontsize=7, ncol=1 if len(labelled) <= 5 else 2)
     ax.grid(alpha=0.3)
 
 

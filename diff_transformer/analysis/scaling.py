@@ -811,19 +811,23 @@ def crossover(variant_fit: PowerLawFit, reference_fit: PowerLawFit, variant: str
     grid = np.geomspace(low / 1000, high * 1000, 4001)
     gap = variant_fit(grid) - reference_fit(grid)  # below 0: the variant wins
     name = label(variant)
+
+    def amount(x):  # human_number stops at T
+        return human_number(x) if x < 1e15 else f"{x:.2g}"
+
     changes = np.flatnonzero(np.sign(gap[:-1]) != np.sign(gap[1:]))
     if len(changes) == 0:
         side = "wins" if gap[len(grid) // 2] < 0 else "loses"
-        return {"at": None, "text": f"the fits do not cross from {human_number(grid[0])} to {human_number(grid[-1])} "
+        return {"at": None, "text": f"the fits do not cross from {amount(grid[0])} to {amount(grid[-1])} "
                                     f"{unit}: {name} {side} throughout", "extrapolated": None}
     i = int(changes[0])
     at = float(math.sqrt(grid[i] * grid[i + 1]))
     verb = "starts to win" if gap[i] > 0 else "stops winning"
     inside = low <= at <= high
-    extrapolated = None if inside else (f"{human_number(at)} {unit} lies outside the measured range "
-                                        f"({human_number(low)}-{human_number(high)})")
+    extrapolated = None if inside else (f"{amount(at)} {unit} lies outside the measured range "
+                                        f"({amount(low)}-{amount(high)})")
     return {"at": at, "direction": verb, "extrapolated": extrapolated,
-            "text": f"{name} {verb} at ≈ {human_number(at)} {unit}" + (" (extrapolated)" if extrapolated else
+            "text": f"{name} {verb} at ≈ {amount(at)} {unit}" + (" (extrapolated)" if extrapolated else
                                                                         " (inside the measured range)")}
 
 
@@ -926,12 +930,11 @@ def compare_runs(
         token_model, basis, points, token_fits, token_ratio, token_note = _token_comparison(
             variant, ref, pair_runs, [r for r in shorter if r.variant in (variant, ref)], token_ratio_model,
             parameter_count, token_fit_from, notes, num_bootstrap)
-        if token_note:
-            notes.append(f"{variant} vs {ref}: no token ratio: {token_note}")
+        # (a cost fit's notes would repeat what the pair's line says)
         cost_flops = (CostComparison("FLOPs", {}, [], None, flops_note) if flops_note else
-                      _cost_comparison("FLOPs", flops, pair_runs, variant, ref, notes, num_bootstrap, True))
+                      _cost_comparison("FLOPs", flops, pair_runs, variant, ref, [], num_bootstrap, True))
         cost_time = (CostComparison("device seconds", {}, [], None, seconds_note) if seconds_note else
-                     _cost_comparison("device seconds", seconds, pair_runs, variant, ref, notes, num_bootstrap, False))
+                     _cost_comparison("device seconds", seconds, pair_runs, variant, ref, [], num_bootstrap, False))
         pairs.append(PairComparison(variant, ref, verdict(pair_runs, variant, ref, parameter_count), parameter_ratios,
                                     points, token_fits, token_ratio, ratio_note, token_note, token_model, basis,
                                     cost_flops, cost_time))

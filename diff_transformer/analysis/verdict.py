@@ -43,6 +43,19 @@ def significant(value: float, digits: int = 2) -> str:
     return f"{round(value, decimals):.{decimals}f}"
 
 
+def p_text(p: float) -> str:
+    return "p < 0.001" if p < 0.001 else f"p = {significant(p)}"
+
+
+def interval_text(mean: float, low: float, high: float) -> tuple[str, str, str]:
+    """A mean and its interval to the decimals of 2 significant figures of the interval's half-width."""
+    half = (high - low) / 2
+    if half <= 0 or not math.isfinite(half):
+        return significant(mean), significant(low), significant(high)
+    decimals = max(0, 1 - math.floor(math.log10(half)))
+    return tuple(f"{value:.{decimals}f}" for value in (mean, low, high))
+
+
 @dataclasses.dataclass
 class SizeDifference:
     """variant − reference in final validation loss at one size: paired by seed, or between the seed means."""
@@ -121,10 +134,10 @@ class Verdict:
         else:
             relation = {"better": "better than", "worse": "worse than",
                         "indistinguishable": "indistinguishable from"}[self.outcome]
-            low, high = self.interval
-            head = (f"verdict: {name} {relation} {other}: final val loss {significant(self.mean)} nats "
+            mean, low, high = interval_text(self.mean, *self.interval)
+            head = (f"verdict: {name} {relation} {other}: final val loss {mean} nats "
                     f"({name} − {other}, mean over {len(self.sizes)} size{'s' if len(self.sizes) != 1 else ''}), "
-                    f"95% interval {significant(low)} to {significant(high)}, p = {significant(self.p_value)}")
+                    f"95% interval {low} to {high}, {p_text(self.p_value)}")
         lines = [head]
         if self.mean is not None:
             noise = f"seed noise (one run's SD over seeds) {significant(self.seed_noise)} nats"
