@@ -901,7 +901,7 @@ def compare_runs(
     for kind in variants:
         of_kind = [r for r in main if r.variant == kind]
         fit, reason = fit_supported_law([r.parameters(parameter_count) for r in of_kind],
-                                        [r.final_val_loss for r in of_kind], kind, notes, fixed_E,
+                                        [r.final_val_loss for r in of_kind], variant_name(kind), notes, fixed_E,
                                         num_bootstrap=num_bootstrap)
         if fit is not None:
             size_fits[kind] = fit
