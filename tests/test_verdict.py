@@ -302,3 +302,39 @@ def test_where_the_loss_against_flops_curves_cross(tmp_path):
     assert cross["at"] == pytest.approx(6 * 1e8 * 2 ** (-1 / 0.35) * tokens, rel=0.1)
     assert cross["text"].startswith("DIFF starts to win at ≈ ") and cross["text"].endswith("(inside the measured range)")
     assert pair.verdict.outcome == "worse"  # over the sizes measured, on average
+
+
+def test_the_wandb_log_holds_the_verdicts_and_only_ratios_that_are_findings(tmp_path, monkeypatch):
+    """Offline: a stand-in wandb module records what log_to_wandb logs."""
+    import sys
+    import types
+
+    from diff_transformer.analysis import wandb_runs
+
+    logged = {}
+
+    class Table:
+        def __init__(self, columns):
+            self.columns, self.rows = columns, []
+
+        def add_data(self, *row):
+            self.rows.append(row)
+
+    class Run:
+        url = "https://wandb.example/run"
+        summary = {}
+
+        def log(self, values):
+            logged.update(values)
+
+        def finish(self):
+            pass
+
+    fake = types.SimpleNamespace(Table=Table, Image=lambda path: path, init=lambda **kwargs: Run())
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    for law, outcome in ((diff_loss, "better"), (baseline_loss, "indistinguishable")):
+        root = short_sweep(tmp_path / outcome, noise=NOISE, seed=4, seeds=3, diff_law=law)
+        comparison = scaling.compare_runs(run_records.load_runs([root]), num_bootstrap=10)
+        wandb_runs.log_to_wandb(comparison, tmp_path / "figure.png", "team/proj/sweep-id")
+        assert [row[2] for row in logged["verdicts"].rows] == [outcome]
+        assert len(logged["ratios"].rows) == (len(SIZES) if outcome == "better" else 0)
