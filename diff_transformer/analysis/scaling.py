@@ -731,10 +731,13 @@ def select_learning_rates(runs: Sequence[RunRecord]) -> tuple[set[tuple], list[d
 
 
 def _describe_lr_selection(selection: dict) -> str:
-    options = ", ".join(f"{row['lr']:g}: {row['mean_final_val_loss']:.3f} ({row['seeds']} seeds)"
-                        for row in selection["by_lr"] if row["lr"] is not None)
-    return (f"{label(selection['variant'])} {selection['model']}: best lr {selection['best_lr']:g} by mean final val "
-            f"loss over seeds ({options}); the other lrs are left out")
+    def lr(value):
+        return "unrecorded" if value is None else f"{value:g}"
+
+    options = ", ".join(f"{lr(row['lr'])}: {row['mean_final_val_loss']:.3f} ({row['seeds']} seeds)"
+                        for row in selection["by_lr"])
+    return (f"{variant_name(selection['variant'])} {selection['model']}: best lr {lr(selection['best_lr'])} by mean "
+            f"final val loss over seeds ({options}); the other lrs are left out")
 
 
 SCHEDULE_WARNING = ("evaluations along one run under a decaying learning rate mix data with the schedule (the loss "
