@@ -38,10 +38,15 @@ def token_loss(d, attention):
 
 def write_run(root, attention, n, final_val_loss, *, noise=0.0, rng=None, data="corpus-v1", max_steps=MAX_STEPS,
               stop_at=None, tokens_per_step=TOKENS_PER_STEP, eval_interval=50, follow_token_law=False,
-              variant=None, baseline_variant=None, data_source=None, model=None):
+              variant=None, baseline_variant=None, data_source=None, model=None, seed=None, lr=None,
+              lr_schedule=None, branch=None, flops_per_token=None, device=None, tokens_per_s=1e4, sweep_id=None):
     """A run directory as train.py writes it; validation losses have the token law's shape, ending at final_val_loss
-    (or following the token law exactly when follow_token_law)."""
-    run_dir = root / f"n{int(n)}_{(variant or attention).replace(' ', '_')}"
+    (or following the token law exactly when follow_token_law). The keys of newer runs (seed, lr, lr_schedule,
+    branch, flops_per_token, device, sweep) are written only when given, as older runs lack them."""
+    name = f"n{int(n)}_{(variant or attention).replace(' ', '_')}"
+    name += "".join(f"_{tag}{value}" for tag, value in (("seed", seed), ("lr", lr)) if value is not None)
+    name += f"_steps{max_steps}" if branch else ""
+    run_dir = root / name
     run_dir.mkdir(parents=True)
     description = {
         "name": "synthetic", "model": model or f"n{int(n)}", "attention": attention, "num_parameters": int(n),
@@ -54,15 +59,22 @@ def write_run(root, attention, n, final_val_loss, *, noise=0.0, rng=None, data="
         description["baseline_variant"] = baseline_variant
     if data_source:
         description["data_source"] = data_source
+    for key, value in (("seed", seed), ("lr", lr), ("lr_schedule", lr_schedule), ("branch", branch),
+                       ("flops_per_token", flops_per_token), ("device", device)):
+        if value is not None:
+            description[key] = value
+    if sweep_id is not None:
+        description["sweep"] = {"id": sweep_id, "dir": str(root)}
     (run_dir / "run.json").write_text(json.dumps(description))
     last = stop_at or max_steps
     # The token law's shape along the run, shifted so the last evaluation lands on this size's final loss.
     shift = 0.0 if follow_token_law else final_val_loss - token_loss(max_steps * tokens_per_step, attention)
+    first = branch["source_step"] + 1 if branch else 1  # a branch logs only its own steps
     with open(run_dir / "metrics.jsonl", "w") as f:
-        for step in range(1, last + 1):
+        for step in range(first, last + 1):
             tokens = step * tokens_per_step
             row = {"step": step, "loss": float(token_loss(tokens, attention) + shift + 0.05), "lr": 1e-3,
-                   "grad_norm": 1.0, "tokens_per_s": 1e4, "tokens": tokens}
+                   "grad_norm": 1.0, "tokens_per_s": tokens_per_s, "tokens": tokens}
             if step % eval_interval == 0 or step == max_steps:
                 val = float(token_loss(tokens, attention) + shift)
                 if rng is not None:
@@ -72,11 +84,14 @@ def write_run(root, attention, n, final_val_loss, *, noise=0.0, rng=None, data="
     return run_dir
 
 
-def sweep(root, noise=0.0, seed=0, **kwargs):
+def sweep(root, noise=0.0, seed=0, seeds=None, diff_law=diff_loss, **kwargs):
+    """Every size of both kinds: one run each without a recorded seed, or ``seeds`` runs each (seeds 0, 1, ...),
+    each final loss off its law by ``noise`` (a standard deviation)."""
     rng = np.random.default_rng(seed)
     for n in SIZES:
-        write_run(root, "vanilla", n, float(baseline_loss(n)) + rng.normal(0, noise), **kwargs)
-        write_run(root, "diff", n, float(diff_loss(n)) + rng.normal(0, noise), **kwargs)
+        for replicate in ([None] if seeds is None else range(seeds)):
+            write_run(root, "vanilla", n, float(baseline_loss(n)) + rng.normal(0, noise), seed=replicate, **kwargs)
+            write_run(root, "diff", n, float(diff_law(n)) + rng.normal(0, noise), seed=replicate, **kwargs)
     return root
 
 
@@ -142,13 +157,31 @@ def test_matching_ratio_closed_form():
 
 
 def test_sweep_directory_end_to_end(tmp_path, capsys):
-    root = sweep(tmp_path / "sweep", noise=0.004, seed=1, rng=np.random.default_rng(2))
+    """3 seeds per size, DIFF matching the Transformer at 62% of its size: the verdict is better, and the ratios in
+    parameters, FLOPs (6N per token: the parameter ratio again) and device time (time per token ∝ N: again) are
+    findings; the runs record no lr_schedule, so no token ratio comes from evaluations along one run."""
+    root = sweep(tmp_path / "sweep", noise=0.004, seed=1, seeds=3, rng=np.random.default_rng(2), device="cpu")
+    for run_json in root.glob("*/run.json"):  # FLOPs per token 6N and throughput 1e13/N tokens/s
+        description = json.loads(run_json.read_text())
+        description["flops_per_token"] = 6.0 * description["num_parameters"]
+        run_json.write_text(json.dumps(description))
+        metrics = run_json.parent / "metrics.jsonl"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        metrics.write_text("".join(json.dumps({**row, "tokens_per_s": 1e13 / description["num_parameters"]}) + "\n"
+                                   for row in rows))
     out = tmp_path / "figure.png"
     assert compare.main([str(root), "--out", str(out), "--at", "6.8e9", "--bootstrap", "50"]) == 0
     printed = capsys.readouterr().out
-    summary = json.loads(out.with_suffix(".json").read_text())
+    summary = strict_json(out.with_suffix(".json"))
     assert out.stat().st_size > 20_000
-    assert len(summary["runs"]) == 2 * len(SIZES)
+    assert len(summary["runs"]) == 3 * 2 * len(SIZES)
+    assert summary["verdict"]["outcome"] == "better" and summary["pairs"][0]["ratios_are_findings"] is True
+    assert "verdict: DIFF better than Transformer" in printed
+    pair = summary["pairs"][0]
+    for cost in ("flops", "device_time"):
+        assert [r["ratio"] for r in pair[cost]["ratios"]] == pytest.approx([RATIO] * len(SIZES), rel=0.05), cost
+    assert pair["flops"]["crossover"]["at"] is None and "DIFF wins throughout" in pair["flops"]["crossover"]["text"]
+    assert "FLOPs ratio" in printed and "device seconds ratio" in printed
     ratios = summary["parameter_ratios"]
     assert [r["at"] for r in ratios] == SIZES + [6.8e9]  # the trained sizes, then the one asked for
     for r in ratios:
@@ -159,11 +192,9 @@ def test_sweep_directory_end_to_end(tmp_path, capsys):
     assert [r["extrapolated"] for r in ratios[3:5]] == [
         None, "the Transformer at 161M parameters lies above its measured range (1M-100M)"]
     assert ratios[5]["extrapolated"].startswith("DIFF at 6.8B parameters lies above its measured range (1M-100M); "
-                                                "the Transformer at 10.")
-    # Each run's curve is shifted onto its size's final loss, so the token ratio here is only checked for existence.
-    assert summary["token_ratio_runs"] == ["n100000000_diff", "n100000000_vanilla"]
-    assert 0 < summary["token_ratio"]["ratio"] < 1
-    assert "parameter ratio" in printed and "token ratio" in printed
+                                                "the Transformer at 1")
+    assert summary["token_ratio"] is None and "record no lr_schedule" in pair["token_note"]
+    assert "parameter ratio 6" in printed and "no token ratio" in printed
 
 
 def test_exact_sweep_recovers_both_ratios(tmp_path):
@@ -174,12 +205,17 @@ def test_exact_sweep_recovers_both_ratios(tmp_path):
     assert [r.ratio for r in comparison.parameter_ratios] == pytest.approx([RATIO] * len(SIZES), rel=1e-3)
 
 
+CONSTANT_LR = {"decay": "constant", "warmup_steps": 0, "cooldown_steps": None}
+
+
 @pytest.mark.parametrize("noise", [0.0, 0.003])
-def test_token_ratio_along_one_run(tmp_path, noise):
+def test_token_ratio_along_one_run_at_a_constant_learning_rate(tmp_path, noise):
     rng = np.random.default_rng(3) if noise else None
     for attention in ("diff", "vanilla"):
-        write_run(tmp_path, attention, 1e8, 0.0, follow_token_law=True, noise=noise, rng=rng, eval_interval=20)
+        write_run(tmp_path, attention, 1e8, 0.0, follow_token_law=True, noise=noise, rng=rng, eval_interval=20,
+                  lr_schedule=CONSTANT_LR)
     comparison = scaling.compare_runs(run_records.load_runs([tmp_path]), num_bootstrap=30)
+    assert comparison.primary.token_basis == "evaluations along one run at a constant learning rate"
     assert "fit needs ≥ 4 sizes (≥ 3 for A·N^-α with E fixed at 0); have 1" in comparison.notes[0]
     estimate = comparison.token_ratio
     assert estimate.at == MAX_STEPS * TOKENS_PER_STEP
@@ -208,7 +244,7 @@ def variant_sweep(root):
     for attention, variant, baseline_variant, factor in VARIANTS:
         for n in SIZES:
             write_run(root, attention, n, float(baseline_loss(n / factor)), variant=variant,
-                      baseline_variant=baseline_variant)
+                      baseline_variant=baseline_variant, lr_schedule=CONSTANT_LR)
     return root
 
 
@@ -223,19 +259,21 @@ def test_every_variant_is_fitted_against_its_reference_and_v2_against_its_own_ba
     for variant, pair in pairs.items():
         expected = factor[variant] / factor[pair.reference]
         assert [r.ratio for r in pair.parameter_ratios] == pytest.approx([expected] * len(SIZES), rel=1e-3), variant
-        assert [r.name for r in pair.token_pair] == [f"n100000000_{variant.replace(' ', '_')}",
-                                                     f"n100000000_{pair.reference.replace(' ', '_')}"]
-        assert pair.token_ratio is not None
+        assert pair.token_model == "n100000000" and pair.token_ratio is not None
+        assert pair.verdict.outcome == "undetermined"  # one seed per size
 
     # --reference: every variant against diff, but V2 still against its own baseline; a reference not trained: refused
     out = tmp_path / "figure.png"
     assert compare.main([str(tmp_path / "sweep"), "--reference", "diff", "--out", str(out), "--bootstrap", "30"]) == 0
     printed = capsys.readouterr().out
     summary = json.loads(out.with_suffix(".json").read_text())
-    ratios = {(p["variant"], p["reference"]): p["parameter_ratios"][0]["ratio"] for p in summary["pairs"]}
+    # One seed per size: every ratio is withheld from the findings, kept under withheld_ratios.
+    assert all(p["parameter_ratios"] == [] and p["verdict"]["outcome"] == "undetermined" for p in summary["pairs"])
+    ratios = {(p["variant"], p["reference"]): p["withheld_ratios"]["parameter_ratios"][0]["ratio"]
+              for p in summary["pairs"]}
     assert ratios == pytest.approx({("vanilla", "diff"): 1 / RATIO, ("diff_v2", V2_BASELINE): 0.8 / 1.1,
                                     (V2_BASELINE, "diff"): 1.1 / RATIO, ("topk topk=8", "diff"): 0.9 / RATIO}, rel=1e-3)
-    assert "diff_v2 against vanilla num_kv_heads=1:" in printed and "topk topk=8 against DIFF:" in printed
+    assert "DIFF V2 against Transformer num_kv_heads=1:" in printed and "topk topk=8 against DIFF:" in printed
     assert compare.main([str(tmp_path / "sweep"), "--reference", "dex", "--out", str(out)]) == 2
     assert "--reference 'dex' is not a variant of these runs" in capsys.readouterr().err
 
@@ -254,7 +292,7 @@ def test_a_size_that_breaks_the_power_law_leaves_a_note_not_a_crash(tmp_path):
         write_run(root, "diff", n, 3.0 + n / 1e8)  # larger models worse: no falling power law fits
     comparison = scaling.compare_runs(run_records.load_runs([root]), num_bootstrap=30)
     assert "diff" not in comparison.size_fits and "vanilla" in comparison.size_fits
-    assert any(note.startswith("diff: no fit: losses") for note in comparison.notes)
+    assert any(note.startswith("DIFF: no fit: losses") for note in comparison.notes)
     assert comparison.size_fit_reasons["diff"].startswith("losses")
     assert comparison.parameter_ratios == []
     plots.plot_comparison(comparison, tmp_path / "figure.png")
@@ -319,6 +357,7 @@ def test_wandb_runs_are_read_like_run_directories():
                     for n in (1_000_000, 3_000_000, 10_000_000, 30_000_000)]
 
     runs = wandb_runs.load_wandb_runs("team/proj/sweep-1", api=FakeApi())
+    assert wandb_runs.sweep_filter("sweep:2026-11-28_04-00-00-ab12") == {"tags": {"$in": ["sweep:2026-11-28_04-00-00-ab12"]}}
     assert {(r.attention, r.model, r.num_parameters, r.token_budget) for r in runs} >= {("diff", "n1000000", 1_000_000, 20)}
     comparison = scaling.compare_runs(runs, num_bootstrap=30)
     assert comparison.size_fits["vanilla"].E == pytest.approx(E, rel=1e-3)
@@ -355,16 +394,19 @@ def test_table_groups_variants_over_seeds_and_pairs_them_by_seed(tmp_path, capsy
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("| ")]
     assert [line.split(" | ")[0][2:] for line in lines[1:]] == [
-        "vanilla", "diff", "diff lambda_init=1.0 lambda_learnable=false", "topk topk=32"]
+        "Transformer", "DIFF", "DIFF lambda_init=1.0 lambda_learnable=false", "topk topk=32"]
+    assert "Δ vs Transformer" in lines[0] and "Δ vs DIFF" in lines[0]
     assert "5.0000 ± 0.1000" in lines[1]
     assert "-0.0100 ±" in lines[2] and "outside noise" in lines[2]
     frozen = lines[3].split(" | ")
     assert "inside noise" in frozen[5] and "outside noise" in frozen[6]  # vs vanilla: jitter; vs diff: +0.01
     assert "(1 seed)" in lines[4]
-    summary = json.loads((tmp_path / "t.json").read_text())
+    summary_file = json.loads((tmp_path / "t.json").read_text())
+    summary = summary_file["variants"]
     assert summary[0]["variant"] == "vanilla" and summary[0]["seeds"] == [1, 2, 3]
     assert summary[1]["deltas"]["vanilla"]["outside_noise"] is True
     assert (tmp_path / "t.png").stat().st_size > 0
+    assert summary_file["written_by"] == "diff_transformer.compare" and summary_file["figure"]["path"] == "t.png"
     assert summary[3]["std"] is None and summary[3]["std_reason"] == "one seed"  # never NaN in the JSON
 
 
@@ -406,22 +448,28 @@ def test_three_size_sweep_prints_no_nan_fits_the_reduced_form_and_marks_extrapol
     assert compare.main([str(tmp_path / "sweep"), "--out", str(out), "--bootstrap", "40"]) == 0
     printed = capsys.readouterr().out
     assert "nan" not in printed.lower()
-    for kind in TINY_3:
+    for kind in ("DIFF", "Transformer"):
         assert (f"{kind}: a fit of E + A·N^-α needs ≥ 4 sizes; have 3: fitted the reduced form A·N^-α (E fixed at 0) "
                 "instead") in printed
-    ratio_lines = [line for line in printed.splitlines() if "parameter ratio" in line]
-    assert len(ratio_lines) == 3 and all("68% bootstrap interval" in line for line in ratio_lines)
-    # DIFF at its smallest size is worse than every Transformer trained: the match lies below the measured sizes.
-    assert "[extrapolated: the Transformer at" in ratio_lines[0] and "lies below its measured range (804K-3.96M)" \
-        in ratio_lines[0]
+    # One seed per size: no verdict, so no ratio in the report, only why.
+    assert "verdict: DIFF undetermined against Transformer: one seed at DIFF scale_1m" in printed
+    assert not [line for line in printed.splitlines() if "parameter ratio" in line and "%" in line]
+    assert "ratios: the verdict is undetermined" in printed and "withheld" in printed
     assert "still falling at the end" in printed and "tokens per parameter (≈20 is compute-optimal)" in printed
     assert f"data: {SHARDS}" in printed
     summary = strict_json(out.with_suffix(".json"))
     assert "stderr" not in json.dumps(summary)
     assert {k: f["form"] for k, f in summary["size_fits"].items()} == {"diff": "A·x^-α (E fixed at 0)",
                                                                        "vanilla": "A·x^-α (E fixed at 0)"}
-    assert summary["size_fits"]["diff"]["interval_reason"] == "E is fixed, not fitted"
-    assert all(r["interval_68"] is not None and r["extrapolated"] is not None for r in summary["parameter_ratios"][:1])
+    # 3 points for 2 parameters: 1 residual degree of freedom, so no interval (the bootstrap would invent one).
+    assert summary["size_fits"]["diff"]["interval_reason"].startswith("3 points for 2 parameters leave 1 residual")
+    assert summary["parameter_ratios"] == [] and summary["verdict"]["outcome"] == "undetermined"
+    withheld = summary["pairs"][0]["withheld_ratios"]
+    assert withheld["reason"].startswith("the verdict is undetermined (one seed at")
+    first = withheld["parameter_ratios"][0]
+    assert first["interval_68"] is None and "residual degree of freedom" in first["interval_reason"]
+    # DIFF at its smallest size is worse than every Transformer trained: the match lies below the measured sizes.
+    assert "lies below its measured range (804K-3.96M)" in first["extrapolated"]
     assert all(r["convergence"]["still_falling"] for r in summary["runs"])
     assert summary["convergence_note"].startswith("6 of 6 runs still falling at the end")
 
@@ -470,6 +518,8 @@ def test_comparison_figure_at_any_run_count_says_what_it_shows(tmp_path, count):
     texts = [t.get_text() for t in fig.findobj(matplotlib.text.Text) if t.get_visible() and t.get_text()]
     assert not [t for t in texts if "nan" in t.lower()]
     assert SHARDS in fig._suptitle.get_text() and not [t for t in texts if "bundled" in t]
+    assert "1 seed per size" in fig._suptitle.get_text() and "tokens per run" in fig._suptitle.get_text()
+    assert any("Verdict: DIFF undetermined against Transformer" in t for t in texts) or count == 1
     assert overlapping_tick_labels(fig) == []
     loss_panel, size_panel, token_panel = fig.axes
     # One colour per kind: DIFF's curves red, the Transformer's blue, whatever the sizes.

@@ -78,7 +78,7 @@ def _panel_note(ax, text: str, y: float = 0.5) -> None:
 def _ratio_label(estimate: RatioEstimate, unit: str) -> str:
     text = f"{format_ratio(estimate.ratio)} {unit}"
     if estimate.unconstrained:
-        text += " (unconstrained)"
+        text += " (unconstrained)"  # the same flag as compare.json's "unconstrained"
     if estimate.low is not None:
         text += f"\n68%: {format_ratio(estimate.low)} to {format_ratio(estimate.high)}"
     return text + ("\n(extrapolated)" if estimate.extrapolated else "")
@@ -105,7 +105,7 @@ def _draw_fit(ax, fit: PowerLawFit, low: float, high: float, color, style: str, 
 
 def _fit_label(name: str, fit: PowerLawFit, exponent: str) -> str:
     fixed = "" if fit.fixed_E is None else f" (E fixed at {fit.fixed_E:g})"
-    asymptote = f"E={fit.E:.3f}, " if fit.fixed_E is None else ""
+    asymptote = f"E={fit.E:.3g}, " if fit.fixed_E is None else ""
     flag = " (α at bound: unconstrained)" if fit.alpha_at_bound else ""
     return f"{name} fit{fixed}: {asymptote}{exponent}={fit.alpha:.2f}{flag}"
 
@@ -118,6 +118,12 @@ def _law_title(fits: List[PowerLawFit], unit: str, coefficient: str, exponent: s
 def data_label(runs: List[RunRecord]) -> str:
     labels = list(dict.fromkeys(r.data_label for r in runs))
     return labels[0] if len(labels) == 1 else "; ".join(labels)
+
+
+def tokens_label(runs: List[RunRecord]) -> str:
+    budgets = sorted({r.token_budget for r in runs})
+    shown = human_number(budgets[0]) if len(budgets) == 1 else f"{human_number(budgets[0])}-{human_number(budgets[-1])}"
+    return f"{shown} tokens per run"
 
 
 def with_data(title: str, data: str) -> str:
@@ -140,8 +146,12 @@ def comparison_figure(comparison: Comparison, title: str | None = None):
                                                                    key=lambda v: (v != DIFF, v != BASELINE, v))))
     default = (f"{' vs '.join(variants)}: {sizes} size{'s' if sizes != 1 else ''}, "
                f"{human_number(max(r.token_budget for r in runs))} tokens per run")
-    fig.suptitle(with_data(title or default, data_label(runs)))
-    footer = [f"Fits: {FIT_METHOD}; 68% intervals from bootstrap refits."]
+    fig.suptitle(with_data(title or default, data_label(runs)) + f"; {comparison.seeds} per size")
+    footer = [f"Fits: {FIT_METHOD}; 68% intervals from bootstrap refits (seeds resampled within each size)."]
+    pair = comparison.primary
+    if pair is not None:
+        footer.append(pair.verdict.describe().splitlines()[0].replace("verdict: ", "Verdict: ")
+                      + ("" if pair.ratios_are_findings else "; ratios withheld"))
     if comparison.convergence_note:
         footer.append(f"Convergence: {comparison.convergence_note}.")
     fig.text(0.5, 0.01, "\n".join(footer), ha="center", va="bottom", fontsize=8, color="0.3")
@@ -156,13 +166,16 @@ def plot_comparison(comparison: Comparison, out_path: str | Path, title: str | N
 def _draw_loss_curves(ax, runs: List[RunRecord]) -> None:
     """Train (faint) and validation (marked) loss against tokens: each kind in its colour, smaller models lighter."""
     variants = sorted({r.variant for r in runs})
+    labelled = set()  # one legend entry per (variant, model): the seeds share it
     for r in runs:
         same = sorted({x.parameters("total") for x in runs if x.variant == r.variant})
         color = _shade(kind_color(r.variant), same.index(r.parameters("total")), len(same))
         style = _style(r.variant, variants)
         ax.plot(r.tokens, r.train_loss, style, color=color, alpha=0.3, lw=1)
+        name = f"{variant_name(r.variant)} {r.model}"
         ax.plot(r.val_tokens, r.val_loss, style, marker=_marker(r.variant, variants), ms=3, color=color,
-                label=f"{variant_name(r.variant)} {r.model}")
+                label=None if name in labelled else name)
+        labelled.add(name)
     # Early steps dwarf the curves' ends: frame the validation losses, with the train curves' tail in view.
     val_all = np.concatenate([r.val_loss for r in runs])
     tail_all = np.concatenate([r.train_loss[len(r.train_loss) // 10:] for r in runs])
@@ -173,7 +186,7 @@ def _draw_loss_curves(ax, runs: List[RunRecord]) -> None:
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss (train faint, validation marked)")
     ax.set_title(f"loss curves ({len(runs)} run{'s' if len(runs) != 1 else ''})")
-    ax.legend(fontsize=7, ncol=1 if len(runs) <= 5 else 2)
+    ax.legend(fontsize=7, ncol=1 if len(labelled) <= 5 else 2)
     ax.grid(alpha=0.3)
 
 
@@ -182,7 +195,9 @@ def _draw_size_fit(ax, comparison: Comparison, runs: List[RunRecord]) -> None:
     size whose match exists."""
     count = comparison.parameter_count
     all_n = np.array([r.parameters(count) for r in runs], dtype=np.float64)
-    trained = [e for e in comparison.parameter_ratios if e.ratio is not None and e.at <= all_n.max()]
+    pair = comparison.primary
+    findings = pair is not None and pair.ratios_are_findings
+    trained = [e for e in comparison.parameter_ratios if e.ratio is not None and e.at <= all_n.max()] if findings else []
     shown = np.concatenate([all_n, [trained[-1].matched] if trained else []])  # an extrapolated match too
     low, high = shown.min() / 1.5, shown.max() * 1.5
     variants = sorted({r.variant for r in runs})
@@ -196,6 +211,8 @@ def _draw_size_fit(ax, comparison: Comparison, runs: List[RunRecord]) -> None:
                       _fit_label(variant_name(kind), comparison.size_fits[kind], "α"))
     if trained:
         _annotate_ratio(ax, trained[-1], "params")
+    elif pair is not None and comparison.size_fits and not findings:
+        _panel_note(ax, f"parameter ratio withheld: {pair.withheld_reason}", y=0.87)
     # Frame the measured losses: a steep fit extrapolated past the smallest size would flatten them.
     finals = np.array([r.final_val_loss for r in runs])
     span = max(finals.max() - finals.min(), 0.05)
@@ -220,39 +237,42 @@ def _draw_size_fit(ax, comparison: Comparison, runs: List[RunRecord]) -> None:
 
 
 def _draw_token_fit(ax, comparison: Comparison) -> None:
-    """Validation loss against tokens along the first pair's runs, each run's L(D) fit, and the token ratio."""
+    """Validation loss against tokens on the first pair's model (the final losses of finished runs at several token
+    budgets, or the evaluations along one constant-lr run), each kind's L(D) fit, and the token ratio when the
+    verdict makes it a finding."""
     pair = comparison.primary
-    if pair is None or pair.token_pair is None:
-        ax.set_title("data: loss along one run (not drawn)")
+    if pair is None or not pair.token_points:
+        ax.set_title("data: loss against tokens (not drawn)")
         ax.set_xticks([])
         ax.set_yticks([])
         reason = pair.token_note if pair is not None else "no variant with a reference to compare against"
         _panel_note(ax, f"no token fit: {reason}")
         return
     variants = sorted({r.variant for r in comparison.runs})
-    tokens_all = np.concatenate([run.val_tokens for run in pair.token_pair]
-                                + ([[pair.token_ratio.matched]] if pair.token_ratio and pair.token_ratio.ratio else []))
+    ratio = pair.token_ratio if pair.ratios_are_findings and pair.token_ratio and pair.token_ratio.ratio else None
+    tokens_all = np.concatenate([x for x, _ in pair.token_points.values()] + ([[ratio.matched]] if ratio else []))
     low, high = max(tokens_all.min(), 1.0) / 1.3, tokens_all.max() * 1.5
-    for run in pair.token_pair:
-        color = kind_color(run.variant)
-        ax.plot(run.val_tokens, run.val_loss, _marker(run.variant, variants), color=color, ms=4,
-                label=f"{variant_name(run.variant)} {run.model}")
-        if run.variant in pair.token_fits:
-            _draw_fit(ax, pair.token_fits[run.variant], low, high, color, _style(run.variant, variants),
-                      _fit_label(variant_name(run.variant), pair.token_fits[run.variant], "β"))
-    if pair.token_ratio is not None and pair.token_ratio.ratio is not None:
-        _annotate_ratio(ax, pair.token_ratio, "tokens")
+    for kind, (x, y) in pair.token_points.items():
+        color = kind_color(kind)
+        ax.plot(x, y, _marker(kind, variants), color=color, ms=4, label=f"{variant_name(kind)} {pair.token_model}")
+        if kind in pair.token_fits:
+            _draw_fit(ax, pair.token_fits[kind], low, high, color, _style(kind, variants),
+                      _fit_label(variant_name(kind), pair.token_fits[kind], "β"))
+    if ratio is not None:
+        _annotate_ratio(ax, ratio, "tokens")
+    elif pair.token_ratio is not None:
+        _panel_note(ax, f"token ratio withheld: {pair.withheld_reason}", y=0.87)
     ax.set_xscale("log")
     ax.set_xlim(low, high)
     _set_log_axis(ax.xaxis, low, high)
-    model = pair.token_pair[0].model
     if pair.token_fits:
-        ax.set_title(f"data: {_law_title(list(pair.token_fits.values()), 'D', 'B', 'β')} along {model}")
+        ax.set_title(f"data: {_law_title(list(pair.token_fits.values()), 'D', 'B', 'β')} on {pair.token_model}")
     else:
-        ax.set_title(f"data: validation loss along {model} (no fit)")
-        _panel_note(ax, f"no token fit: {pair.token_note}")
+        ax.set_title(f"data: validation loss on {pair.token_model} (no fit)")
+    if pair.token_note:
+        _panel_note(ax, f"no token ratio: {pair.token_note}", y=0.3)
     ax.legend(fontsize=8, loc="upper right")
-    ax.set_xlabel("tokens")
+    ax.set_xlabel(f"tokens ({pair.token_basis or 'no token fit'})" if pair.token_basis else "tokens")
     ax.set_ylabel("validation loss")
     ax.grid(alpha=0.3, which="major")
 

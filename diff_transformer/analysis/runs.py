@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -45,6 +46,14 @@ class RunRecord:
     seed: int | None = None
     baseline_variant: str | None = None  # the variant this one is compared with at equal size (DIFF V2's baseline)
     data_source: str | None = None  # run.json "data_source": what a title says it trained on
+    # Keys of newer runs (null for older ones, which the analysis treats as unknown).
+    lr: float | None = None  # the peak learning rate
+    lr_schedule: dict | None = None  # {"decay": ..., "warmup_steps": ..., "cooldown_steps": ...}
+    branch: dict | None = None  # {"source_run": ..., "source_step": ...}: a cooldown branch of another run
+    flops_per_token: float | None = None  # training FLOPs per token (forward + backward)
+    device: str | None = None
+    sweep: dict | None = None  # {"id": ..., "dir": ...}
+    tokens_per_s: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))  # per train record
 
     def __post_init__(self):
         self.variant = self.variant or self.attention
@@ -63,6 +72,22 @@ class RunRecord:
         return self.tokens_per_step * self.max_steps
 
     @property
+    def decay(self) -> str | None:
+        """The learning-rate schedule's decay ("linear", "cosine", "constant", "wsd"), or None where unrecorded."""
+        return self.lr_schedule.get("decay") if isinstance(self.lr_schedule, dict) else None
+
+    @property
+    def training_flops(self) -> float | None:
+        return None if self.flops_per_token is None else self.flops_per_token * self.token_budget
+
+    @property
+    def measured_tokens_per_s(self) -> float | None:
+        """The median tokens/s over the train records after the first 10% (the warm-up and compile excluded)."""
+        rates = self.tokens_per_s[len(self.tokens_per_s) // 10:]
+        rates = rates[np.isfinite(rates) & (rates > 0)]
+        return float(np.median(rates)) if len(rates) else None
+
+    @property
     def last_step(self) -> int:
         return int(self.steps[-1]) if len(self.steps) else 0
 
@@ -76,7 +101,7 @@ class RunRecord:
 
 def _metric_rows_to_arrays(rows: Iterable[dict], tokens_per_step: int) -> dict[str, np.ndarray]:
     """Train and validation series by step; a step logged twice (replayed after a resume) keeps its last record."""
-    train: dict[int, tuple[float, float]] = {}
+    train: dict[int, tuple[float, float, float]] = {}
     val: dict[int, tuple[float, float]] = {}
     for row in rows:
         if row.get("step") is None:
@@ -84,7 +109,8 @@ def _metric_rows_to_arrays(rows: Iterable[dict], tokens_per_step: int) -> dict[s
         step = int(row["step"])
         tokens = float(row["tokens"]) if row.get("tokens") is not None else float(step * tokens_per_step)
         if row.get("loss") is not None:
-            train[step] = (tokens, float(row["loss"]))
+            rate = row.get("tokens_per_s")
+            train[step] = (tokens, float(row["loss"]), float(rate) if rate is not None else math.nan)
         if row.get("val_loss") is not None:
             val[step] = (tokens, float(row["val_loss"]))
     steps = sorted(train)
@@ -93,6 +119,7 @@ def _metric_rows_to_arrays(rows: Iterable[dict], tokens_per_step: int) -> dict[s
         "steps": np.array(steps, dtype=np.int64),
         "tokens": np.array([train[s][0] for s in steps], dtype=np.float64),
         "train_loss": np.array([train[s][1] for s in steps], dtype=np.float64),
+        "tokens_per_s": np.array([train[s][2] for s in steps], dtype=np.float64),
         "val_steps": np.array(val_steps, dtype=np.int64),
         "val_tokens": np.array([val[s][0] for s in val_steps], dtype=np.float64),
         "val_loss": np.array([val[s][1] for s in val_steps], dtype=np.float64),
@@ -120,6 +147,13 @@ def record_from_description(name: str, source: str, description: dict, rows: Ite
         seed=int(description["seed"]) if description.get("seed") is not None else None,
         baseline_variant=description.get("baseline_variant"),
         data_source=description.get("data_source"),
+        lr=float(description["lr"]) if description.get("lr") is not None else None,
+        lr_schedule=description.get("lr_schedule") if isinstance(description.get("lr_schedule"), dict) else None,
+        branch=description.get("branch") if isinstance(description.get("branch"), dict) else None,
+        flops_per_token=(float(description["flops_per_token"]) if description.get("flops_per_token") is not None
+                         else None),
+        device=str(description["device"]) if description.get("device") is not None else None,
+        sweep=description.get("sweep") if isinstance(description.get("sweep"), dict) else None,
     )
 
 
@@ -176,14 +210,35 @@ def load_runs(paths: Sequence[str | Path]) -> list[RunRecord]:
     return [load_run(d, name) for d, name in zip(run_dirs, _display_names(run_dirs))]
 
 
-def check_comparable(runs: Sequence[RunRecord], require_finished: bool = True) -> None:
-    """Refuse runs that saw different data or token budgets, or stopped early, naming them."""
+def split_budgets(runs: Sequence[RunRecord]) -> tuple[list[RunRecord], list[RunRecord]]:
+    """(main runs, shorter runs): in each replicate (variant, model, lr, seed) the run with the largest token budget
+    (not a cooldown branch where one ties with it) is the main run; the replicate's other runs (cooldown branches,
+    runs with a smaller max_steps) are further points of its loss against data. A run without a recorded seed is a
+    replicate of its own. Two main candidates with the same budget are refused, naming both."""
+    replicates: dict[tuple, list[RunRecord]] = {}
+    for run in runs:
+        seed = run.seed if run.seed is not None else f"unrecorded:{run.source}"
+        replicates.setdefault((run.variant, run.model, run.lr, seed), []).append(run)
+    main, shorter = [], []
+    for (variant, model, lr, seed), group in replicates.items():
+        group = sorted(group, key=lambda r: (-r.token_budget, r.branch is not None))
+        if len(group) > 1 and group[1].token_budget == group[0].token_budget and group[1].branch is None:
+            raise ValueError(f"two runs of {variant} ({model}, lr {lr}, seed {seed}) with the same token budget: "
+                             f"{group[0].source} and {group[1].source}; leave one out")
+        main.append(group[0])
+        shorter.extend(group[1:])
+    return main, shorter
+
+
+def check_comparable(runs: Sequence[RunRecord], require_finished: bool = True, same_budget: bool = True) -> None:
+    """Refuse runs that saw different data or (with ``same_budget``) token budgets, or stopped early, naming them."""
     if not runs:
         raise RunMismatchError("no runs to compare")
-    for field, describe in (
-        ("data", lambda r: json.dumps(r.data, sort_keys=True, default=str)),
-        ("token budget", lambda r: f"{r.token_budget:,} tokens ({r.max_steps} steps x {r.tokens_per_step:,})"),
-    ):
+    fields = [("data", lambda r: json.dumps(r.data, sort_keys=True, default=str))]
+    if same_budget:
+        fields.append(("token budget",
+                       lambda r: f"{r.token_budget:,} tokens ({r.max_steps} steps x {r.tokens_per_step:,})"))
+    for field, describe in fields:
         groups: dict[str, list[RunRecord]] = {}
         for run in runs:
             groups.setdefault(describe(run), []).append(run)

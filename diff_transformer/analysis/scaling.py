@@ -26,10 +26,14 @@ from diff_transformer.analysis.runs import (
     PARAMETER_COUNTS,
     RunRecord,
     check_comparable,
+    split_budgets,
 )
-from diff_transformer.figure_style import human_number
+from diff_transformer.analysis.verdict import Verdict, significant, verdict
+from diff_transformer.figure_style import human_number, variant_name
 
-LABELS = {DIFF: "DIFF", BASELINE: "the Transformer"}
+LABELS = {DIFF: "DIFF", BASELINE: "the Transformer"}  # in sentences; figures and tables use variant_name
+MIN_RESIDUAL_DF = 2  # a fit with fewer residual degrees of freedom gives no interval
+UNBOUNDED_RATIO = 1e6  # refits matching at a millionth of the size or less do not bound a ratio
 HUBER_DELTA = 1e-3
 BOOTSTRAP_SAMPLES = 200
 INTERVAL_PERCENTILES = (15.865, 84.135)  # the central 68%
@@ -46,10 +50,12 @@ def label(variant: str) -> str:
 
 
 def format_ratio(ratio: float) -> str:
-    """62.2%, 1216.4%, or past 100x a multiple: a ratio that stays readable however wild the refits get."""
-    if ratio < 10:
-        return f"{100 * ratio:.1f}%"
-    return f"{ratio:.0f}x" if ratio < 1000 else "over 1000x"
+    """To 2 significant figures: 62%, 120%, 3.4%, or from 10x a multiple (12x); past 1000x "over 1000x"."""
+    if ratio >= 1000:
+        return "over 1000x"
+    if ratio >= 10:
+        return f"{significant(ratio)}x"
+    return f"{significant(100 * ratio)}%"
 
 
 class FitRefused(ValueError):
@@ -97,14 +103,21 @@ class PowerLawFit:
 
     def interval(self, name: str) -> tuple[float, float] | None:
         """The 68% bootstrap interval of E, A or alpha; None for a fixed E or without resamples."""
-        if len(self.bootstrap) < 10 or (name == "E" and self.fixed_E is not None):
+        if self.interval_reason or (name == "E" and self.fixed_E is not None):
             return None
         column = {"E": 0, "A": 1, "alpha": 2}[name]
         low, high = np.percentile(self.bootstrap[:, column], INTERVAL_PERCENTILES)
         return float(low), float(high)
 
     @property
+    def residual_df(self) -> int:
+        return self.num_points - self.num_parameters
+
+    @property
     def interval_reason(self) -> str | None:
+        if self.residual_df < MIN_RESIDUAL_DF:
+            return (f"{self.num_points} points for {self.num_parameters} parameters leave {self.residual_df} residual "
+                    f"degree{'s' if self.residual_df != 1 else ''} of freedom; an interval needs ≥ {MIN_RESIDUAL_DF}")
         return None if len(self.bootstrap) >= 10 else f"{len(self.bootstrap)} bootstrap refits; intervals need 10"
 
     @property
@@ -129,8 +142,8 @@ class PowerLawFit:
             shown = f"{number:.{digits}g}"
             return f"{shown} [{interval[0]:.{digits}g}, {interval[1]:.{digits}g}]" if interval else shown
 
-        terms = [] if self.fixed_E is not None else [f"E = {value('E', self.E, 5)}"]
-        terms += [f"{coefficient} = {value('A', self.A, 4)}", f"{exponent} = {value('alpha', self.alpha, 3)}"]
+        terms = [] if self.fixed_E is not None else [f"E = {value('E', self.E, 3)}"]
+        terms += [f"{coefficient} = {value('A', self.A, 2)}", f"{exponent} = {value('alpha', self.alpha, 2)}"]
         spread = (f"68% bootstrap intervals in brackets ({len(self.bootstrap)} resamples: {self.bootstrap_method})"
                   if self.interval_reason is None else f"no intervals: {self.interval_reason}")
         text = (f"L({unit}) = {self.form(f'({unit}/{human_number(self.x_ref)})', coefficient, exponent)}: "
@@ -280,15 +293,19 @@ def fit_power_law(
         raise FitRefused(f"losses {np.round(loss, 4).tolist()} do not fall with x {x.tolist()}; "
                          "a power law E + A·x^-α cannot describe them")
     predicted = _log_law(theta[None], log_s[None], log_E)[0][0]
+    if len(x) - num_parameters < MIN_RESIDUAL_DF:  # residuals this few say nothing about the spread
+        num_bootstrap = 0
     # Each resample refitted from the fit's optimum and from every seventh grid start, the best kept.
     resampled_s, resampled_log_loss, method = _resamples(log_s, log_loss, predicted, num_parameters,
                                                          np.random.default_rng(seed), num_bootstrap, points)
-    refit_starts = np.concatenate([theta[None], starts[::7]])
-    k = len(refit_starts)
-    thetas, objectives = _huber_fit(np.repeat(resampled_s, k, axis=0), np.repeat(resampled_log_loss, k, axis=0),
-                                    log_E, np.tile(refit_starts, (len(resampled_s), 1)))
-    best = np.argmin(objectives.reshape(-1, k), axis=1)
-    refits = [_as_params(t, log_E) for t in thetas.reshape(-1, k, len(theta))[np.arange(len(best)), best]]
+    refits = []
+    if num_bootstrap > 0:
+        refit_starts = np.concatenate([theta[None], starts[::7]])
+        k = len(refit_starts)
+        thetas, objectives = _huber_fit(np.repeat(resampled_s, k, axis=0), np.repeat(resampled_log_loss, k, axis=0),
+                                        log_E, np.tile(refit_starts, (len(resampled_s), 1)))
+        best = np.argmin(objectives.reshape(-1, k), axis=1)
+        refits = [_as_params(t, log_E) for t in thetas.reshape(-1, k, len(theta))[np.arange(len(best)), best]]
     return PowerLawFit(E, A, alpha, x_ref, len(x), distinct, float(x.min()), float(x.max()), fixed_E,
                        np.array(refits, dtype=np.float64).reshape(-1, 3), method)
 
@@ -345,6 +362,7 @@ class RatioEstimate:
     reason: str | None = None
     interval_reason: str | None = None
     extrapolated: str | None = None
+    unconstrained_reason: str | None = None  # why the points do not pin the ratio down, if they do not
 
     @property
     def std(self) -> float | None:
@@ -357,8 +375,8 @@ class RatioEstimate:
 
     @property
     def unconstrained(self) -> bool:
-        """The refits disagree by more than a factor of 4 either side: the sizes do not pin the ratio down."""
-        return self.low is not None and (self.high > 4 * self.ratio or self.low < self.ratio / 4)
+        """A fit at a bound of its exponent, or refits that disagree by more than a factor of 4 either side."""
+        return self.unconstrained_reason is not None
 
     def summary(self) -> dict:
         return {**dataclasses.asdict(self), "std": self.std, "matched": self.matched,
@@ -368,11 +386,11 @@ class RatioEstimate:
     def describe(self, what: str, unit: str, variant: str = DIFF, reference: str = BASELINE) -> str:
         name, other = label(variant), label(reference)
         if self.ratio is None:
-            return f"{name} at {human_number(self.at)} {unit} (loss {self.loss:.4f}): no {what} ratio: {self.reason}"
-        spread = (f", 68% bootstrap interval {format_ratio(self.low)} to {format_ratio(self.high)}"
-                  + (" (unconstrained)" if self.unconstrained else "") if self.low is not None
-                  else f" (no interval: {self.interval_reason})")
-        text = (f"{name} at {human_number(self.at)} {unit} (loss {self.loss:.4f}) matches {other} at "
+            return f"{name} at {human_number(self.at)} {unit} (loss {self.loss:.3f}): no {what} ratio: {self.reason}"
+        spread = (f", 68% bootstrap interval {format_ratio(self.low)} to {format_ratio(self.high)}" if self.low
+                  is not None else f" (no interval: {self.interval_reason})")
+        spread += f" (unconstrained: {self.unconstrained_reason})" if self.unconstrained else ""
+        text = (f"{name} at {human_number(self.at)} {unit} (loss {self.loss:.3f}) matches {other} at "
                 f"{human_number(self.matched)} {unit}: {what} ratio {format_ratio(self.ratio)}{spread}")
         return text + (f" [extrapolated: {self.extrapolated}]" if self.extrapolated else "")
 
@@ -397,6 +415,8 @@ def matching_ratio(variant_fit: PowerLawFit, reference_fit: PowerLawFit, at: flo
     if side:
         extrapolated.append(f"{label(variant)} at {human_number(at)} {unit} lies {side} its measured range "
                             f"({human_number(variant_fit.x_min)}-{human_number(variant_fit.x_max)})")
+    bound = [f"{label(k)}'s exponent at its bound" for k, fit in ((variant, variant_fit), (reference, reference_fit))
+             if fit.alpha_at_bound]
     if not math.isfinite(matched):
         return RatioEstimate(at, loss, None, None, None, None,
                              reason=f"the loss is at or below {label(reference)}'s fitted asymptote "
@@ -408,7 +428,10 @@ def matching_ratio(variant_fit: PowerLawFit, reference_fit: PowerLawFit, at: flo
                             f"({human_number(reference_fit.x_min)}-{human_number(reference_fit.x_max)})")
     count = min(len(variant_fit.bootstrap), len(reference_fit.bootstrap))
     low = high = valid_fraction = interval_reason = None
-    if count < 10:
+    if variant_fit.interval_reason or reference_fit.interval_reason:
+        interval_reason = "; ".join(f"{label(k)}: {fit.interval_reason}" for k, fit in
+                                    ((variant, variant_fit), (reference, reference_fit)) if fit.interval_reason)
+    elif count < 10:
         interval_reason = f"{count} paired bootstrap refits; an interval needs 10"
     else:
         v, r = variant_fit.bootstrap[:count], reference_fit.bootstrap[:count]
@@ -416,12 +439,20 @@ def matching_ratio(variant_fit: PowerLawFit, reference_fit: PowerLawFit, at: flo
             losses = v[:, 0] + v[:, 1] * (at / variant_fit.x_ref) ** (-v[:, 2])
         x_r = _inverse(losses, r[:, 0], r[:, 1], r[:, 2], reference_fit.x_ref)
         valid = np.isfinite(x_r) & (x_r > 0)
-        with np.errstate(over="ignore"):
-            ratios = np.minimum(np.where(valid, at / np.where(valid, x_r, 1.0), 0.0), 1e12)
-        low, high = (float(q) for q in np.percentile(ratios, INTERVAL_PERCENTILES))
+        with np.errstate(over="ignore", divide="ignore"):
+            # a refit whose reference never reaches the loss: ratio 0 (no reference size is enough)
+            ratios = np.where(valid, at / np.where(valid, x_r, 1.0), 0.0)
         valid_fraction = float(valid.mean())
-    return RatioEstimate(at, loss, at / matched, low, high, valid_fraction, None, interval_reason,
-                         "; ".join(extrapolated) or None)
+        low, high = (float(q) for q in np.percentile(ratios, INTERVAL_PERCENTILES))
+        if not (math.isfinite(high) and high <= UNBOUNDED_RATIO):
+            low = high = None
+            interval_reason = (f"over {100 - INTERVAL_PERCENTILES[1]:.0f}% of the refits match at a size under "
+                               f"1/{UNBOUNDED_RATIO:.0e} of {label(variant)}'s: the refits do not bound the ratio")
+    ratio = at / matched
+    if low is not None and (high > 4 * ratio or low < ratio / 4):
+        bound.append("the refits disagree by more than a factor of 4")
+    return RatioEstimate(at, loss, ratio, low, high, valid_fraction, None, interval_reason,
+                         "; ".join(extrapolated) or None, "; ".join(bound) or None)
 
 
 @dataclasses.dataclass
@@ -441,7 +472,7 @@ class Convergence:
         if self.still_falling is None:
             return f"{self.run}: {budget}; {self.basis}"
         trend = "still falling at the end" if self.still_falling else "flat at the end"
-        return f"{self.run}: {budget}; loss {trend} ({-self.fall:+.4f} {self.basis})"
+        return f"{self.run}: {budget}; loss {trend} ({significant(-self.fall)} {self.basis})"
 
 
     def summary(self) -> dict:
@@ -449,6 +480,8 @@ class Convergence:
 
 
 STILL_FALLING_NATS = 1e-3  # a validation loss that fell by more than this over the last quarter is still falling
+FLAT_EVALUATIONS = 4  # evaluations in the last quarter needed to call a loss flat (fewer tell only a fall)
+FLAT_TRAIN_WINDOW = 5  # train records per tenth of the run needed to call the train loss flat
 
 
 def convergence_of(run: RunRecord, parameter_count: str = "total") -> Convergence:
@@ -461,20 +494,23 @@ def convergence_of(run: RunRecord, parameter_count: str = "total") -> Convergenc
         values = run.val_loss[late]
         fall = float(values[0] - values[-1])
         steps = int(run.val_steps[late][-1] - run.val_steps[late][0])
-        return Convergence(run.name, tokens_per_parameter, fall > STILL_FALLING_NATS, fall,
-                           f"in validation loss over the last {steps} steps")
+        if fall > STILL_FALLING_NATS or len(values) >= FLAT_EVALUATIONS:
+            return Convergence(run.name, tokens_per_parameter, fall > STILL_FALLING_NATS, fall,
+                               f"in validation loss over the last {steps} steps")
     loss = run.train_loss
     window = len(loss) // 10
-    if window >= 2:
+    if window >= FLAT_TRAIN_WINDOW:
         last, before = loss[-window:], loss[-2 * window:-window]
         fall = float(before.mean() - last.mean())
         error = math.sqrt(before.var(ddof=1) / window + last.var(ddof=1) / window)
         return Convergence(run.name, tokens_per_parameter, fall > 2 * error, fall,
                            "in train loss over the last 10% of steps")
-    if len(run.val_loss) >= 2:
+    if len(run.val_loss) >= 2 and run.val_loss[-2] - run.val_loss[-1] > STILL_FALLING_NATS:
         fall = float(run.val_loss[-2] - run.val_loss[-1])
-        return Convergence(run.name, tokens_per_parameter, fall > 0, fall, "in validation loss between the last two evaluations")
-    return Convergence(run.name, tokens_per_parameter, None, None, "too few logged steps to tell a trend")
+        return Convergence(run.name, tokens_per_parameter, True, fall, "in validation loss between the last two evaluations")
+    return Convergence(run.name, tokens_per_parameter, None, None,
+                       f"too few evaluations to tell whether the loss still falls ({len(run.val_loss)} evaluations, "
+                       f"{len(loss)} train records; a flat call needs {FLAT_EVALUATIONS} in the last quarter)")
 
 
 def convergence_summary(convergences: Sequence[Convergence]) -> str | None:
@@ -493,28 +529,78 @@ def convergence_summary(convergences: Sequence[Convergence]) -> str | None:
 
 
 @dataclasses.dataclass
+class CostComparison:
+    """One pair at equal loss in a unit people pay in (training FLOPs, device seconds): each kind's L(cost) fit over
+    its sizes, the ratio at each size of the variant, and where the two fits cross; ``note`` says why any is
+    missing."""
+
+    unit: str
+    fits: dict[str, PowerLawFit]
+    ratios: list[RatioEstimate]
+    crossover: dict | None = None
+    note: str | None = None
+
+    def summary(self) -> dict:
+        return {"unit": self.unit, "fits": {k: v.summary() for k, v in self.fits.items()},
+                "ratios": [r.summary() for r in self.ratios], "crossover": self.crossover, "note": self.note}
+
+
+@dataclasses.dataclass
 class PairComparison:
-    """One variant against its reference: the parameter ratio at each of its trained sizes (and any asked for), and
-    the token ratio along the largest model both trained; the notes say why either is missing."""
+    """One variant against its reference: the verdict against seed noise, the parameter ratio at each of its trained
+    sizes (and any asked for), the token ratio on one model size, the ratios in FLOPs and device time; the notes say
+    why any is missing. A ratio is a finding only where the verdict is ``better`` or ``worse``."""
 
     variant: str
     reference: str
+    verdict: Verdict
     parameter_ratios: list[RatioEstimate]
-    token_pair: tuple[RunRecord, RunRecord] | None
+    token_points: dict[str, tuple[np.ndarray, np.ndarray]]  # kind → (tokens, losses) the token fits saw
     token_fits: dict[str, PowerLawFit]
     token_ratio: RatioEstimate | None
     parameter_ratio_note: str | None = None
     token_note: str | None = None
+    token_model: str | None = None
+    token_basis: str | None = None  # what the token fits are fitted on
+    flops: CostComparison | None = None
+    device_time: CostComparison | None = None
+
+    @property
+    def ratios_are_findings(self) -> bool:
+        return self.verdict.is_finding
+
+    @property
+    def withheld_reason(self) -> str | None:
+        if self.ratios_are_findings:
+            return None
+        if self.verdict.outcome == "indistinguishable":
+            return "not distinguishable from seed noise (verdict: indistinguishable)"
+        return f"the verdict is undetermined ({self.verdict.reason})"
+
+    def _ratios(self) -> dict:
+        return {
+            "parameter_ratios": [r.summary() for r in self.parameter_ratios],
+            "token_ratio": self.token_ratio.summary() if self.token_ratio else None,
+            "flops": self.flops.summary() if self.flops else None,
+            "device_time": self.device_time.summary() if self.device_time else None,
+        }
 
     def summary(self) -> dict:
+        ratios = self._ratios()
+        shown = ratios if self.ratios_are_findings else {
+            "parameter_ratios": [], "token_ratio": None, "flops": None, "device_time": None}
         return {
             "variant": self.variant,
             "reference": self.reference,
-            "parameter_ratios": [r.summary() for r in self.parameter_ratios],
+            "verdict": self.verdict.summary(),
+            "ratios_are_findings": self.ratios_are_findings,
+            **shown,
+            # The ratios the verdict does not support, kept for inspection, never a finding.
+            "withheld_ratios": None if self.ratios_are_findings else {"reason": self.withheld_reason, **ratios},
             "parameter_ratio_note": self.parameter_ratio_note,
-            "token_ratio_runs": [r.name for r in self.token_pair] if self.token_pair else None,
+            "token_model": self.token_model,
+            "token_basis": self.token_basis,
             "token_fits": {k: v.summary() for k, v in self.token_fits.items()},
-            "token_ratio": self.token_ratio.summary() if self.token_ratio else None,
             "token_note": self.token_note,
         }
 
@@ -522,8 +608,8 @@ class PairComparison:
 @dataclasses.dataclass
 class Comparison:
     """Every variant's size fit (or why it has none), each variant against its reference (``pairs``; DIFF's first),
-    and each run's convergence. The first pair's ratios are also ``parameter_ratios``, ``token_pair``,
-    ``token_fits`` and ``token_ratio``: the figure's."""
+    and each run's convergence. ``runs`` are the main runs (the largest budget of each replicate, the best learning
+    rate of each cell); ``budget_runs`` the shorter ones (cooldown branches) the token fits use."""
 
     runs: list[RunRecord]
     parameter_count: str
@@ -532,6 +618,8 @@ class Comparison:
     notes: list[str]
     size_fit_reasons: dict[str, str] = dataclasses.field(default_factory=dict)
     convergence: dict[str, Convergence] = dataclasses.field(default_factory=dict)
+    budget_runs: list[RunRecord] = dataclasses.field(default_factory=list)
+    lr_selection: list[dict] = dataclasses.field(default_factory=list)
 
     @property
     def primary(self) -> PairComparison | None:
@@ -540,10 +628,6 @@ class Comparison:
     @property
     def parameter_ratios(self) -> list[RatioEstimate]:
         return self.primary.parameter_ratios if self.primary else []
-
-    @property
-    def token_pair(self) -> tuple[RunRecord, RunRecord] | None:
-        return self.primary.token_pair if self.primary else None
 
     @property
     def token_fits(self) -> dict[str, PowerLawFit]:
@@ -557,9 +641,17 @@ class Comparison:
     def convergence_note(self) -> str | None:
         return convergence_summary(list(self.convergence.values()))
 
+    @property
+    def seeds(self) -> str:
+        """How many seeds each (variant, size) has: "3 seeds", "1-3 seeds"."""
+        counts: dict[tuple, int] = {}
+        for run in self.runs:
+            counts[(run.variant, run.model)] = counts.get((run.variant, run.model), 0) + 1
+        low, high = min(counts.values()), max(counts.values())
+        return f"{low} seed{'s' if high > 1 else ''}" if low == high else f"{low}-{high} seeds"
+
     def summary(self) -> dict:
-        primary = self.primary.summary() if self.primary else {
-            "parameter_ratios": [], "token_ratio_runs": None, "token_fits": {}, "token_ratio": None}
+        primary = self.primary.summary() if self.primary else {"parameter_ratios": [], "token_ratio": None}
         return {
             "parameter_count": self.parameter_count,
             "fit_method": FIT_METHOD,
@@ -570,19 +662,27 @@ class Comparison:
                     "attention": r.attention,
                     "variant": r.variant,
                     "seed": r.seed,
+                    "lr": r.lr,
                     "parameters": r.parameters(self.parameter_count),
                     "final_val_loss": r.final_val_loss,
                     "tokens": r.token_budget,
+                    "training_flops": r.training_flops,
+                    "device": r.device,
+                    "measured_tokens_per_s": r.measured_tokens_per_s,
+                    "lr_decay": r.decay,
                     "data": r.data_label,
                     "convergence": self.convergence[r.name].summary() if r.name in self.convergence else None,
                 }
                 for r in self.runs
             ],
+            "budget_runs": [{"name": r.name, "model": r.model, "variant": r.variant, "seed": r.seed, "lr": r.lr,
+                             "tokens": r.token_budget, "final_val_loss": r.final_val_loss,
+                             "branch": r.branch} for r in self.budget_runs],
+            "lr_selection": self.lr_selection,
             "size_fits": {k: v.summary() for k, v in self.size_fits.items()},
             "size_fits_missing": dict(self.size_fit_reasons),
+            "verdict": primary.get("verdict"),
             "parameter_ratios": primary["parameter_ratios"],
-            "token_ratio_runs": primary["token_ratio_runs"],
-            "token_fits": primary["token_fits"],
             "token_ratio": primary["token_ratio"],
             "pairs": [pair.summary() for pair in self.pairs],
             "convergence_note": self.convergence_note,
@@ -611,37 +711,165 @@ def reference_pairs(runs: Sequence[RunRecord], reference: str = BASELINE) -> tup
     return pairs, notes
 
 
-def _largest_pair(runs: Sequence[RunRecord], model: str | None, count: str, variant: str,
-                  reference: str) -> tuple[RunRecord, RunRecord] | None:
-    by_model: dict[str, dict[str, RunRecord]] = {}
+def select_learning_rates(runs: Sequence[RunRecord]) -> tuple[set[tuple], list[dict]]:
+    """Where a (variant, model) cell has runs at several learning rates, the one with the lowest mean final
+    validation loss over seeds: returns the (variant, model, lr) left out and one record per such cell."""
+    cells: dict[tuple[str, str], dict] = {}
     for run in runs:
-        by_model.setdefault(run.model, {})[run.variant] = run
-    pairs = {m: kinds for m, kinds in by_model.items() if variant in kinds and reference in kinds}
+        cells.setdefault((run.variant, run.model), {}).setdefault(run.lr, []).append(run.final_val_loss)
+    left_out, selections = set(), []
+    for (variant, model), by_lr in cells.items():
+        if len(by_lr) < 2:
+            continue
+        means = {lr: float(np.mean(losses)) for lr, losses in by_lr.items()}
+        best = min(means, key=means.get)
+        left_out |= {(variant, model, lr) for lr in by_lr if lr != best}
+        selections.append({"variant": variant, "model": model, "best_lr": best,
+                           "by_lr": [{"lr": lr, "mean_final_val_loss": means[lr], "seeds": len(by_lr[lr])}
+                                     for lr in sorted(by_lr, key=lambda v: (v is None, v))]})
+    return left_out, selections
+
+
+def _describe_lr_selection(selection: dict) -> str:
+    def lr(value):
+        return "unrecorded" if value is None else f"{value:g}"
+
+    options = ", ".join(f"{lr(row['lr'])}: {row['mean_final_val_loss']:.3f} ({row['seeds']} seeds)"
+                        for row in selection["by_lr"])
+    return (f"{variant_name(selection['variant'])} {selection['model']}: best lr {lr(selection['best_lr'])} by mean "
+            f"final val loss over seeds ({options}); the other lrs are left out")
+
+
+SCHEDULE_WARNING = ("evaluations along one run under a decaying learning rate mix data with the schedule (the loss "
+                    "at D tokens depends on how far the decay has gone)")
+
+
+def _token_comparison(variant: str, reference: str, main: Sequence[RunRecord], shorter: Sequence[RunRecord],
+                      model: str | None, count: str, token_fit_from: float, notes: list[str], num_bootstrap: int):
+    """The token ratio on one model size: L(D) of each kind fitted on the final losses of its finished runs at
+    several token budgets (cooldown branches, or runs with different max_steps), the ratio at the variant's main
+    budget; else, only where both ran a constant learning rate, on the evaluations along one run. Returns (model,
+    basis, points, fits, ratio, note)."""
+    every = list(main) + list(shorter)
+    parameters = {r.model: r.parameters(count) for r in main}
+
+    def budgets(kind, m):
+        return {r.token_budget for r in every if r.variant == kind and r.model == m}
+
+    both = [m for m in parameters if any(r.variant == variant and r.model == m for r in main)
+            and any(r.variant == reference and r.model == m for r in main)]
     if model is not None:
-        chosen = pairs.get(model)
-    elif pairs:
-        chosen = max(pairs.values(), key=lambda kinds: kinds[variant].parameters(count))
-    else:
-        return None
-    return (chosen[variant], chosen[reference]) if chosen else None
-
-
-def _token_comparison(pair: tuple[RunRecord, RunRecord], token_fit_from: float, notes: list[str],
-                      num_bootstrap: int):
-    """Each run's L(D) over its evaluations past ``token_fit_from`` of training, and the token ratio at the end."""
-    fits: dict[str, PowerLawFit] = {}
+        both = [m for m in both if m == model]
+    if not both:
+        return None, None, {}, {}, None, "no model size has runs of both: no token ratio"
+    with_budgets = [m for m in both if min(len(budgets(variant, m)), len(budgets(reference, m))) >= 2]
+    if with_budgets:
+        chosen = max(with_budgets, key=parameters.get)
+        points, fits = {}, {}
+        for kind in (variant, reference):
+            runs = [r for r in every if r.variant == kind and r.model == chosen]
+            x = np.array([r.token_budget for r in runs], dtype=np.float64)
+            y = np.array([r.final_val_loss for r in runs])
+            points[kind] = (x, y)
+            fit, reason = fit_supported_law(x, y, f"{kind} {chosen} (token fit)", notes, points="token budgets",
+                                            unit="D", num_bootstrap=num_bootstrap)
+            if fit is None:
+                return chosen, "final losses of finished runs at several token budgets", points, fits, None, (
+                    f"{label(kind)} {chosen}: {reason} (train cooldown branches at more token budgets)")
+            fits[kind] = fit
+        at = max(r.token_budget for r in main if r.variant == variant and r.model == chosen)
+        ratio = matching_ratio(fits[variant], fits[reference], float(at), "tokens", variant, reference)
+        return chosen, "final losses of finished runs at several token budgets", points, fits, ratio, None
+    chosen = max(both, key=parameters.get)
+    pair = [next(r for r in main if r.variant == kind and r.model == chosen) for kind in (variant, reference)]
+    unknown = [r.name for r in pair if r.decay is None]
+    decaying = [f"{r.name} ({r.decay})" for r in pair if r.decay not in (None, "constant")]
+    if unknown or decaying:
+        why = (f"{', '.join(unknown)} record{'s' if len(unknown) == 1 else ''} no lr_schedule (runs older than the "
+               "key), so a decaying schedule cannot be ruled out" if unknown else
+               f"{', '.join(decaying)} decay{'s' if len(decaying) == 1 else ''} the learning rate")
+        return chosen, None, {}, {}, None, (
+            f"no finished runs at several token budgets on {chosen}, and {why}: {SCHEDULE_WARNING}; train cooldown "
+            "branches (optim.decay=wsd) or finished runs at several trainer.max_steps")
+    points, fits = {}, {}
     for run in pair:
         keep = run.val_tokens >= token_fit_from * run.token_budget
+        points[run.variant] = (run.val_tokens[keep], run.val_loss[keep])
         fit, reason = fit_supported_law(run.val_tokens[keep], run.val_loss[keep], f"{run.name} (token fit)", notes,
                                         points=f"evaluations past {token_fit_from:.0%} of training", unit="D",
                                         num_bootstrap=num_bootstrap)
         if fit is None:
-            return fits, None, f"{run.name}: {reason} (lower trainer.eval_interval)"
+            return chosen, None, points, fits, None, f"{run.name}: {reason} (lower trainer.eval_interval)"
         fits[run.variant] = fit
-    variant_run, reference_run = pair
-    ratio = matching_ratio(fits[variant_run.variant], fits[reference_run.variant], float(variant_run.val_tokens[-1]),
-                           "tokens", variant_run.variant, reference_run.variant)
-    return fits, ratio, None
+    ratio = matching_ratio(fits[variant], fits[reference], float(pair[0].val_tokens[-1]), "tokens", variant,
+                           reference)
+    return chosen, "evaluations along one run at a constant learning rate", points, fits, ratio, None
+
+
+def crossover(variant_fit: PowerLawFit, reference_fit: PowerLawFit, variant: str, unit: str) -> dict:
+    """Where the two fitted curves of loss against cost cross (searched over 1000x either side of the measured
+    range): the cost from which the variant wins (or stops winning), marked extrapolated outside the measured
+    range; or that they do not cross there."""
+    low, high = min(variant_fit.x_min, reference_fit.x_min), max(variant_fit.x_max, reference_fit.x_max)
+    grid = np.geomspace(low / 1000, high * 1000, 4001)
+    gap = variant_fit(grid) - reference_fit(grid)  # below 0: the variant wins
+    name = label(variant)
+
+    def amount(x):  # human_number stops at T
+        return human_number(x) if x < 1e15 else f"{x:.2g}"
+
+    changes = np.flatnonzero(np.sign(gap[:-1]) != np.sign(gap[1:]))
+    if len(changes) == 0:
+        side = "wins" if gap[len(grid) // 2] < 0 else "loses"
+        return {"at": None, "text": f"the fits do not cross from {amount(grid[0])} to {amount(grid[-1])} "
+                                    f"{unit}: {name} {side} throughout", "extrapolated": None}
+    i = int(changes[0])
+    at = float(math.sqrt(grid[i] * grid[i + 1]))
+    verb = "starts to win" if gap[i] > 0 else "stops winning"
+    inside = low <= at <= high
+    extrapolated = None if inside else (f"{amount(at)} {unit} lies outside the measured range "
+                                        f"({amount(low)}-{amount(high)})")
+    return {"at": at, "direction": verb, "extrapolated": extrapolated,
+            "text": f"{name} {verb} at ≈ {amount(at)} {unit}" + (" (extrapolated)" if extrapolated else
+                                                                        " (inside the measured range)")}
+
+
+def _cost_comparison(unit: str, costs: dict[str, float], main: Sequence[RunRecord], variant: str, reference: str,
+                     notes: list[str], num_bootstrap: int, with_crossover: bool) -> CostComparison:
+    """L(cost) of each kind over its runs (``costs`` by run name, the same for every seed of a size) and the cost
+    ratio at equal loss at each size of the variant."""
+    fits, reasons = {}, {}
+    for kind in (variant, reference):
+        runs = [r for r in main if r.variant == kind]
+        fit, reason = fit_supported_law([costs[r.name] for r in runs], [r.final_val_loss for r in runs],
+                                        f"{kind} (loss against {unit})", notes, num_bootstrap=num_bootstrap, unit="C")
+        if fit is None:
+            reasons[kind] = reason
+        else:
+            fits[kind] = fit
+    if reasons:
+        return CostComparison(unit, fits, [], None, "; ".join(f"{label(k)}: no fit ({v})" for k, v in reasons.items()))
+    at = sorted({costs[r.name] for r in main if r.variant == variant})
+    ratios = [matching_ratio(fits[variant], fits[reference], c, unit, variant, reference) for c in at]
+    return CostComparison(unit, fits, ratios, crossover(fits[variant], fits[reference], variant, unit)
+                          if with_crossover else None)
+
+
+def _device_seconds(main: Sequence[RunRecord]) -> tuple[dict[str, float] | None, str | None]:
+    """Each run's device seconds (its tokens over its measured tokens/s), averaged over the seeds of its size, when
+    every run ran on the same kind of device and measured its throughput; else None and why."""
+    devices = {r.device for r in main}
+    if None in devices:
+        return None, "runs without a recorded device (older runs): no device-time ratio"
+    if len(devices) > 1:
+        return None, f"runs on different kinds of device ({', '.join(sorted(devices))}): no device-time ratio"
+    unmeasured = [r.name for r in main if r.measured_tokens_per_s is None]
+    if unmeasured:
+        return None, f"{', '.join(unmeasured[:3])}: no tokens_per_s logged: no device-time ratio"
+    by_size: dict[tuple, list[float]] = {}
+    for run in main:
+        by_size.setdefault((run.variant, run.model), []).append(run.token_budget / run.measured_tokens_per_s)
+    return {r.name: float(np.mean(by_size[(r.variant, r.model)])) for r in main}, None
 
 
 def compare_runs(
@@ -655,90 +883,123 @@ def compare_runs(
     fixed_E: float | None = None,
     num_bootstrap: int = BOOTSTRAP_SAMPLES,
 ) -> Comparison:
-    """Fit the scaling laws of every variant (the fullest form the sizes support, or E fixed at ``fixed_E``) and
-    compute both ratios of each against its reference (see :func:`reference_pairs`); refuses runs that are not
-    comparable."""
+    """The verdict of every variant against its reference (see :func:`reference_pairs`), the scaling laws of every
+    variant (the fullest form the sizes support, or E fixed at ``fixed_E``), and each pair's ratios at equal loss in
+    parameters, tokens, FLOPs and device time; refuses runs that are not comparable."""
     if parameter_count not in PARAMETER_COUNTS:
         raise ValueError(f"parameter_count={parameter_count!r}; use one of {PARAMETER_COUNTS}")
     runs = list(runs)
-    check_comparable(runs, require_finished=require_finished)
-    variants = list(dict.fromkeys(r.variant for r in runs))
+    check_comparable(runs, require_finished=require_finished, same_budget=False)
+    main, shorter = split_budgets(runs)
+    check_comparable(main, require_finished=require_finished)
     notes: list[str] = []
+    left_out, lr_selection = select_learning_rates(main)
+    if left_out:
+        main = [r for r in main if (r.variant, r.model, r.lr) not in left_out]
+        shorter = [r for r in shorter if (r.variant, r.model, r.lr) not in left_out]
+        notes += [_describe_lr_selection(selection) for selection in lr_selection]
+    variants = list(dict.fromkeys(r.variant for r in main))
     size_fits: dict[str, PowerLawFit] = {}
     reasons: dict[str, str] = {}
     for kind in variants:
-        of_kind = [r for r in runs if r.variant == kind]
+        of_kind = [r for r in main if r.variant == kind]
         fit, reason = fit_supported_law([r.parameters(parameter_count) for r in of_kind],
-                                        [r.final_val_loss for r in of_kind], kind, notes, fixed_E,
+                                        [r.final_val_loss for r in of_kind], variant_name(kind), notes, fixed_E,
                                         num_bootstrap=num_bootstrap)
         if fit is not None:
             size_fits[kind] = fit
         else:
             reasons[kind] = reason
-    pair_names, pair_notes = reference_pairs(runs, reference)
+    pair_names, pair_notes = reference_pairs(main, reference)
     notes += pair_notes
-    if token_ratio_model is not None and not any(
-            _largest_pair(runs, token_ratio_model, parameter_count, v, r) for v, r in pair_names):
-        raise ValueError(f"--token-ratio-model {token_ratio_model!r} has no run of both a variant and its reference; "
-                         f"models: {sorted({r.model for r in runs})}")
+    models = {r.model for r in main}
+    if token_ratio_model is not None and token_ratio_model not in models:
+        raise ValueError(f"--token-ratio-model {token_ratio_model!r} has no runs; models: {sorted(models)}")
+    flops = {r.name: r.training_flops for r in main}
+    flops_note = None if all(v is not None for v in flops.values()) else (
+        "runs without flops_per_token in run.json (older runs): no FLOPs ratio")
+    seconds, seconds_note = _device_seconds(main)
     pairs = []
     for variant, ref in pair_names:
         parameter_ratios, ratio_note = [], None
         if variant in size_fits and ref in size_fits:
             # At each size of the variant trained, then at any size asked for (an extrapolation of both fits).
-            sizes = sorted({r.parameters(parameter_count) for r in runs if r.variant == variant})
+            sizes = sorted({r.parameters(parameter_count) for r in main if r.variant == variant})
             parameter_ratios = [matching_ratio(size_fits[variant], size_fits[ref], float(n), "parameters", variant,
                                                ref) for n in list(sizes) + list(at_parameters)]
         else:
             ratio_note = "; ".join(f"{label(k)}: no size fit ({reasons[k]})" for k in (variant, ref) if k in reasons)
-        token_pair = _largest_pair(runs, token_ratio_model, parameter_count, variant, ref)
-        token_fits: dict[str, PowerLawFit] = {}
-        token_ratio = token_note = None
-        if token_pair is None:
-            token_note = "no model size has runs of both: no token ratio"
-            notes.append(f"{variant} vs {ref}: {token_note}")
-        else:
-            token_fits, token_ratio, token_note = _token_comparison(token_pair, token_fit_from, notes, num_bootstrap)
-        pairs.append(PairComparison(variant, ref, parameter_ratios, token_pair, token_fits, token_ratio, ratio_note,
-                                    token_note))
-    convergence = {r.name: convergence_of(r, parameter_count) for r in runs}
-    return Comparison(runs, parameter_count, size_fits, pairs, notes, reasons, convergence)
+        pair_runs = [r for r in main if r.variant in (variant, ref)]
+        token_model, basis, points, token_fits, token_ratio, token_note = _token_comparison(
+            variant, ref, pair_runs, [r for r in shorter if r.variant in (variant, ref)], token_ratio_model,
+            parameter_count, token_fit_from, notes, num_bootstrap)
+        # (a cost fit's notes would repeat what the pair's line says)
+        cost_flops = (CostComparison("FLOPs", {}, [], None, flops_note) if flops_note else
+                      _cost_comparison("FLOPs", flops, pair_runs, variant, ref, [], num_bootstrap, True))
+        cost_time = (CostComparison("device seconds", {}, [], None, seconds_note) if seconds_note else
+                     _cost_comparison("device seconds", seconds, pair_runs, variant, ref, [], num_bootstrap, False))
+        pairs.append(PairComparison(variant, ref, verdict(pair_runs, variant, ref, parameter_count), parameter_ratios,
+                                    points, token_fits, token_ratio, ratio_note, token_note, token_model, basis,
+                                    cost_flops, cost_time))
+    convergence = {r.name: convergence_of(r, parameter_count) for r in main}
+    return Comparison(main, parameter_count, size_fits, pairs, notes, reasons, convergence, shorter, lr_selection)
+
+
+def _cost_lines(cost: CostComparison, pair: PairComparison) -> list[str]:
+    if cost.note:
+        return [f"  no {cost.unit} ratio: {cost.note}"]
+    lines = [f"  {cost.unit} ratio: " + estimate.describe(f"{cost.unit}", cost.unit, pair.variant, pair.reference)
+             for estimate in cost.ratios]
+    if cost.crossover:
+        lines.append(f"  loss against {cost.unit}: {cost.crossover['text']}")
+    return lines
 
 
 def format_report(comparison: Comparison) -> str:
     count = comparison.parameter_count
-    width = max([9] + [len(r.variant) for r in comparison.runs])
-    lines = [f"data: {comparison.runs[0].data_label}",
-             f"{'run':<40} {'variant':<{width}} {'params (' + count + ')':>22} {'tokens':>10} {'final val loss':>15}"]
-    for r in sorted(comparison.runs, key=lambda r: (r.variant, r.parameters(count))):
+    width = max([11] + [len(variant_name(r.variant)) for r in comparison.runs])
+    lines = [f"data: {comparison.runs[0].data_label}; {comparison.seeds} per size",
+             f"{'run':<40} {'variant':<{width}} {'seed':>5} {'params (' + count + ')':>22} {'tokens':>10} "
+             f"{'final val loss':>15}"]
+    for r in sorted(comparison.runs, key=lambda r: (r.variant, r.parameters(count), str(r.seed))):
         lines.append(
-            f"{r.name:<40} {r.variant:<{width}} {r.parameters(count):>22,} {human_number(r.token_budget):>10} "
-            f"{r.final_val_loss:>15.4f}"
+            f"{r.name:<40} {variant_name(r.variant):<{width}} {str(r.seed if r.seed is not None else '-'):>5} "
+            f"{r.parameters(count):>22,} {human_number(r.token_budget):>10} {r.final_val_loss:>15.3f}"
         )
+    if comparison.budget_runs:
+        lines.append(f"and {len(comparison.budget_runs)} shorter runs (cooldown branches or smaller max_steps) for "
+                     "the token fits")
     lines.append("")
     lines.append(f"fits: {FIT_METHOD}")
     for kind, fit in comparison.size_fits.items():
-        lines.append(f"scaling fit {kind:<{width}} {fit.describe('N')}")
+        lines.append(f"scaling fit {variant_name(kind):<{width}} {fit.describe('N')}")
     for kind, reason in comparison.size_fit_reasons.items():
-        lines.append(f"scaling fit {kind:<{width}} none: {reason}")
+        lines.append(f"scaling fit {variant_name(kind):<{width}} none: {reason}")
     for pair in comparison.pairs:
         lines.append("")
-        lines.append(f"{label(pair.variant)} against {label(pair.reference)}:")
-        for estimate in pair.parameter_ratios:
-            lines.append("  " + estimate.describe("parameter", "parameters", pair.variant, pair.reference))
+        lines.append(f"{variant_name(pair.variant)} against {variant_name(pair.reference)}:")
+        lines.append(pair.verdict.describe())
+        if not pair.ratios_are_findings:
+            lines.append(f"  parameter, token, FLOPs and device-time ratios: {pair.withheld_reason}; withheld "
+                         "(compare.json: withheld_ratios)")
+        else:
+            for estimate in pair.parameter_ratios:
+                lines.append("  " + estimate.describe("parameter", "parameters", pair.variant, pair.reference))
+            if pair.token_ratio is not None:
+                lines.append(f"  token ratio on {pair.token_model} from {pair.token_basis}: "
+                             + pair.token_ratio.describe("token", "tokens", pair.variant, pair.reference))
+            for cost in (pair.flops, pair.device_time):
+                if cost is not None:
+                    lines.extend(_cost_lines(cost, pair))
         if pair.parameter_ratio_note:
             lines.append(f"  no parameter ratio: {pair.parameter_ratio_note}")
-        if pair.token_pair is not None:
-            for kind, fit in pair.token_fits.items():
-                lines.append(f"  token fit {kind:<{width}} {fit.describe('D', 'B', 'β', 'evaluations')}")
-            if pair.token_ratio is not None:
-                lines.append(f"  along {pair.token_pair[0].name} vs {pair.token_pair[1].name}: "
-                             + pair.token_ratio.describe("token", "tokens", pair.variant, pair.reference))
+        for kind, fit in pair.token_fits.items():
+            lines.append(f"  token fit {variant_name(kind):<{width}} {fit.describe('D', 'B', 'β', 'token points')}")
         if pair.token_note:
             lines.append(f"  no token ratio: {pair.token_note}")
     lines.append("")
     lines.append("convergence:")
-    for run in sorted(comparison.runs, key=lambda r: (r.variant, r.parameters(count))):
+    for run in sorted(comparison.runs, key=lambda r: (r.variant, r.parameters(count), str(r.seed))):
         lines.append("  " + comparison.convergence[run.name].describe())
     if comparison.convergence_note:
         lines.append(f"note: {comparison.convergence_note}")

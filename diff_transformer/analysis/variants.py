@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from diff_transformer.analysis.runs import RunRecord
+from diff_transformer.figure_style import variant_name
 
 SIGNIFICANCE = 0.05
 
@@ -134,11 +135,11 @@ def format_table(stats: Sequence[VariantStats]) -> str:
     compared = {r for s in stats for r in s.deltas}
     references = list(dict.fromkeys(s.variant for s in stats if s.variant in compared))  # in the table's order
     header = ["variant", "model", "parameters", "seeds", "final val loss (mean ± std)"]
-    header += [f"Δ vs {r} (paired mean ± std, p)" for r in references]
+    header += [f"Δ vs {variant_name(r)} (paired mean ± std, p)" for r in references]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for s in stats:
         spread = f"{s.mean:.4f} ± {s.std:.4f}" if s.n > 1 else f"{s.mean:.4f}"
-        row = [s.variant, s.model, f"{s.parameters:,}", ",".join(str(x) for x in s.seeds), spread]
+        row = [variant_name(s.variant), s.model, f"{s.parameters:,}", ",".join(str(x) for x in s.seeds), spread]
         row += [s.deltas[r].describe() if r in s.deltas else "" for r in references]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)

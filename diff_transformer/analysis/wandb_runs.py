@@ -1,4 +1,7 @@
-"""W&B as a source and a sink of comparisons: read one group's runs as RunRecords, log a comparison back to it."""
+"""W&B as a source and a sink of comparisons: read one sweep's runs as RunRecords, log a comparison back to it.
+
+A sweep is selected by its W&B group (ENTITY/PROJECT/GROUP; a sweep's group is its id, run.json "sweep.id"), or by
+its tag (ENTITY/PROJECT/sweep:<id>)."""
 
 from __future__ import annotations
 
@@ -22,11 +25,18 @@ def _lookup(sources: Sequence[dict], dotted: str) -> Any:
     return None
 
 
+def sweep_filter(group: str) -> dict:
+    """The W&B API filter of one sweep: its tag for ``sweep:<id>``, else its group."""
+    return {"tags": {"$in": [group]}} if group.startswith("sweep:") else {"group": group}
+
+
 def load_wandb_runs(path: str, api: Any = None) -> list[RunRecord]:
-    """Runs of one W&B group, path ENTITY/PROJECT/GROUP; each run's config holds the resolved config and run.json."""
+    """Runs of one sweep, path ENTITY/PROJECT/GROUP or ENTITY/PROJECT/sweep:<id>; each run's config holds the
+    resolved config and run.json."""
     parts = path.strip("/").split("/")
-    if len(parts) != 3:
-        raise ValueError(f"--wandb {path!r}: expected ENTITY/PROJECT/GROUP")
+    if len(parts) != 3 or not all(parts):
+        raise ValueError(f"--wandb {path!r}: expected ENTITY/PROJECT/GROUP or ENTITY/PROJECT/sweep:<id> (the group "
+                         "of a sweep is its id)")
     entity, project, group = parts
     if api is None:
         try:
@@ -35,7 +45,7 @@ def load_wandb_runs(path: str, api: Any = None) -> list[RunRecord]:
             raise SystemExit(f"reading runs from W&B needs the wandb package: {error}") from None
         api = wandb.Api()
     records = []
-    for run in api.runs(f"{entity}/{project}", filters={"group": group}):
+    for run in api.runs(f"{entity}/{project}", filters=sweep_filter(group)):
         config = dict(run.config)
         summary = dict(getattr(run, "summary", {}) or {})
         # run.json's fields, either logged at the top of the config, under "run", or in the summary.
@@ -52,12 +62,16 @@ def load_wandb_runs(path: str, api: Any = None) -> list[RunRecord]:
             "max_steps": _lookup(sources, "max_steps") or _lookup([config], "trainer.max_steps"),
             "data": _lookup([config.get("run") or {}], "data") or _lookup([config], "data"),
             "data_source": _lookup([config.get("run") or {}, summary], "data_source"),
+            "lr": _lookup(sources, "lr") or _lookup([config], "optim.lr"),
+            **{key: _lookup([config.get("run") or {}, config], key)
+               for key in ("lr_schedule", "branch", "flops_per_token", "device", "sweep")},
         }
         rows = ({"step": row.get("_step") if row.get("step") is None else row.get("step"), **row}
                 for row in run.scan_history(keys=None))
         records.append(record_from_description(run.name, f"wandb:{entity}/{project}/{run.id}", description, rows))
     if not records:
-        raise RunMismatchError(f"no W&B runs in group {group!r} of {entity}/{project}")
+        where = f"tagged {group!r}" if group.startswith("sweep:") else f"in group {group!r}"
+        raise RunMismatchError(f"no W&B runs {where} of {entity}/{project}")
     return records
 
 
@@ -73,14 +87,19 @@ def log_to_wandb(comparison: Comparison, png: Path, path: str) -> str:
         runs_table.add_data(r.name, r.model, r.variant, r.parameters(count), r.token_budget, r.final_val_loss)
     ratio_table = wandb.Table(columns=["variant", "reference", "kind", "variant_at", "loss", "ratio", "low_68",
                                        "high_68", "std"])
-    for pair in comparison.pairs:
+    for pair in (p for p in comparison.pairs if p.ratios_are_findings):  # only ratios the verdict supports
         for estimate in pair.parameter_ratios:
             ratio_table.add_data(pair.variant, pair.reference, "parameters", estimate.at, estimate.loss, estimate.ratio,
                                  estimate.low, estimate.high, estimate.std)
         if pair.token_ratio is not None:
             t = pair.token_ratio
             ratio_table.add_data(pair.variant, pair.reference, "tokens", t.at, t.loss, t.ratio, t.low, t.high, t.std)
-    run.log({"comparison": wandb.Image(str(png)), "runs": runs_table, "ratios": ratio_table})
+    verdicts = wandb.Table(columns=["variant", "reference", "outcome", "mean_difference", "low_95", "high_95",
+                                    "p_value"])
+    for pair in comparison.pairs:
+        v = pair.verdict
+        verdicts.add_data(pair.variant, pair.reference, v.outcome, v.mean, *(v.interval or (None, None)), v.p_value)
+    run.log({"comparison": wandb.Image(str(png)), "runs": runs_table, "ratios": ratio_table, "verdicts": verdicts})
     run.summary.update({"summary": comparison.summary()})
     url = run.url
     run.finish()
