@@ -15,11 +15,13 @@ for characters outside the vocabulary, so `decode(encode(text)) == text` for any
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import io
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -284,6 +286,30 @@ def sample_sentences(documents: Iterable[str], max_sentences: int, seed: int,
     return [line for _, line in reservoir], seen
 
 
+# What sentencepiece's trainer raises when the corpus cannot fill the vocabulary, or its characters overflow it.
+VOCABULARY_TOO_LARGE = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")
+VOCABULARY_TOO_SMALL = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
+
+
+@contextlib.contextmanager
+def vocabulary_checked(vocab_size: int, model_type: str, character_coverage: float) -> Iterator[None]:
+    """Turn sentencepiece's refusal of a vocabulary size this corpus cannot support (a RuntimeError with a C++
+    location) into a ValueError naming the asked size and the largest or smallest one the corpus supports."""
+    try:
+        yield
+    except RuntimeError as err:
+        too_large, too_small = VOCABULARY_TOO_LARGE.search(str(err)), VOCABULARY_TOO_SMALL.search(str(err))
+        if too_large:
+            raise ValueError(f"vocabulary size {vocab_size} is more than this corpus supports for a {model_type} "
+                             f"tokenizer (at most {too_large.group(2)} pieces): give --vocab-size "
+                             f"{too_large.group(2)} or less, or more text") from None
+        if too_small:
+            raise ValueError(f"vocabulary size {vocab_size} is too small for the characters of this corpus (they "
+                             f"need {too_small.group(2)} ids at --character-coverage {character_coverage}): give "
+                             f"--vocab-size {too_small.group(2)} or more, or a lower --character-coverage") from None
+        raise
+
+
 def train_tokenizer(
     files: Sequence[str],
     out_dir: str | os.PathLike,
@@ -321,27 +347,28 @@ def train_tokenizer(
     started = time.perf_counter()
     sentences, seen = sample_sentences(documents, max_sentences, seed, max_sentence_length)
     if not sentences:
-        raise ValueError(f"no text found in {list(files)} (field {text_field!r})")
+        raise readers.empty_corpus(list(files), text_field)
     model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences),
-        model_writer=model,
-        vocab_size=vocab_size,
-        model_type=model_type,
-        character_coverage=character_coverage,
-        byte_fallback=byte_fallback,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        add_dummy_prefix=False,
-        allow_whitespace_only_pieces=True,
-        split_digits=True,
-        user_defined_symbols=[NEWLINE, *special_tokens],
-        unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
-        max_sentence_length=max_sentence_length,
-        input_sentence_size=0,  # the sample above already bounds the input
-        num_threads=num_threads or os.cpu_count() or 1,
-        minloglevel=2,
-    )
+    with vocabulary_checked(vocab_size, model_type, character_coverage):
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=character_coverage,
+            byte_fallback=byte_fallback,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            user_defined_symbols=[NEWLINE, *special_tokens],
+            unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
+            max_sentence_length=max_sentence_length,
+            input_sentence_size=0,  # the sample above already bounds the input
+            num_threads=num_threads or os.cpu_count() or 1,
+            minloglevel=2,
+        )
     config = {
         "library": "sentencepiece",
         "model_type": model_type,
@@ -438,12 +465,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     text_field = args.text_field or (preset.text_field if preset else "text")
     files = readers.expand_inputs(args.input, preset.globs if preset else ())
     check_output(args.out, [path for path in args.input if os.path.isdir(path)] + files, WRITER, args.force)
-    tokenizer = train_tokenizer(
-        files, args.out, args.vocab_size, model_type=args.model_type, byte_fallback=args.byte_fallback,
-        special_tokens=args.special_tokens, max_sentences=args.max_sentences,
-        max_sentence_length=args.max_sentence_length, text_field=text_field, txt_mode=args.txt_mode,
-        character_coverage=args.character_coverage, seed=args.seed, progress=True,
-    )
+    try:
+        tokenizer = train_tokenizer(
+            files, args.out, args.vocab_size, model_type=args.model_type, byte_fallback=args.byte_fallback,
+            special_tokens=args.special_tokens, max_sentences=args.max_sentences,
+            max_sentence_length=args.max_sentence_length, text_field=text_field, txt_mode=args.txt_mode,
+            character_coverage=args.character_coverage, seed=args.seed, progress=True,
+        )
+    except readers.EmptyCorpus as err:
+        raise readers.given_inputs(err, args.input, files) from None
     print(f"wrote {args.out}: vocab {tokenizer.vocab_size}, eod id {tokenizer.eod}")
 
 
