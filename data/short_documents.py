@@ -72,6 +72,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.mean_chars < 1:
         parser.error(f"--mean-chars={args.mean_chars} must be at least 1")
+    if args.max_chars is not None and args.max_chars < 1:
+        parser.error(f"--max-chars={args.max_chars} must be at least 1")
     check_output(args.out, [str(BUNDLED_CORPUS)], WRITER, args.force, directory=False)
     count = write_short_documents(args.out, args.mean_chars, args.max_chars, args.seed)
     print(f"wrote {count:,} documents to {args.out}")

@@ -122,11 +122,21 @@ class Tokenizer:
         return f"Tokenizer({self.path!r}, {self.library}, vocab_size={self.vocab_size}, eod={self.eod})"
 
 
+def _unreadable(path: str, kind: str, err: Exception) -> ValueError:
+    """A model file its library cannot parse (a RuntimeError or a bare Exception of a C++/Rust binding)."""
+    detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return ValueError(f"tokenizer {path} is not a readable {kind} ({detail}); give a tokenizer directory written by "
+                      "`python -m data.tokenizer`, or the model file itself")
+
+
 class _SentencePieceBackend:
     def __init__(self, model_path: str) -> None:
         import sentencepiece
 
-        self.processor = sentencepiece.SentencePieceProcessor(model_file=model_path)
+        try:
+            self.processor = sentencepiece.SentencePieceProcessor(model_file=model_path)
+        except RuntimeError as err:
+            raise _unreadable(model_path, "sentencepiece model", err) from None
         self.vocab_size = self.processor.vocab_size()
 
     def encode(self, text: str) -> list[int]:
@@ -151,7 +161,10 @@ class _HuggingFaceBackend:
             from tokenizers import Tokenizer as HFTokenizer
         except ImportError as err:
             raise ImportError(f"{tokenizer_json} is a Hugging Face tokenizer: pip install tokenizers to use it") from err
-        self.tokenizer = HFTokenizer.from_file(tokenizer_json)
+        try:
+            self.tokenizer = HFTokenizer.from_file(tokenizer_json)
+        except Exception as err:  # the Rust binding raises a bare Exception for a file it cannot parse
+            raise _unreadable(tokenizer_json, "Hugging Face tokenizer.json", err) from None
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
@@ -231,7 +244,11 @@ def _read_config(directory: str) -> Optional[dict]:
     if not os.path.isfile(config_path):
         return None
     with open(config_path) as stream:
-        return json.load(stream)
+        try:
+            return json.load(stream)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{config_path} is not JSON ({err}): the tokenizer directory is damaged; write it "
+                             "again with `python -m data.tokenizer`") from None
 
 
 def _load_sentencepiece(model_path: str, config: Optional[dict]) -> Tokenizer:
@@ -310,6 +327,12 @@ def vocabulary_checked(vocab_size: int, model_type: str, character_coverage: flo
         raise
 
 
+def _counted(items: Iterable[str], count: list) -> Iterator[str]:
+    for item in items:
+        count[0] += 1
+        yield item
+
+
 def train_tokenizer(
     files: Sequence[str],
     out_dir: str | os.PathLike,
@@ -335,6 +358,10 @@ def train_tokenizer(
         raise ValueError(f"model_type={model_type!r}: use 'bpe' or 'unigram'")
     if max_sentences < 1:
         raise ValueError(f"max_sentences={max_sentences} must be at least 1")
+    if max_sentence_length < 1:
+        raise ValueError(f"max_sentence_length={max_sentence_length} must be at least 1 (bytes a line)")
+    if not 0.98 <= character_coverage <= 1:  # sentencepiece's own bounds
+        raise ValueError(f"character_coverage={character_coverage} must lie in [0.98, 1]")
     reserved = 4 + 1 + len(special_tokens) + (256 if byte_fallback else 0)
     if vocab_size <= reserved:
         raise ValueError(f"vocab_size={vocab_size} leaves no room for learned pieces beside the {reserved} reserved "
@@ -345,7 +372,11 @@ def train_tokenizer(
 
         documents = tqdm(documents, desc="reading documents", unit=" docs", file=sys.stderr)
     started = time.perf_counter()
-    sentences, seen = sample_sentences(documents, max_sentences, seed, max_sentence_length)
+    read = [0]
+    sentences, seen = sample_sentences(_counted(documents, read), max_sentences, seed, max_sentence_length)
+    if not sentences and read[0]:
+        raise ValueError(f"the {read[0]} documents of {files[0] if len(files) == 1 else f'{len(files)} files'} have "
+                         f"no line of at most max_sentence_length={max_sentence_length} bytes to train on; raise it")
     if not sentences:
         raise readers.empty_corpus(list(files), text_field)
     model = io.BytesIO()
@@ -395,7 +426,10 @@ def import_sentencepiece(model_path: str | os.PathLike, out_dir: str | os.PathLi
     import sentencepiece
 
     data = Path(model_path).read_bytes()
-    processor = sentencepiece.SentencePieceProcessor(model_proto=data)
+    try:
+        processor = sentencepiece.SentencePieceProcessor(model_proto=data)
+    except RuntimeError as err:
+        raise _unreadable(str(model_path), "sentencepiece model", err) from None
     if processor.eos_id() < 0:
         raise ValueError(f"{model_path} has no eos token to use as the end-of-document token")
     config = {

@@ -96,6 +96,12 @@ TABLE = [
      r"no documents found in .*/empty\.jsonl"),
     ("tokenizer vocabulary beyond the corpus", module("data.tokenizer", "train", "--input", f"{ROOT}/corpus", "--vocab-size", "4096", "--out", f"{ROOT}/tok_big"),
      r"vocabulary size 4096 is more than this corpus supports for a bpe tokenizer \(at most \d+ pieces\): give --vocab-size \d+ or less"),
+    ("tokenizer import of no model", module("data.tokenizer", "import", "--model", f"{ROOT}/garbage.model", "--out", f"{ROOT}/tok_import"),
+     r"tokenizer .*/garbage\.model is not a readable sentencepiece model"),
+    ("preprocess with an unreadable tokenizer", module("data.preprocess", "--input", f"{ROOT}/docs.jsonl", "--tokenizer", f"{ROOT}/tokenizer.json", "--out", f"{ROOT}/x"),
+     r"tokenizer .*/tokenizer\.json is not a readable Hugging Face tokenizer\.json"),
+    ("tokenizer coverage out of bounds", module("data.tokenizer", "train", "--input", f"{ROOT}/corpus", "--vocab-size", "400", "--character-coverage", "2", "--out", f"{ROOT}/tok_cover"),
+     r"character_coverage=2\.0 must lie in \[0\.98, 1\]"),
     ("short documents over a file", module("data.short_documents", "--out", f"{ROOT}/docs.jsonl"),
      r"--out .*/docs\.jsonl exists; give a new path, or add --force to replace it"),
     ("corpus build without its sources", ["data/corpus/build.py", f"{ROOT}/nothing", "--out", f"{ROOT}/built.jsonl.gz"],
@@ -152,6 +158,8 @@ def make_inputs(tmp: Path) -> None:
     (ckpt / "__0_0.distcp").write_bytes(bytes(range(1, 256)) + b"\0" + bytes(range(256)) * 15)  # one byte changed
     (tmp / "docs.jsonl").write_text(json.dumps({"text": "a document"}) + "\n")
     (tmp / "empty.jsonl").write_text("")
+    (tmp / "garbage.model").write_bytes(bytes(range(256)))
+    (tmp / "tokenizer.json").write_text("{not json")
     (tmp / "corpus").mkdir()
     (tmp / "corpus" / "a.jsonl").write_text(json.dumps({"text": "a document of the corpus"}) + "\n")
     (tmp / "unrelated").mkdir()
