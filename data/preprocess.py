@@ -715,7 +715,7 @@ def check_output_prefix(prefix: str, files: Sequence[str], force: bool = False) 
     for path in files:
         if os.path.realpath(path) in outputs or os.path.realpath(path).startswith(real + ".parts" + os.sep):
             raise ValueError(f"--out {prefix} would write over the input {path}; give another prefix")
-    ours = os.path.exists(manifest_path(real)) or os.path.isdir(real + ".parts")
+    ours = any(os.path.exists(path) and not os.path.islink(path) for path in (manifest_path(real), real + ".parts"))
     foreign = [p for p in outputs[:2] if os.path.exists(p)] if not ours else []
     if foreign and not force:
         raise ValueError(f"--out {prefix}: {' and '.join(foreign)} exist and no manifest of an earlier preprocessing "
@@ -866,6 +866,7 @@ def _read_finished_part(parts_dir: str, name: str) -> Optional[dict]:
 def _merge_parts(segment_prefixes: Sequence[str], out_prefix: str, dtype: type) -> None:
     """Concatenate the segments into `out_prefix.{bin,idx}`, each file renamed into place only when complete."""
     staging = f"{out_prefix}.tmp{os.getpid()}"
+    check_no_links([indexed.bin_path(staging), indexed.idx_path(staging)], out_prefix)  # opened in place
     lengths = []
     with open(indexed.bin_path(staging), "wb") as out:
         for part in segment_prefixes:

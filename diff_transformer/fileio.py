@@ -5,6 +5,8 @@ A command that writes a directory (export, import_hf, data.tokenizer, checkpoint
 it as its own (``.written_by.json``); :func:`check_output` refuses, before any work, an output that overlaps one of
 its inputs, lies in a run or a checkpoint, or holds files the command did not write (unless ``--force``, which then
 moves them aside), and :func:`replace_directory` swaps a finished directory in, never deleting one it did not write.
+No write goes through a symbolic link: files are written new and renamed into place (a link there is replaced), and
+:func:`check_no_links` refuses a link where a command opens a file or makes a directory in place.
 
 Standard library only, so every package (``data``, ``diff_transformer.*``, ``launch``) may import it.
 """
