@@ -41,8 +41,7 @@ def read_hf_weights(hf_dir: str) -> Dict[str, torch.Tensor]:
                                ("pytorch_model.bin.index.json", "pytorch_model.bin")):
         index = os.path.join(hf_dir, index_name)
         if os.path.isfile(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
+            files = _indexed_files(index)
         elif os.path.isfile(os.path.join(hf_dir, single)):
             files = [single]
         else:
@@ -50,6 +49,9 @@ def read_hf_weights(hf_dir: str) -> Dict[str, torch.Tensor]:
         weights: Dict[str, torch.Tensor] = {}
         for name in files:
             path = os.path.join(hf_dir, name)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{path} does not exist (named by {os.path.join(hf_dir, index_name)}): "
+                                        "the download is incomplete")
             if name.endswith(".safetensors"):
                 try:
                     from safetensors.torch import load_file
@@ -62,6 +64,17 @@ def read_hf_weights(hf_dir: str) -> Dict[str, torch.Tensor]:
                 weights.update(_read_pickled_tensors(path))
         return weights
     raise ValueError(f"{hf_dir} holds no weights (model.safetensors, pytorch_model.bin or their sharded indexes)")
+
+
+def _indexed_files(index: str) -> list:
+    """The weight files a sharded checkpoint's index names."""
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ValueError(f"{index} is not a weights index (JSON with a weight_map of tensor names to files): "
+                         "download it again") from None
 
 
 def _read_safetensors(load_file, path: str) -> Dict[str, torch.Tensor]:
@@ -99,7 +112,10 @@ def import_hf(hf_dir: str, out: str, seq_length: Optional[int] = None, name: Opt
     if not os.path.isfile(config_path):
         raise ValueError(f"{hf_dir} has no config.json: not a Hugging Face model directory")
     with open(config_path) as f:
-        hf = json.load(f)
+        try:
+            hf = json.load(f)
+        except ValueError as err:
+            raise ValueError(f"{config_path} is not JSON ({err}): download it again") from None
     model = model_config_from_hf(hf, name or os.path.basename(hf_dir.rstrip("/")), seq_length)
     cfg: Config = OmegaConf.to_object(OmegaConf.merge(
         OmegaConf.structured(Config),
