@@ -304,7 +304,7 @@ def empty_corpus(files: Sequence[str], text_field: str, skipped: Optional[Mappin
         why = "they hold no text" if len(files) > 1 else "it holds no text"
     hint = f"; is the text in another field than {text_field!r}? give --text-field" \
         if skipped and skipped.get("missing_text_field") else ""
-    return EmptyCorpus(f"no documents found in {shown}: {why}{hint}; nothing was written")
+    return EmptyCorpus(f"no documents found in {shown}: {why}{hint}")
 
 
 def given_inputs(err: EmptyCorpus, inputs: Sequence[str], files: Sequence[str]) -> EmptyCorpus:

@@ -309,21 +309,23 @@ VOCABULARY_TOO_SMALL = re.compile(r"Vocabulary size is smaller than required_cha
 
 
 @contextlib.contextmanager
-def vocabulary_checked(vocab_size: int, model_type: str, character_coverage: float) -> Iterator[None]:
+def vocabulary_checked(vocab_size: int, model_type: str, character_coverage: float,
+                       option: str = "--vocab-size") -> Iterator[None]:
     """Turn sentencepiece's refusal of a vocabulary size this corpus cannot support (a RuntimeError with a C++
-    location) into a ValueError naming the asked size and the largest or smallest one the corpus supports."""
+    location) into a ValueError naming the asked size (set by ``option``) and the largest or smallest one the corpus
+    supports."""
     try:
         yield
     except RuntimeError as err:
         too_large, too_small = VOCABULARY_TOO_LARGE.search(str(err)), VOCABULARY_TOO_SMALL.search(str(err))
         if too_large:
             raise ValueError(f"vocabulary size {vocab_size} is more than this corpus supports for a {model_type} "
-                             f"tokenizer (at most {too_large.group(2)} pieces): give --vocab-size "
+                             f"tokenizer (at most {too_large.group(2)} pieces): give {option} "
                              f"{too_large.group(2)} or less, or more text") from None
         if too_small:
             raise ValueError(f"vocabulary size {vocab_size} is too small for the characters of this corpus (they "
-                             f"need {too_small.group(2)} ids at --character-coverage {character_coverage}): give "
-                             f"--vocab-size {too_small.group(2)} or more, or a lower --character-coverage") from None
+                             f"need {too_small.group(2)} ids at character coverage {character_coverage}): give "
+                             f"{option} {too_small.group(2)} or more, or a lower --character-coverage") from None
         raise
 
 
@@ -349,9 +351,11 @@ def train_tokenizer(
     seed: int = 1234,
     num_threads: Optional[int] = None,
     progress: bool = False,
+    vocab_option: str = "--vocab-size",
 ) -> Tokenizer:
     """Train a lossless sentencepiece model on `files` and write it to `out_dir` (atomically: a reader never sees a
-    half-written directory)."""
+    half-written directory). A vocabulary size the corpus cannot support is refused naming `vocab_option`, the
+    setting the user gave it with."""
     import sentencepiece
 
     if model_type not in ("bpe", "unigram"):
@@ -380,7 +384,7 @@ def train_tokenizer(
     if not sentences:
         raise readers.empty_corpus(list(files), text_field)
     model = io.BytesIO()
-    with vocabulary_checked(vocab_size, model_type, character_coverage):
+    with vocabulary_checked(vocab_size, model_type, character_coverage, vocab_option):
         sentencepiece.SentencePieceTrainer.train(
             sentence_iterator=iter(sentences),
             model_writer=model,

@@ -200,7 +200,7 @@ def check_writable(path: str, what: str) -> None:
                          f"({err.strerror or err}); give a directory you can write to") from None
 
 
-def umask() -> int:
+def current_umask() -> int:
     """This process's umask (read without changing it where Linux shows it)."""
     try:
         with open("/proc/self/status") as f:
@@ -220,7 +220,7 @@ def staging_directory(target: str) -> str:
     target = os.path.abspath(target)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.", dir=os.path.dirname(target))
-    os.chmod(staging, 0o777 & ~umask())
+    os.chmod(staging, 0o777 & ~current_umask())
     return staging
 
 
