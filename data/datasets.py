@@ -75,7 +75,8 @@ def _prepare_bundled(cfg: DataConfig) -> PreparedData:
     prefix = os.path.join(work_dir, "corpus")
     with file_lock(work_dir + ".lock"):
         if cfg.tokenizer_dir is None and not os.path.isfile(os.path.join(tokenizer_dir, CONFIG_FILE)):
-            train_tokenizer([str(BUNDLED_CORPUS)], tokenizer_dir, cfg.bundled_vocab_size, model_type="bpe")
+            train_tokenizer([str(BUNDLED_CORPUS)], tokenizer_dir, cfg.bundled_vocab_size, model_type="bpe",
+                            vocab_option="data.bundled_vocab_size")
         # A no-op (a stat and a JSON read) once the shard is up to date.
         preprocessing.preprocess([str(BUNDLED_CORPUS)], tokenizer_dir, prefix, workers=cfg.preprocess_workers)
     return PreparedData(tokenizer_dir, [prefix], None)

@@ -165,9 +165,18 @@ def decode_samples(prepared, tokenizer, *, seq_length: int, seed: int, split: st
 
 
 def _from_run_config(path: str, args: argparse.Namespace) -> None:
-    from omegaconf import OmegaConf
+    import yaml
+    from omegaconf import DictConfig, OmegaConf
 
-    cfg = OmegaConf.load(path)
+    try:
+        cfg = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        raise ValueError(f"--config {path} is not YAML ({str(err).splitlines()[0]}): give a run directory's "
+                         "config.yaml") from None
+    needed = ("data", "model.seq_length", "trainer.global_batch_size", "trainer.max_steps")
+    missing = [key for key in needed if not isinstance(cfg, DictConfig) or OmegaConf.select(cfg, key) is None]
+    if missing:
+        raise ValueError(f"--config {path} has no {', '.join(missing)}: give a run directory's config.yaml")
     args.data_cfg = cfg.data
     args.seq_length = args.seq_length if args.seq_length is not None else cfg.model.seq_length
     args.global_batch_size = args.global_batch_size if args.global_batch_size is not None else cfg.trainer.global_batch_size
@@ -200,6 +209,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             parser.error(f"{option} {value} must be at least {least}")
     if args.weights is not None and not all(w >= 0 for w in args.weights):
         parser.error(f"--weights {' '.join(map(str, args.weights))}: weights must be >= 0")
+    if args.weights is not None and not sum(args.weights) > 0:
+        parser.error(f"--weights {' '.join(map(str, args.weights))} sum to 0: at least one must be positive")
 
     from data.config import DataConfig
     from data.datasets import PreparedData, load_tokenizer, prepare

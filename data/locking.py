@@ -13,9 +13,16 @@ from typing import Any, Dict, Iterator
 
 @contextlib.contextmanager
 def file_lock(path: str) -> Iterator[None]:
-    """Hold an exclusive advisory lock on `path` (created if absent); the kernel releases it if the process dies."""
+    """Hold an exclusive advisory lock on `path` (created if absent); the kernel releases it if the process dies.
+    A symbolic link at `path` is refused (ValueError), not followed to create or open a file elsewhere."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "a") as handle:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        if os.path.islink(path):
+            raise ValueError(f"lock file {path} is a symbolic link (to {os.readlink(path)}); remove it") from err
+        raise
+    with open(fd, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield

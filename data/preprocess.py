@@ -51,7 +51,8 @@ from data.config import blend_shards, partition_prefix
 from data.locking import file_lock
 from data.tokenizer import Tokenizer, file_sha256, load_tokenizer
 from diff_transformer.cli import ArgumentParser, run
-from diff_transformer.fileio import atomic_write_json, move_aside, old_suffix
+from diff_transformer.fileio import (atomic_write_json, check_no_links, check_outside_training, move_aside,
+                                     old_suffix)
 
 MANIFEST_VERSION = 1
 MIB = 1 << 20
@@ -697,9 +698,10 @@ def _is_up_to_date(prefix: str, files: Sequence[str], options: Options, partitio
 
 def check_output_prefix(prefix: str, files: Sequence[str], force: bool = False) -> None:
     """Refuse (ValueError naming the path) an output prefix whose files would replace what preprocessing did not
-    write: a prefix that is a directory or lies under a file, an output file that is one of the inputs, and a
-    `.bin`/`.idx` pair that no manifest or parts directory of an earlier run vouches for (with ``force`` those are
-    moved aside to `<file>.old-<time>` instead). Cheap: before the tokenizer loads."""
+    write: a prefix that is a directory, lies under a file or in a run directory or a checkpoint, an output file
+    that is one of the inputs, and a `.bin`/`.idx` pair that no manifest or parts directory of an earlier run
+    vouches for (with ``force`` those are moved aside to `<file>.old-<time>` instead). Cheap: before the tokenizer
+    loads."""
     real = os.path.realpath(prefix)
     if os.path.isdir(real):
         raise ValueError(f"--out {prefix} is a directory; give a prefix inside it, e.g. {os.path.join(prefix, 'corpus')}")
@@ -708,11 +710,12 @@ def check_output_prefix(prefix: str, files: Sequence[str], force: bool = False) 
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
         raise ValueError(f"--out {prefix}: {probe} is a file, not a directory; give a prefix in a directory")
+    check_outside_training(prefix, real, os.path.dirname(real))
     outputs = [indexed.bin_path(real), indexed.idx_path(real), manifest_path(real)]
     for path in files:
         if os.path.realpath(path) in outputs or os.path.realpath(path).startswith(real + ".parts" + os.sep):
             raise ValueError(f"--out {prefix} would write over the input {path}; give another prefix")
-    ours = os.path.exists(manifest_path(real)) or os.path.isdir(real + ".parts")
+    ours = any(os.path.exists(path) and not os.path.islink(path) for path in (manifest_path(real), real + ".parts"))
     foreign = [p for p in outputs[:2] if os.path.exists(p)] if not ours else []
     if foreign and not force:
         raise ValueError(f"--out {prefix}: {' and '.join(foreign)} exist and no manifest of an earlier preprocessing "
@@ -733,6 +736,8 @@ def _check_inputs(files: Sequence[str], text_field: str, txt_mode: str) -> None:
         readers.file_format(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"input file {path} does not exist")
+    if all(os.path.getsize(path) == 0 for path in files):
+        raise readers.empty_corpus(files, text_field)
 
 
 def preprocess(
@@ -761,6 +766,8 @@ def preprocess(
     if partition is not None:  # before the tokenizer loads: too many partitions is a bad argument
         units = partition_units(plan_units(files, settings.unit_bytes), partition.count)[partition.index - 1]
     out_prefix = os.path.abspath(out_prefix if partition is None else partition.prefix(out_prefix))
+    # the files and directories opened in place (the rest are renamed into place, which replaces a link)
+    check_no_links([out_prefix + ".lock", out_prefix + ".parts"], out_prefix)
     # Two runs writing one prefix would race on its parts and final renames: the second waits, then finds it done.
     with file_lock(out_prefix + ".lock"):
         return _preprocess_locked(files, tokenizer_path, out_prefix, text_field, txt_mode, settings, partition, units)
@@ -811,6 +818,12 @@ def _preprocess_locked(files: list[str], tokenizer_path: str, out_prefix: str, t
     stats.update(done)
 
     ordered = [stats[unit.index] for unit in units]
+    if partition is None and not sum(part["documents"] for part in ordered):
+        shutil.rmtree(parts_dir, ignore_errors=True)  # empty units only: no shard is written, an earlier one stays
+        skipped = Counter()
+        for part in ordered:
+            skipped.update(part["skipped"])
+        raise readers.empty_corpus(files, text_field, skipped)
     _merge_parts([segment_prefix(parts_dir, name, segment) for name, part in zip(names, ordered)
                   for segment in part["segments"]], out_prefix, dtype)
     manifest = _build_manifest(files, units, ordered, hashes, tokenizer, options, out_prefix,
@@ -853,6 +866,7 @@ def _read_finished_part(parts_dir: str, name: str) -> Optional[dict]:
 def _merge_parts(segment_prefixes: Sequence[str], out_prefix: str, dtype: type) -> None:
     """Concatenate the segments into `out_prefix.{bin,idx}`, each file renamed into place only when complete."""
     staging = f"{out_prefix}.tmp{os.getpid()}"
+    check_no_links([indexed.bin_path(staging), indexed.idx_path(staging)], out_prefix)  # opened in place
     lengths = []
     with open(indexed.bin_path(staging), "wb") as out:
         for part in segment_prefixes:
@@ -977,8 +991,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         except ValueError as err:
             parser.error(f"--partition {args.partition}: {err}")
     check_output_prefix(partition.prefix(args.out) if partition else args.out, files, args.force)
-    preprocess(files, args.tokenizer, args.out, text_field=text_field, txt_mode=args.txt_mode, partition=partition,
-               **asdict(settings))
+    try:
+        preprocess(files, args.tokenizer, args.out, text_field=text_field, txt_mode=args.txt_mode, partition=partition,
+                   **asdict(settings))
+    except readers.EmptyCorpus as err:
+        raise readers.given_inputs(err, args.input, files) from None
 
 
 if __name__ == "__main__":

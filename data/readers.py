@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterable, Iterator, Sequence, Union
+from typing import IO, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 SKIP_REASONS = ("malformed_json", "missing_text_field", "non_utf8", "empty")
 # Counted once per file by preprocessing when a file cannot be read to its end (truncated gzip/zstd, bad parquet).
@@ -289,6 +289,29 @@ def _decode_block(lines: list[bytes]) -> Record:
         return _checked(b"".join(lines).decode("utf-8").removeprefix(BYTE_ORDER_MARK).rstrip("\r\n"))
     except UnicodeDecodeError:
         return Skipped("non_utf8")
+
+
+class EmptyCorpus(ValueError):
+    """The inputs hold no document: nothing to train a tokenizer on or to tokenize."""
+
+
+def empty_corpus(files: Sequence[str], text_field: str, skipped: Optional[Mapping[str, int]] = None) -> EmptyCorpus:
+    """The error for inputs without a document: which files, and why their records gave none."""
+    shown = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
+    if skipped:
+        why = "every record was skipped (" + ", ".join(f"{r} {n}" for r, n in sorted(skipped.items())) + ")"
+    else:
+        why = "they hold no text" if len(files) > 1 else "it holds no text"
+    hint = f"; is the text in another field than {text_field!r}? give --text-field" \
+        if skipped and skipped.get("missing_text_field") else ""
+    return EmptyCorpus(f"no documents found in {shown}: {why}{hint}")
+
+
+def given_inputs(err: EmptyCorpus, inputs: Sequence[str], files: Sequence[str]) -> EmptyCorpus:
+    """``err`` naming the ``--input`` values too, when they are more than the files it names (globs, directories)."""
+    if sorted(os.path.abspath(i) for i in inputs) == sorted(files):
+        return err
+    return EmptyCorpus(f"--input {' '.join(inputs)}: {err}")
 
 
 def iter_documents(files: Sequence[str], text_field: str = "text", txt_mode: str = "file") -> Iterator[str]:

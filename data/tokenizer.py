@@ -15,11 +15,13 @@ for characters outside the vocabulary, so `decode(encode(text)) == text` for any
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import io
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -120,11 +122,21 @@ class Tokenizer:
         return f"Tokenizer({self.path!r}, {self.library}, vocab_size={self.vocab_size}, eod={self.eod})"
 
 
+def _unreadable(path: str, kind: str, err: Exception) -> ValueError:
+    """A model file its library cannot parse (a RuntimeError or a bare Exception of a C++/Rust binding)."""
+    detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return ValueError(f"tokenizer {path} is not a readable {kind} ({detail}); give a tokenizer directory written by "
+                      "`python -m data.tokenizer`, or the model file itself")
+
+
 class _SentencePieceBackend:
     def __init__(self, model_path: str) -> None:
         import sentencepiece
 
-        self.processor = sentencepiece.SentencePieceProcessor(model_file=model_path)
+        try:
+            self.processor = sentencepiece.SentencePieceProcessor(model_file=model_path)
+        except RuntimeError as err:
+            raise _unreadable(model_path, "sentencepiece model", err) from None
         self.vocab_size = self.processor.vocab_size()
 
     def encode(self, text: str) -> list[int]:
@@ -149,7 +161,10 @@ class _HuggingFaceBackend:
             from tokenizers import Tokenizer as HFTokenizer
         except ImportError as err:
             raise ImportError(f"{tokenizer_json} is a Hugging Face tokenizer: pip install tokenizers to use it") from err
-        self.tokenizer = HFTokenizer.from_file(tokenizer_json)
+        try:
+            self.tokenizer = HFTokenizer.from_file(tokenizer_json)
+        except Exception as err:  # the Rust binding raises a bare Exception for a file it cannot parse
+            raise _unreadable(tokenizer_json, "Hugging Face tokenizer.json", err) from None
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
@@ -229,7 +244,11 @@ def _read_config(directory: str) -> Optional[dict]:
     if not os.path.isfile(config_path):
         return None
     with open(config_path) as stream:
-        return json.load(stream)
+        try:
+            return json.load(stream)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{config_path} is not JSON ({err}): the tokenizer directory is damaged; write it "
+                             "again with `python -m data.tokenizer`") from None
 
 
 def _load_sentencepiece(model_path: str, config: Optional[dict]) -> Tokenizer:
@@ -284,6 +303,38 @@ def sample_sentences(documents: Iterable[str], max_sentences: int, seed: int,
     return [line for _, line in reservoir], seen
 
 
+# What sentencepiece's trainer raises when the corpus cannot fill the vocabulary, or its characters overflow it.
+VOCABULARY_TOO_LARGE = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")
+VOCABULARY_TOO_SMALL = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
+
+
+@contextlib.contextmanager
+def vocabulary_checked(vocab_size: int, model_type: str, character_coverage: float,
+                       option: str = "--vocab-size") -> Iterator[None]:
+    """Turn sentencepiece's refusal of a vocabulary size this corpus cannot support (a RuntimeError with a C++
+    location) into a ValueError naming the asked size (set by ``option``) and the largest or smallest one the corpus
+    supports."""
+    try:
+        yield
+    except RuntimeError as err:
+        too_large, too_small = VOCABULARY_TOO_LARGE.search(str(err)), VOCABULARY_TOO_SMALL.search(str(err))
+        if too_large:
+            raise ValueError(f"vocabulary size {vocab_size} is more than this corpus supports for a {model_type} "
+                             f"tokenizer (at most {too_large.group(2)} pieces): give {option} "
+                             f"{too_large.group(2)} or less, or more text") from None
+        if too_small:
+            raise ValueError(f"vocabulary size {vocab_size} is too small for the characters of this corpus (they "
+                             f"need {too_small.group(2)} ids at character coverage {character_coverage}): give "
+                             f"{option} {too_small.group(2)} or more, or a lower --character-coverage") from None
+        raise
+
+
+def _counted(items: Iterable[str], count: list) -> Iterator[str]:
+    for item in items:
+        count[0] += 1
+        yield item
+
+
 def train_tokenizer(
     files: Sequence[str],
     out_dir: str | os.PathLike,
@@ -300,15 +351,21 @@ def train_tokenizer(
     seed: int = 1234,
     num_threads: Optional[int] = None,
     progress: bool = False,
+    vocab_option: str = "--vocab-size",
 ) -> Tokenizer:
     """Train a lossless sentencepiece model on `files` and write it to `out_dir` (atomically: a reader never sees a
-    half-written directory)."""
+    half-written directory). A vocabulary size the corpus cannot support is refused naming `vocab_option`, the
+    setting the user gave it with."""
     import sentencepiece
 
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type={model_type!r}: use 'bpe' or 'unigram'")
     if max_sentences < 1:
         raise ValueError(f"max_sentences={max_sentences} must be at least 1")
+    if max_sentence_length < 1:
+        raise ValueError(f"max_sentence_length={max_sentence_length} must be at least 1 (bytes a line)")
+    if not 0.98 <= character_coverage <= 1:  # sentencepiece's own bounds
+        raise ValueError(f"character_coverage={character_coverage} must lie in [0.98, 1]")
     reserved = 4 + 1 + len(special_tokens) + (256 if byte_fallback else 0)
     if vocab_size <= reserved:
         raise ValueError(f"vocab_size={vocab_size} leaves no room for learned pieces beside the {reserved} reserved "
@@ -319,29 +376,34 @@ def train_tokenizer(
 
         documents = tqdm(documents, desc="reading documents", unit=" docs", file=sys.stderr)
     started = time.perf_counter()
-    sentences, seen = sample_sentences(documents, max_sentences, seed, max_sentence_length)
+    read = [0]
+    sentences, seen = sample_sentences(_counted(documents, read), max_sentences, seed, max_sentence_length)
+    if not sentences and read[0]:
+        raise ValueError(f"the {read[0]} documents of {files[0] if len(files) == 1 else f'{len(files)} files'} have "
+                         f"no line of at most max_sentence_length={max_sentence_length} bytes to train on; raise it")
     if not sentences:
-        raise ValueError(f"no text found in {list(files)} (field {text_field!r})")
+        raise readers.empty_corpus(list(files), text_field)
     model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences),
-        model_writer=model,
-        vocab_size=vocab_size,
-        model_type=model_type,
-        character_coverage=character_coverage,
-        byte_fallback=byte_fallback,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        add_dummy_prefix=False,
-        allow_whitespace_only_pieces=True,
-        split_digits=True,
-        user_defined_symbols=[NEWLINE, *special_tokens],
-        unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
-        max_sentence_length=max_sentence_length,
-        input_sentence_size=0,  # the sample above already bounds the input
-        num_threads=num_threads or os.cpu_count() or 1,
-        minloglevel=2,
-    )
+    with vocabulary_checked(vocab_size, model_type, character_coverage, vocab_option):
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=character_coverage,
+            byte_fallback=byte_fallback,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            user_defined_symbols=[NEWLINE, *special_tokens],
+            unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
+            max_sentence_length=max_sentence_length,
+            input_sentence_size=0,  # the sample above already bounds the input
+            num_threads=num_threads or os.cpu_count() or 1,
+            minloglevel=2,
+        )
     config = {
         "library": "sentencepiece",
         "model_type": model_type,
@@ -368,7 +430,10 @@ def import_sentencepiece(model_path: str | os.PathLike, out_dir: str | os.PathLi
     import sentencepiece
 
     data = Path(model_path).read_bytes()
-    processor = sentencepiece.SentencePieceProcessor(model_proto=data)
+    try:
+        processor = sentencepiece.SentencePieceProcessor(model_proto=data)
+    except RuntimeError as err:
+        raise _unreadable(str(model_path), "sentencepiece model", err) from None
     if processor.eos_id() < 0:
         raise ValueError(f"{model_path} has no eos token to use as the end-of-document token")
     config = {
@@ -438,12 +503,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     text_field = args.text_field or (preset.text_field if preset else "text")
     files = readers.expand_inputs(args.input, preset.globs if preset else ())
     check_output(args.out, [path for path in args.input if os.path.isdir(path)] + files, WRITER, args.force)
-    tokenizer = train_tokenizer(
-        files, args.out, args.vocab_size, model_type=args.model_type, byte_fallback=args.byte_fallback,
-        special_tokens=args.special_tokens, max_sentences=args.max_sentences,
-        max_sentence_length=args.max_sentence_length, text_field=text_field, txt_mode=args.txt_mode,
-        character_coverage=args.character_coverage, seed=args.seed, progress=True,
-    )
+    try:
+        tokenizer = train_tokenizer(
+            files, args.out, args.vocab_size, model_type=args.model_type, byte_fallback=args.byte_fallback,
+            special_tokens=args.special_tokens, max_sentences=args.max_sentences,
+            max_sentence_length=args.max_sentence_length, text_field=text_field, txt_mode=args.txt_mode,
+            character_coverage=args.character_coverage, seed=args.seed, progress=True,
+        )
+    except readers.EmptyCorpus as err:
+        raise readers.given_inputs(err, args.input, files) from None
     print(f"wrote {args.out}: vocab {tokenizer.vocab_size}, eod id {tokenizer.eod}")
 
 

@@ -505,11 +505,28 @@ def validate_attention_kind(m: ModelConfig) -> None:
     if m.topk is not None and m.topk < 1:
         raise ValueError(f"model.topk={m.topk} must be >= 1 (scores kept per query; >= model.seq_length keeps all)")
     validate_dex(m)
+    validate_rope_head_size(m, kind.heads(m)[2])
     if m.lambda_init is not None and m.lambda_init >= 1 and (m.attention != "diff" or m.lambda_learnable):
         raise ValueError(
             f"model.lambda_init={m.lambda_init} makes the output multiplier (1 - lambda_init) of "
             f"model.attention={m.attention} zero or negative; to fix DIFF's λ at 1 use model.lambda_learnable=false"
         )
+
+
+def validate_rope_head_size(m: Any, head_size: int) -> None:
+    """RoPE rotates pairs of features (the rotate-half layout): the heads it sees need an even size."""
+    if head_size % 2 == 0:
+        return
+    if m.head_dim is not None:
+        given = f"model.head_dim={m.head_dim}"
+        fix = f"set model.head_dim={m.head_dim - 1} or {m.head_dim + 1}"
+    else:
+        given = (f"model.hidden_size={m.hidden_size} / (2 x model.num_heads={m.num_heads}) gives a head dim of "
+                 f"{m.hidden_size // (2 * m.num_heads)}, which")
+        fix = (f"use a model.hidden_size divisible by 4*model.num_heads={4 * m.num_heads}, or set model.head_dim to "
+               "an even number")
+    raise ValueError(f"{given} is odd: RoPE rotates pairs of features, so model.attention={m.attention}'s heads of "
+                     f"size {head_size} must be even; {fix}")
 
 
 def validate_dex(m: Any) -> None:

@@ -5,6 +5,8 @@ A command that writes a directory (export, import_hf, data.tokenizer, checkpoint
 it as its own (``.written_by.json``); :func:`check_output` refuses, before any work, an output that overlaps one of
 its inputs, lies in a run or a checkpoint, or holds files the command did not write (unless ``--force``, which then
 moves them aside), and :func:`replace_directory` swaps a finished directory in, never deleting one it did not write.
+No write goes through a symbolic link: files are written new and renamed into place (a link there is replaced), and
+:func:`check_no_links` refuses a link where a command opens a file or makes a directory in place.
 
 Standard library only, so every package (``data``, ``diff_transformer.*``, ``launch``) may import it.
 """
@@ -13,10 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import time
-from typing import Any, Iterable, Optional, Sequence
+from typing import IO, Any, Callable, Iterable, Optional, Sequence
 
 
 def fsync_dir(path: str) -> None:
@@ -34,15 +37,27 @@ def atomic_write_text(path: str, text: str) -> None:
 
 
 def atomic_write_lines(path: str, lines: Iterable[str]) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
+    _atomic_write(path, "w", lambda f: f.writelines(lines))
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    _atomic_write(path, "wb", lambda f: f.write(data))
+
+
+def _atomic_write(path: str, mode: str, write: Callable[[IO], Any]) -> None:
+    """``write`` to a new same-directory temporary file, fsynced, then renamed over ``path``. A symbolic link at
+    ``path`` is replaced, never written through (exclusive creation also refuses a link planted at the temporary
+    name); the file gets the mode any new file of the user's gets (its umask)."""
+    tmp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
-        with open(tmp, "w") as f:
-            f.writelines(lines)
+        with open(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.remove(tmp)
         raise
     fsync_dir(os.path.dirname(path))
@@ -100,6 +115,31 @@ def _inside(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
 
 
+def check_outside_training(out: str, real: str, start: str, option: str = "--out") -> None:
+    """Refuse (ValueError) an output ``out`` (resolved: ``real``) when ``start`` (``real`` or a directory above it)
+    or a directory above that is a run directory or a checkpoint: what a command writes there would mix with a run's
+    files or replace them."""
+    parent = start
+    while True:
+        what = training_artifact(parent)
+        if what is not None:
+            where = "is" if parent == real else f"lies inside {parent},"
+            raise ValueError(f"{option} {out} {where} {what}; writing there would mix with or replace it: give a "
+                             "directory outside runs and checkpoints")
+        if os.path.dirname(parent) == parent:
+            return
+        parent = os.path.dirname(parent)
+
+
+def check_no_links(paths: Iterable[str], out: str, option: str = "--out") -> None:
+    """Refuse (ValueError) a symbolic link at a path a command would open for writing or create a directory at:
+    it would write through the link to a file or a directory outside its output."""
+    for path in paths:
+        if os.path.islink(path):
+            raise ValueError(f"{option} {out}: {path} is a symbolic link (to {os.readlink(path)}); writing through it "
+                             "would change files outside the output: remove the link, or give another output")
+
+
 def check_output(out: str, inputs: Sequence[str] = (), command: str = "", force: bool = False,
                  directory: bool = True, option: str = "--out") -> None:
     """Refuse (ValueError naming the path and what would be right) an output that would lose what is there: a path
@@ -130,23 +170,16 @@ def check_output(out: str, inputs: Sequence[str] = (), command: str = "", force:
         raise ValueError(f"{option} {out} {how} the input {given}: writing it would destroy what it reads; give an "
                          "output outside the inputs")
     ours = os.path.isdir(real) and directory_writer(real) == command
-    parent = real if not ours else os.path.dirname(real)
-    while True:
-        what = training_artifact(parent)
-        if what is not None:
-            where = "is" if parent == real else f"lies inside {parent},"
-            raise ValueError(f"{option} {out} {where} {what}; writing there would mix with or replace it: give a "
-                             "directory outside runs and checkpoints")
-        if os.path.dirname(parent) == parent:
-            break
-        parent = os.path.dirname(parent)
+    check_outside_training(out, real, real if not ours else os.path.dirname(real), option)
     if directory and os.path.isdir(real) and not ours and os.listdir(real) and not force:
         names = sorted(os.listdir(real))
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         raise ValueError(f"{option} {out} holds files this command did not write ({shown}); give a new or empty "
                          f"directory, or add --force to move them aside (to {out.rstrip('/')}.old-<time>)")
-    if not directory and os.path.isfile(real) and not force:
-        raise ValueError(f"{option} {out} exists; give a new path, or add --force to replace it")
+    if not directory and os.path.lexists(out) and not force:
+        link = f" (a symbolic link to {os.readlink(out)}: --force replaces the link, not its target)" \
+            if os.path.islink(out) else ""
+        raise ValueError(f"{option} {out} exists{link}; give a new path, or add --force to replace it")
 
 
 def check_writable(path: str, what: str) -> None:
@@ -167,11 +200,28 @@ def check_writable(path: str, what: str) -> None:
                          f"({err.strerror or err}); give a directory you can write to") from None
 
 
+def current_umask() -> int:
+    """This process's umask (read without changing it where Linux shows it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def staging_directory(target: str) -> str:
-    """A new empty directory beside ``target`` to write its replacement in (then :func:`replace_directory`)."""
+    """A new empty directory beside ``target`` to write its replacement in (then :func:`replace_directory`), with
+    the mode of any directory the user creates (mkdtemp's 0700 would hide the output from the group)."""
     target = os.path.abspath(target)
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.", dir=os.path.dirname(target))
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.", dir=os.path.dirname(target))
+    os.chmod(staging, 0o777 & ~current_umask())
+    return staging
 
 
 def replace_directory(staging: str | os.PathLike, target: str | os.PathLike, command: str) -> Optional[str]:
@@ -195,5 +245,8 @@ def replace_directory(staging: str | os.PathLike, target: str | os.PathLike, com
     os.rename(staging, target)
     fsync_dir(os.path.dirname(os.path.abspath(target)))
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        if os.path.islink(old):  # ``target`` was a link to an earlier output: the link goes, what it named stays
+            os.unlink(old)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
     return kept

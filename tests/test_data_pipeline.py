@@ -199,6 +199,33 @@ def test_bad_records_are_counted_not_fatal(tmp_path, tokenizer_dir):
     assert "malformed_json 1" in preprocess.summary(manifest)
 
 
+def test_a_corpus_without_documents_is_refused_and_writes_no_shard(tmp_path, tokenizer_dir):
+    (tmp_path / "other_field.jsonl").write_text(json.dumps({"content": "text under another name"}) + "\n" * 2)
+    files = [str(tmp_path / "other_field.jsonl")]
+    with pytest.raises(readers.EmptyCorpus, match=r"every record was skipped \(missing_text_field 1\); is the "
+                                                  r"text in another field than 'text'\? give --text-field"):
+        preprocess.preprocess(files, tokenizer_dir, str(tmp_path / "out" / "shard"))
+    assert sorted(os.listdir(tmp_path / "out")) == ["shard.lock"], "no shard, no parts"
+    with pytest.raises(readers.EmptyCorpus, match="no documents found in .*other_field.jsonl"):
+        train_tokenizer(files, tmp_path / "tok", 400, num_threads=1)
+
+
+@pytest.mark.parametrize("model_type", ["bpe", "unigram"])
+def test_a_vocabulary_the_corpus_cannot_support_names_the_largest_it_can(tmp_path, model_type):
+    corpus = tmp_path / "small.jsonl"
+    _write_jsonl(corpus, [f"line {i} of a small corpus, with words and numbers {i * 7}." for i in range(100)])
+    with pytest.raises(ValueError, match=rf"vocabulary size 4096 is more than this corpus supports for a "
+                                         rf"{model_type} tokenizer \(at most (\d+) pieces\)") as refused:
+        train_tokenizer([str(corpus)], tmp_path / "tok", 4096, model_type=model_type, num_threads=1)
+    largest = int(refused.value.args[0].split("at most ")[1].split()[0])
+    assert train_tokenizer([str(corpus)], tmp_path / "tok", largest, model_type=model_type, num_threads=1)
+    (tmp_path / "chars.jsonl").write_text(json.dumps({"text": "".join(map(chr, range(0x4E00, 0x4F00)))}) + "\n")
+    with pytest.raises(ValueError, match=r"vocabulary size 100 is too small for the characters of this corpus "
+                                         r"\(they need 261 ids"):
+        train_tokenizer([str(tmp_path / "chars.jsonl")], tmp_path / "tok2", 100, byte_fallback=False,
+                        model_type=model_type, num_threads=1)
+
+
 @pytest.mark.parametrize("suffix", [".gz", ".zst"])
 def test_truncated_compressed_file_keeps_what_was_read(tmp_path, tokenizer_dir, documents, suffix):
     _write_jsonl(tmp_path / f"whole.jsonl{suffix}", documents * 20)

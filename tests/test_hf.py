@@ -307,6 +307,31 @@ def test_import_refuses_what_is_not_a_matching_llama(imported, tmp_path, changes
     assert not (tmp_path / "out").exists()
 
 
+class _Payload:
+    """What a hostile pytorch_model.bin carries: unpickling it would call os.mkdir(path)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        import os
+
+        return os.mkdir, (str(self.path),)
+
+
+def test_import_refuses_a_pickle_that_holds_more_than_tensors(tmp_path, capsys):
+    from diff_transformer.import_hf import main
+
+    llama = tmp_path / "llama"
+    transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
+                             num_attention_heads=4, max_position_embeddings=64,
+                             architectures=["LlamaForCausalLM"]).save_pretrained(llama)
+    torch.save({"model.norm.weight": torch.ones(64), "x": _Payload(tmp_path / "ran")}, llama / "pytorch_model.bin")
+    message = refused(main, [llama, "--out", tmp_path / "out"], capsys)
+    assert "pytorch_model.bin holds objects besides tensors" in message and "model.safetensors" in message
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "out").exists()
+
+
 def test_dex_refuses_an_already_differential_checkpoint(exported, tmp_path):
     proc = run_train(tmp_path, SMOKE + ["model.attention=dex",
                                         f"checkpoint.load_weights_only={exported / 'diff'}"], expect_rc=2)

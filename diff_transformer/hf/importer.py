@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import shutil
 import time
 from typing import Any, Dict, Optional
@@ -40,8 +41,7 @@ def read_hf_weights(hf_dir: str) -> Dict[str, torch.Tensor]:
                                ("pytorch_model.bin.index.json", "pytorch_model.bin")):
         index = os.path.join(hf_dir, index_name)
         if os.path.isfile(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
+            files = _indexed_files(index)
         elif os.path.isfile(os.path.join(hf_dir, single)):
             files = [single]
         else:
@@ -49,6 +49,9 @@ def read_hf_weights(hf_dir: str) -> Dict[str, torch.Tensor]:
         weights: Dict[str, torch.Tensor] = {}
         for name in files:
             path = os.path.join(hf_dir, name)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{path} does not exist (named by {os.path.join(hf_dir, index_name)}): "
+                                        "the download is incomplete")
             if name.endswith(".safetensors"):
                 try:
                     from safetensors.torch import load_file
@@ -56,11 +59,47 @@ def read_hf_weights(hf_dir: str) -> Dict[str, torch.Tensor]:
                     raise ImportError(
                         "reading .safetensors needs safetensors: pip install -c constraints.txt -e '.[hf]'"
                     ) from err
-                weights.update(load_file(path))
+                weights.update(_read_safetensors(load_file, path))
             else:
-                weights.update(torch.load(path, map_location="cpu", weights_only=True))
+                weights.update(_read_pickled_tensors(path))
         return weights
     raise ValueError(f"{hf_dir} holds no weights (model.safetensors, pytorch_model.bin or their sharded indexes)")
+
+
+def _indexed_files(index: str) -> list:
+    """The weight files a sharded checkpoint's index names."""
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ValueError(f"{index} is not a weights index (JSON with a weight_map of tensor names to files): "
+                         "download it again") from None
+
+
+def _read_safetensors(load_file, path: str) -> Dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except Exception as err:  # safetensors' own SafetensorError: a damaged header or a truncated file
+        raise ValueError(f"{path} is not a readable safetensors file ({err}); download it again") from None
+
+
+def _read_pickled_tensors(path: str) -> Dict[str, torch.Tensor]:
+    """A ``pytorch_model.bin``'s tensors, unpickled with ``weights_only=True``: a file that holds anything else
+    (code, objects of other classes) is refused, never run."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+        blocked = isinstance(err, pickle.UnpicklingError) and "Weights only load failed" in str(err)
+        why = ("holds objects besides tensors, which loading would run as code, so it is not loaded" if blocked
+               else f"cannot be read ({str(err).splitlines()[0] if str(err) else type(err).__name__})")
+        raise ValueError(f"{path} {why}: give the model as model.safetensors (safetensors holds tensors only), "
+                         "e.g. saved by save_pretrained(..., safe_serialization=True) where you trust the file") \
+            from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{path} holds no state dict (a mapping of names to tensors): give the model's weights, "
+                         "preferably as model.safetensors")
+    return state
 
 
 def import_hf(hf_dir: str, out: str, seq_length: Optional[int] = None, name: Optional[str] = None, *,
@@ -73,7 +112,10 @@ def import_hf(hf_dir: str, out: str, seq_length: Optional[int] = None, name: Opt
     if not os.path.isfile(config_path):
         raise ValueError(f"{hf_dir} has no config.json: not a Hugging Face model directory")
     with open(config_path) as f:
-        hf = json.load(f)
+        try:
+            hf = json.load(f)
+        except ValueError as err:
+            raise ValueError(f"{config_path} is not JSON ({err}): download it again") from None
     model = model_config_from_hf(hf, name or os.path.basename(hf_dir.rstrip("/")), seq_length)
     cfg: Config = OmegaConf.to_object(OmegaConf.merge(
         OmegaConf.structured(Config),
@@ -107,7 +149,6 @@ def import_hf(hf_dir: str, out: str, seq_length: Optional[int] = None, name: Opt
             "config": OmegaConf.to_container(OmegaConf.structured(cfg)),
         }
         write_checkpoint_state(staging, state)  # last: it marks the checkpoint complete, then its manifest
-        os.chmod(staging, 0o755)
         moved_aside = replace_directory(staging, out, writer)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
