@@ -364,7 +364,9 @@ BRANCH = ["experiment=smoke", "optim.decay=wsd", "optim.warmup_steps=4", "optim.
     ([16, 40], ["trainer.max_steps=50", "checkpoint.branch_step=40"], {},
      r"checkpoint.branch_step=40 lies in the source's cooldown \(it cools down from step 32 of 40\)"),
     ([16], ["trainer.max_steps=20"], {"optim__lr": 1e-3}, r"optim.lr=0.003 \(the source's 0.001\)"),
-], ids=["no-checkpoint", "in-cooldown", "other-lr"])
+    ([16], ["trainer.max_steps=45", "checkpoint.branch_step=16"], {},
+     r"trainer.max_steps=45 must lie in \(16, 40\]: after the branch step and within the source's"),
+], ids=["no-checkpoint", "in-cooldown", "other-lr", "past-source"])
 def test_a_branch_refuses_a_source_it_cannot_continue(tmp_path, steps, overrides, changes, message):
     from diff_transformer.training.branching import resolve_branch
 

@@ -84,9 +84,12 @@ def resolve_branch(cfg: Any, run_dir: Optional[str] = None) -> Optional[BranchSo
     except (OSError, ValueError) as err:
         raise ValueError(f"checkpoint {checkpoint}: {STATE_FILE} is unreadable ({err})") from None
     _check_same_stable_phase(cfg, saved, checkpoint, step)
-    if cfg.trainer.max_steps <= step:
-        raise ValueError(f"trainer.max_steps={cfg.trainer.max_steps} must exceed the branch step {step}")
-    return BranchSource(source_run, checkpoint, step, int(saved["config"]["trainer"]["max_steps"]))
+    source_steps = int(saved["config"]["trainer"]["max_steps"])
+    if not step < cfg.trainer.max_steps <= source_steps:
+        # the sample order depends on the planned samples: within the source's plan the branch sees the source's data
+        raise ValueError(f"trainer.max_steps={cfg.trainer.max_steps} must lie in ({step}, {source_steps}]: after the "
+                         f"branch step and within the source's trainer.max_steps, whose data order the branch continues")
+    return BranchSource(source_run, checkpoint, step, source_steps)
 
 
 def _check_same_stable_phase(cfg: Any, saved: dict, checkpoint: str, step: int) -> None:
