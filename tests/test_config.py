@@ -345,7 +345,8 @@ def fake_source(root, steps, max_steps=40, **changes):
     from diff_transformer.training.checkpoint_files import checkpoint_name
 
     config = {"seed": 1234, "trainer": {"max_steps": max_steps, "global_batch_size": 8},
-              "optim": {"lr": 3e-3, "warmup_steps": 4, "decay": "wsd", "cooldown_fraction": 0.2, "cooldown_steps": None}}
+              "optim": {"lr": 3e-3, "warmup_steps": 4, "decay": "wsd", "cooldown_fraction": 0.2,
+                        "cooldown_steps": None}}
     for key, value in changes.items():
         section, name = key.split("__")
         config[section][name] = value

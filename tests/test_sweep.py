@@ -15,8 +15,8 @@ TINY_WSD = ["-m", "+sweep=tiny_wsd", "model=debug", "model.attention=diff", "see
             "trainer.global_batch_size=8", "trainer.eval_interval=20", "trainer.eval_iters=2",
             "logging.wandb.mode=offline"]
 TRUNKS_ONLY = "sweep/tiny_budget@_global_=full"
-TINY = ["-m", "+sweep=tiny", "model=debug", "model.attention=diff", "seed=1,2", "trainer.max_steps=4", "optim.warmup_steps=1",
-        "trainer.micro_batch_size=4", "trainer.global_batch_size=4", "trainer.eval_interval=0",
+TINY = ["-m", "+sweep=tiny", "model=debug", "model.attention=diff", "seed=1,2", "trainer.max_steps=4",
+        "optim.warmup_steps=1", "trainer.micro_batch_size=4", "trainer.global_batch_size=4", "trainer.eval_interval=0",
         "logging.wandb.mode=offline"]
 
 

@@ -88,7 +88,8 @@ def resolve_branch(cfg: Any, run_dir: Optional[str] = None) -> Optional[BranchSo
     if not step < cfg.trainer.max_steps <= source_steps:
         # the sample order depends on the planned samples: within the source's plan the branch sees the source's data
         raise ValueError(f"trainer.max_steps={cfg.trainer.max_steps} must lie in ({step}, {source_steps}]: after the "
-                         f"branch step and within the source's trainer.max_steps, whose data order the branch continues")
+                         "branch step and within the source's trainer.max_steps, whose data order the branch "
+                         "continues")
     return BranchSource(source_run, checkpoint, step, source_steps)
 
 

@@ -81,8 +81,9 @@ def check_sweep_directory(sweep_dir: str, name: str, job_name: str) -> Optional[
             recorded_job = OmegaConf.select(recorded, "hydra.job.name")
             recorded_name = OmegaConf.select(recorded, "name", throw_on_resolution_failure=False)
         except Exception as err:  # noqa: BLE001 - any unreadable YAML is someone else's
-            raise SweepDirectoryRefused(f"sweep directory {sweep_dir}: its {HYDRA_RECORD} is unreadable "
-                                        f"({type(err).__name__}), so whose sweep it holds is unknown: {advice}") from None
+            raise SweepDirectoryRefused(
+                f"sweep directory {sweep_dir}: its {HYDRA_RECORD} is unreadable ({type(err).__name__}), so whose sweep "
+                f"it holds is unknown: {advice}") from None
         if recorded_job != job_name or recorded_name != name:
             raise SweepDirectoryRefused(
                 f"sweep directory {sweep_dir} holds another sweep ({HYDRA_RECORD} of program {recorded_job}, name="
@@ -197,8 +198,11 @@ class SweepCallback(Callback):
         except SweepDirectoryRefused as err:
             raise SweepRefusal(err) from None
         sweep_id = record["id"] if record else new_sweep_id(config.name)
-        print(plan_line(config, sweep_id) + (f"; continuing {sweep_dir}" if record else f" in {sweep_dir}"),
-              flush=True)
+        try:
+            plan = plan_line(config, sweep_id)
+        except Exception as err:  # noqa: BLE001 - a job that cannot compose is refused by the sweeper itself, next
+            plan = f"sweep {sweep_id}: cost unknown ({type(err).__name__}: {str(err).splitlines()[0]})"
+        print(plan + (f"; continuing {sweep_dir}" if record else f" in {sweep_dir}"), flush=True)
         if record is None or not os.path.exists(os.path.join(sweep_dir, SWEEP_RECORD)):
             os.makedirs(sweep_dir, exist_ok=True)
             atomic_write_json(os.path.join(sweep_dir, SWEEP_RECORD), {
