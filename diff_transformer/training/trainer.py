@@ -120,7 +120,6 @@ class Trainer:
         self.launch_record: Dict[str, str] = {}  # Hydra's record of this launch (.hydra/), written at the commit
         self.sweep: Optional[Dict[str, str]] = None  # {"id", "dir"} of the sweep this run belongs to (train.py sets it)
         self.branch: Optional[BranchSource] = None  # checkpoint.branch_from's source, read only
-        self.branched_from: Optional[str] = None  # the source checkpoint this run started from
         self.tokenizer = None  # the run's tokenizer, once setup has prepared the data
         self.compiled_layers = 0  # trainer.compile: this rank's layers under torch.compile
         self.attention_in_graph = 0  # of them, those whose core attention is in the layer's graph
@@ -498,7 +497,6 @@ class Trainer:
         self.step, self.consumed_samples = saved["step"], saved["consumed_samples"]
         self.skipped_steps = saved.get("skipped_steps", 0)
         self.bad_steps.recent.extend(saved.get("recent_losses", []))
-        self.branched_from = self.branch.checkpoint
         self._apply_optimizer_settings()
         if self.rank == 0:
             logger.info("cooldown branch from %s at step %d (%d samples consumed): cools down over the last %d of "
