@@ -15,6 +15,7 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
@@ -27,6 +28,8 @@ from diff_transformer.config import (
     config_error_message, launch_record, register_configs, resolve_launch_paths, to_object, validate, validate_settings,
 )
 from diff_transformer.training.metrics import wandb_credentials_problem
+from diff_transformer.training.sweep import SweepRefusal, finished_run, sweep_of_run
+from diff_transformer.training.branching import resolve_branch
 from diff_transformer.training.run_directory import (
     check_disks, check_start, lock_run_directory, release_run_directory,
 )
@@ -57,10 +60,12 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 def run(dict_cfg: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
     try:
         cfg = to_object(dict_cfg)  # unknown keys, also those added with +, fail here
         resolve_launch_paths(cfg, os.getcwd())  # relative data/checkpoint paths: from where the user launched
-        run_dir = HydraConfig.get().runtime.output_dir
+        run_dir = hydra_cfg.runtime.output_dir
         validate_settings(cfg)  # what needs neither torch nor the world size
         credentials = wandb_credentials_problem(cfg)
         if credentials:
@@ -68,7 +73,14 @@ def run(dict_cfg: DictConfig) -> None:
         if first_process():
             check_disks(cfg, run_dir)
             lock_run_directory(run_dir)  # held until the run ends: a second start here is refused
+        if in_sweep:  # a rerun of the sweep: its finished runs are skipped (another run's directory is refused)
+            finished = finished_run(cfg, run_dir)
+            if finished:
+                if first_process():
+                    print(finished, flush=True)
+                return
         check_start(cfg, run_dir)  # a fresh start where a run is: refused before torch is even imported
+        resolve_branch(cfg, run_dir)  # a branch's source checkpoint, read only: refused before torch is imported
     except ValueError as err:
         refuse(err)
     from diff_transformer.distributed import destroy_distributed, set_torch_env_from_slurm, world_size_from_env
@@ -81,6 +93,8 @@ def run(dict_cfg: DictConfig) -> None:
 
         trainer = create_trainer(cfg, run_dir)
         trainer.launch_record = launch_record(dict_cfg)
+        if in_sweep:
+            trainer.sweep = sweep_of_run(hydra_cfg.sweep.dir, cfg.name)
         trainer.setup()
     except USER_ERRORS as err:  # bad configuration, data or checkpoint: one clear line
         destroy_distributed()
@@ -105,6 +119,8 @@ if __name__ == "__main__":
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra's composition errors reach us, to be told in one line
     try:
         main()
+    except SweepRefusal as refusal:  # the sweep's callback, before any run starts
+        refuse(refusal.args[0])
     except (HydraException, OmegaConfBaseException) as error:
         refuse(ValueError(config_error_message(error)))
     except OSError as error:

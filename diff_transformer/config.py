@@ -91,8 +91,11 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.05
     warmup_steps: int = 375
-    decay: str = "linear"  # linear | cosine | constant
+    decay: str = "linear"  # linear | cosine | constant | wsd (warm-up, stable, then a (1 - sqrt) cooldown)
     clip_grad: float = 1.0
+    # wsd: the cooldown's length, a fraction of trainer.max_steps, or cooldown_steps when set
+    cooldown_fraction: float = 0.2
+    cooldown_steps: Optional[int] = None
 
 
 @dataclass
@@ -136,6 +139,10 @@ class CheckpointConfig:
     check_free_space: bool = True  # at start-up and before each save: is there room for one more checkpoint?
     on_disk_full: str = "skip"  # no room before an interval save: skip it with a warning | stop the run
     verify: bool = True  # record each file's crc32 when saving and check it before loading (false: sizes only)
+    # a cooldown branch: start from another run's checkpoint (model, optimizer, data position), read only, and train
+    # to this run's trainer.max_steps; branch_step null: where this run's cooldown begins
+    branch_from: Optional[str] = None  # the source run directory (or one of its checkpoints)
+    branch_step: Optional[int] = None
 
 
 RESUME_MODES = ("auto", "none")
@@ -330,7 +337,7 @@ def register_configs() -> None:
 
 
 PRECISIONS = ("auto", "fp32", "bf16")
-DECAYS = ("linear", "cosine", "constant")
+DECAYS = ("linear", "cosine", "constant", "wsd")
 RECOMPUTE_MODES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 ATTENTION_DIAGNOSTICS_MODES = ("auto", "on", "off")
@@ -385,6 +392,9 @@ def validate_settings(cfg: Any) -> None:
             f"optim.warmup_steps={o.warmup_steps} must lie in [0, trainer.max_steps={t.max_steps}) so that the "
             "learning rate has steps left to decay"
         )
+    if o.decay == "wsd":
+        validate_cooldown(o, t.max_steps)
+    validate_branch_keys(cfg)
     if p.backend not in ("auto", "nccl", "gloo"):
         raise ValueError(f"parallel.backend={p.backend!r} is unknown; use auto, nccl or gloo")
     if cfg.logging.level not in LOG_LEVELS:
@@ -393,6 +403,50 @@ def validate_settings(cfg: Any) -> None:
         raise ValueError(
             f"logging.wandb.mode={cfg.logging.wandb.mode!r} is unknown; use one of {', '.join(WANDB_MODES)}"
         )
+
+
+def cooldown_steps(o: Any, max_steps: int) -> int:
+    """The length of ``optim.decay=wsd``'s final cooldown: ``optim.cooldown_steps``, else ``cooldown_fraction`` of
+    ``max_steps`` (at least one step)."""
+    if o.cooldown_steps is not None:
+        return o.cooldown_steps
+    return max(1, round(o.cooldown_fraction * max_steps))
+
+
+def validate_cooldown(o: Any, max_steps: int) -> None:
+    if not 0 < o.cooldown_fraction < 1:
+        raise ValueError(f"optim.cooldown_fraction={o.cooldown_fraction} must lie in (0, 1): the share of "
+                         "trainer.max_steps spent cooling down (0.2 is usual)")
+    room = max_steps - o.warmup_steps
+    if o.cooldown_steps is not None and not 1 <= o.cooldown_steps <= room:
+        raise ValueError(f"optim.cooldown_steps={o.cooldown_steps} must lie in [1, {room}] (trainer.max_steps="
+                         f"{max_steps} minus optim.warmup_steps={o.warmup_steps}), or null: optim.cooldown_fraction")
+    if cooldown_steps(o, max_steps) > room:
+        raise ValueError(f"optim.cooldown_fraction={o.cooldown_fraction} gives a cooldown of "
+                         f"{cooldown_steps(o, max_steps)} steps, more than the {room} after the warm-up "
+                         f"(optim.warmup_steps={o.warmup_steps}): lower one of them")
+
+
+def validate_branch_keys(cfg: Any) -> None:
+    """The cheap checks of ``checkpoint.branch_from``/``branch_step``; the source itself is checked by
+    ``training.branching.resolve_branch``."""
+    c, o = cfg.checkpoint, cfg.optim
+    if c.branch_from is None:
+        if c.branch_step is not None:
+            raise ValueError(f"checkpoint.branch_step={c.branch_step} needs checkpoint.branch_from=<the source run "
+                             "directory>")
+        return
+    if o.decay != "wsd":
+        raise ValueError(f"checkpoint.branch_from is a cooldown branch and needs optim.decay=wsd, not "
+                         f"optim.decay={o.decay}")
+    if c.load_weights_only is not None or c.resume not in RESUME_MODES:
+        raise ValueError("checkpoint.branch_from starts the run from the source's checkpoint: leave "
+                         "checkpoint.load_weights_only unset and checkpoint.resume=auto")
+    start = cfg.trainer.max_steps - cooldown_steps(o, cfg.trainer.max_steps)
+    if c.branch_step is not None and not 0 < c.branch_step <= start:
+        raise ValueError(f"checkpoint.branch_step={c.branch_step} must lie in [1, {start}]: before this run's "
+                         f"cooldown, which starts at step {start} (trainer.max_steps={cfg.trainer.max_steps}), or "
+                         "null: that step")
 
 
 def validate(cfg: Any, world_size: int) -> None:

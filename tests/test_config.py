@@ -8,6 +8,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import ConfigKeyError
 
 from diff_transformer.config import register_configs, to_object, validate
@@ -286,3 +287,165 @@ def test_data_group_selects_the_source():
     shards = compose_cfg("data=shards")
     with pytest.raises(ValueError, match="data.source='shards' needs data.blend"):
         shards.data.validate()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# optim.decay=wsd and cooldown branches: the schedule against its formula, bad values refused
+# ------------------------------------------------------------------------------------------------------------------
+def wsd_reference(t, lr, lr_min, warmup, cooldown, total):
+    """Hägele et al. 2024's warmup-stable-decay with the (1 - sqrt) cooldown, written out: lr after t updates."""
+    start = total - cooldown
+    if t <= warmup:
+        return lr * t / warmup
+    if t <= start:
+        return lr
+    return lr_min + (lr - lr_min) * (1 - ((t - start) / cooldown) ** 0.5)
+
+
+@pytest.mark.parametrize("overrides,cooldown", [([], 20), (["optim.cooldown_steps=7"], 7),
+                                                (["optim.cooldown_fraction=0.5"], 50)])
+def test_wsd_schedule_follows_the_one_minus_sqrt_formula(overrides, cooldown):
+    from types import SimpleNamespace
+
+    from diff_transformer.training.trainer import Trainer
+
+    cfg = compose_cfg("trainer.max_steps=100", "optim.warmup_steps=10", "optim.decay=wsd", "optim.lr=3e-3",
+                      "optim.min_lr=1e-4", *overrides)
+    validate(cfg, world_size=1)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = Trainer._lr_scheduler(SimpleNamespace(cfg=cfg), optimizer)
+    lrs = []
+    for t in range(101):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        assert lrs[-1] == pytest.approx(wsd_reference(t, 3e-3, 1e-4, 10, cooldown, 100), rel=1e-12, abs=1e-15), t
+        scheduler.step(increment=1)
+    assert lrs[100 - cooldown] == 3e-3 > lrs[101 - cooldown] and lrs[100] == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["optim.decay=step"], r"optim.decay='step' is unknown; use one of linear, cosine, constant, wsd"),
+    (["optim.decay=wsd", "optim.cooldown_fraction=1.0"], r"optim.cooldown_fraction=1.0 must lie in \(0, 1\)"),
+    (["optim.decay=wsd", "optim.cooldown_fraction=0"], r"optim.cooldown_fraction=0.0 must lie in \(0, 1\)"),
+    (["optim.decay=wsd", "trainer.max_steps=20", "optim.warmup_steps=5", "optim.cooldown_steps=16"],
+     r"optim.cooldown_steps=16 must lie in \[1, 15\]"),
+    (["checkpoint.branch_step=8"], r"checkpoint.branch_step=8 needs checkpoint.branch_from"),
+    (["checkpoint.branch_from=/tmp"], r"cooldown branch and needs optim.decay=wsd, not optim.decay=linear"),
+    (["optim.decay=wsd", "trainer.max_steps=40", "optim.warmup_steps=4", "checkpoint.branch_from=/tmp",
+      "checkpoint.branch_step=33"], r"checkpoint.branch_step=33 must lie in \[1, 32\]"),
+], ids=["decay", "fraction-1", "fraction-0", "cooldown-steps", "step-without-source", "branch-not-wsd", "step-late"])
+def test_bad_schedule_and_branch_values_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        validate(compose_cfg(*overrides), world_size=1)
+
+
+def fake_source(root, steps, max_steps=40, **changes):
+    """A source run directory whose checkpoints hold only trainer_state.json: what resolve_branch reads."""
+    import json
+
+    from diff_transformer.training.checkpoint_files import checkpoint_name
+
+    config = {"seed": 1234, "trainer": {"max_steps": max_steps, "global_batch_size": 8},
+              "optim": {"lr": 3e-3, "warmup_steps": 4, "decay": "wsd", "cooldown_fraction": 0.2,
+                        "cooldown_steps": None}}
+    for key, value in changes.items():
+        section, name = key.split("__")
+        config[section][name] = value
+    for step in steps:
+        path = root / "checkpoints" / checkpoint_name(step)
+        path.mkdir(parents=True)
+        (path / "trainer_state.json").write_text(json.dumps({"step": step, "config": config}))
+    return root
+
+
+BRANCH = ["experiment=smoke", "optim.decay=wsd", "optim.warmup_steps=4", "optim.lr=3e-3", "seed=1234"]
+
+
+@pytest.mark.parametrize("steps,overrides,changes,message", [
+    ([8, 24], ["trainer.max_steps=20"], {}, r"checkpoint.branch_step=16 .*has no checkpoint in .* \(steps: 8, 24\)"),
+    ([16, 40], ["trainer.max_steps=50", "checkpoint.branch_step=40"], {},
+     r"checkpoint.branch_step=40 lies in the source's cooldown \(it cools down from step 32 of 40\)"),
+    ([16], ["trainer.max_steps=20"], {"optim__lr": 1e-3}, r"optim.lr=0.003 \(the source's 0.001\)"),
+    ([16], ["trainer.max_steps=45", "checkpoint.branch_step=16"], {},
+     r"trainer.max_steps=45 must lie in \(16, 40\]: after the branch step and within the source's"),
+], ids=["no-checkpoint", "in-cooldown", "other-lr", "past-source"])
+def test_a_branch_refuses_a_source_it_cannot_continue(tmp_path, steps, overrides, changes, message):
+    from diff_transformer.training.branching import resolve_branch
+
+    source = fake_source(tmp_path / "trunk", steps, **changes)
+    cfg = compose_cfg(*BRANCH, f"checkpoint.branch_from={source}", *overrides)
+    validate(cfg, world_size=1)
+    with pytest.raises(ValueError, match=message):
+        resolve_branch(cfg, str(tmp_path / "branch"))
+
+
+def test_a_branch_starts_where_its_cooldown_begins_by_default(tmp_path):
+    from diff_transformer.training.branching import resolve_branch
+
+    source = fake_source(tmp_path / "trunk", [8, 16, 24])
+    branch = resolve_branch(compose_cfg(*BRANCH, f"checkpoint.branch_from={source}", "trainer.max_steps=20"))
+    assert (branch.step, branch.max_steps, branch.run_dir) == (16, 40, str(source))
+    assert branch.record() == {"source_run": str(source), "source_step": 16}
+    named = resolve_branch(compose_cfg(*BRANCH, f"checkpoint.branch_from={branch.checkpoint}", "trainer.max_steps=30"))
+    assert (named.step, named.run_dir) == (16, str(source)), "a step_* checkpoint names its run and step"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Sweep presets: seeds in every subdir, WSD trunks before their branches, an lr grid with unique subdirs
+# ------------------------------------------------------------------------------------------------------------------
+def sweep_jobs(preset, *extra):
+    """(hydra config of the sweep, [composed job config, ...]) in the order Hydra's basic sweeper launches them."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        sweep = compose("config", overrides=[f"+sweep={preset}", *extra], return_hydra_config=True)
+        params = [f"{k}={v}" for k, v in sweep.hydra.sweeper.params.items()] + [f"+sweep={preset}", *extra]
+        jobs = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(params), None)[0]
+        return sweep, [compose("config", overrides=job, return_hydra_config=True) for job in jobs]
+
+
+def test_tiny_sweep_has_three_seeds_and_a_subdir_per_seed():
+    sweep, jobs = sweep_jobs("tiny")
+    assert sweep.hydra.sweeper.params["seed"] == "1,2,3" and len(jobs) == 18
+    subdirs = {job.hydra.sweep.subdir for job in jobs}
+    assert len(subdirs) == 18 and "scale_1m-diff-seed2" in subdirs
+
+
+def test_lr_grid_gives_each_lr_its_own_subdir():
+    _, jobs = sweep_jobs("tiny_lr", "model=scale_1m", "model.attention=diff", "seed=1")
+    assert [job.optim.lr for job in jobs] == [1e-3, 2e-3, 4e-3]
+    assert len({job.hydra.sweep.subdir for job in jobs}) == 3
+
+
+def test_wsd_sweep_runs_each_trunk_before_its_branches_from_saved_stable_checkpoints():
+    from diff_transformer.config import cooldown_steps
+    from diff_transformer.training.checkpoint_files import checkpoints_to_delete
+
+    _, jobs = sweep_jobs("tiny_wsd", "model=scale_1m", "model.attention=diff")
+    assert len(jobs) == 9
+    trunks = {}
+    for job in jobs:
+        source = OmegaConf.to_container(job.checkpoint)["branch_from"]
+        subdir = job.hydra.sweep.subdir
+        with open_dict(job):
+            del job["hydra"]
+            job.checkpoint.branch_from = source and "/trunk"  # the sweep directory is Hydra's at launch
+        cfg = to_object(job)
+        validate(cfg, world_size=1)
+        key = (cfg.model.name, cfg.seed)
+        if source is None:
+            trunks[key] = cfg
+            assert subdir == f"scale_1m-diff-seed{cfg.seed}"
+            continue
+        trunk = trunks[key]  # launched before its branches
+        assert source == "${hydra:sweep.dir}/${model.name}-${model.attention}-seed${seed}"
+        assert subdir == f"scale_1m-diff-seed{cfg.seed}-steps{cfg.trainer.max_steps}"
+        start = cfg.trainer.max_steps - cooldown_steps(cfg.optim, cfg.trainer.max_steps)
+        trunk_steps = range(trunk.checkpoint.interval, trunk.trainer.max_steps + 1, trunk.checkpoint.interval)
+        kept = set(trunk_steps) - set(checkpoints_to_delete(list(trunk_steps), trunk.checkpoint.keep_last,
+                                                            trunk.checkpoint.keep_every))
+        assert start in kept and start <= trunk.trainer.max_steps - cooldown_steps(trunk.optim, trunk.trainer.max_steps)
+    assert sorted({job.trainer.max_steps for job in jobs}) == [20, 40, 80]
+    plain = sum(t.trainer.max_steps for t in trunks.values())
+    extra = sum(0.2 * job.trainer.max_steps for job in jobs if job.checkpoint.branch_from is not None)
+    assert (plain + extra) / plain == pytest.approx(1.15)

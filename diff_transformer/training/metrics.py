@@ -11,7 +11,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from diff_transformer.config import WANDB_MODES
 from diff_transformer.fileio import atomic_write_lines
@@ -240,14 +240,26 @@ def wandb_sync_line(run_dir: str, run_id: str) -> str:
             f"upload all with: wandb sync {pattern}")
 
 
-def wandb_run_name(cfg: Any) -> str:
+def wandb_run_name(cfg: Any, run_dir: Optional[str] = None, sweep: Optional[Dict[str, str]] = None) -> str:
     """Model size, attention variant and seed (after the sweep's or experiment's name): what tells runs apart in
-    W&B's run list, where the run directory's timestamp would not."""
+    W&B's run list, where the run directory's timestamp would not. In a sweep: the sweep's id and the run's
+    subdirectory, unique within it, so that names differ across sweeps too."""
     from diff_transformer.models.layer_specs import variant_label
 
+    if sweep is not None and run_dir is not None:
+        return f"{sweep['id']}/{os.path.relpath(os.path.abspath(run_dir), sweep['dir'])}"
     parts = [] if cfg.name == "default" else [cfg.name]
     parts += [cfg.model.name, variant_label(cfg.model).replace(" ", "_"), f"seed{cfg.seed}"]
     return "-".join(parts)
+
+
+def wandb_tags(cfg: Any, sweep: Optional[Dict[str, str]] = None) -> List[str]:
+    """The configured tags, the size and kind, what the run trained on, and (in a sweep) ``sweep:<id>``, seed and lr:
+    W&B filters on tags, so a sweep or a data set can be picked out. W&B allows 64 characters a tag."""
+    tags = list(cfg.logging.wandb.tags) + [cfg.model.name, cfg.model.attention, f"data:{cfg.data.describe()}"[:64]]
+    if sweep is not None:
+        tags += [f"sweep:{sweep['id']}"[:64], f"seed:{cfg.seed}", f"lr:{cfg.optim.lr:g}"]
+    return tags
 
 
 def wandb_credentials_problem(cfg: Any) -> Optional[str]:
@@ -272,8 +284,10 @@ def wandb_credentials_problem(cfg: Any) -> Optional[str]:
     )
 
 
-def init_wandb(cfg: Any, run_dir: str, resolved_config: Dict[str, Any], run_id: Optional[str] = None):
-    """Start (or, with ``run_id``, continue) the W&B run; offline by default and never needing an account."""
+def init_wandb(cfg: Any, run_dir: str, resolved_config: Dict[str, Any], run_id: Optional[str] = None,
+               sweep: Optional[Dict[str, str]] = None):
+    """Start (or, with ``run_id``, continue) the W&B run; offline by default and never needing an account. Its group
+    is the sweep's id in a sweep (one group per sweep invocation), else the experiment's name."""
     wcfg = cfg.logging.wandb
     if wcfg.mode not in WANDB_MODES:
         raise ValueError(f"logging.wandb.mode={wcfg.mode!r} is unknown; use one of {', '.join(WANDB_MODES)}")
@@ -283,14 +297,13 @@ def init_wandb(cfg: Any, run_dir: str, resolved_config: Dict[str, Any], run_id: 
         import wandb
     except ImportError as err:
         raise ImportError("logging.wandb.mode needs the wandb package; pip install wandb, or set it to disabled") from err
-    tags = list(wcfg.tags) + [cfg.model.name, cfg.model.attention]
     return wandb.init(
         mode=wcfg.mode,
         project=wcfg.project,
         entity=wcfg.entity,
-        group=cfg.name,
-        name=wandb_run_name(cfg),
-        tags=tags,
+        group=sweep["id"] if sweep else cfg.name,
+        name=wandb_run_name(cfg, run_dir, sweep),
+        tags=wandb_tags(cfg, sweep),
         config=resolved_config,
         dir=run_dir,
         id=run_id,

@@ -21,7 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from diff_transformer import compat
-from diff_transformer.config import padded_vocab_size, validate
+from diff_transformer.config import cooldown_steps, padded_vocab_size, validate
 from diff_transformer.fileio import atomic_write_json, atomic_write_text
 from diff_transformer.models.gpt import (
     FUSED_ATTENTION_BACKENDS,
@@ -77,6 +77,7 @@ from diff_transformer.training.checkpoint import (
     select_resume_checkpoint,
 )
 from diff_transformer.distributed import world_size_from_env
+from diff_transformer.training.branching import BranchSource, resolve_branch
 from diff_transformer.training.diagnostics import AttentionDiagnostics, diagnostics_enabled, estimated_cost_fraction
 from diff_transformer.training.failures import (
     BadStepGuard,
@@ -117,6 +118,8 @@ class Trainer:
         self._damaged_checkpoints: List[Any] = []  # (path, why) skipped by checkpoint.resume=auto
         self._backend_decision: Optional[Dict[str, Any]] = None  # model.attention_backend=auto's, to record
         self.launch_record: Dict[str, str] = {}  # Hydra's record of this launch (.hydra/), written at the commit
+        self.sweep: Optional[Dict[str, str]] = None  # {"id", "dir"} of the sweep this run belongs to (train.py sets it)
+        self.branch: Optional[BranchSource] = None  # checkpoint.branch_from's source, read only
         self.tokenizer = None  # the run's tokenizer, once setup has prepared the data
         self.compiled_layers = 0  # trainer.compile: this rank's layers under torch.compile
         self.attention_in_graph = 0  # of them, those whose core attention is in the layer's graph
@@ -160,13 +163,16 @@ class Trainer:
         self.num_microbatches = gbs // (mbs * self.dp_size)
         self.tokens_per_step = gbs * cfg.model.seq_length
         t = cfg.trainer
-        eval_runs = (t.max_steps // t.eval_interval + 1) if t.eval_interval > 0 else 0
+        self.branch = resolve_branch(cfg, self.run_dir)
+        # a branch sizes its data like its source, whose sample order (and validation samples) it then shares
+        data_steps = max(t.max_steps, self.branch.max_steps) if self.branch else t.max_steps
+        eval_runs = (data_steps // t.eval_interval + 1) if t.eval_interval > 0 else 0
         self.train_ds, self.valid_ds, _ = build_datasets(
             prepared,
             self.tokenizer,
             seq_length=cfg.model.seq_length,
             seed=cfg.seed,
-            train_samples=t.max_steps * gbs,
+            train_samples=data_steps * gbs,
             valid_samples=max(eval_runs * t.eval_iters * gbs, 1),
             split=cfg.data.split,
             index_cache_dir=cfg.data.index_cache_dir,
@@ -237,8 +243,9 @@ class Trainer:
         return torch.stack([self.train_ds[i]["document_ids"] for i in range(count)])
 
     def _agreed_resume_candidate(self) -> Optional[str]:
-        """:meth:`_resume_candidate` of the run's checkpoint directory, decided by rank 0 for every rank
-        (collective); a refusal (a damaged checkpoint named by checkpoint.resume) raises on every rank."""
+        """:meth:`_resume_candidate` of the run's checkpoint directory (else a branch's source checkpoint), decided by
+        rank 0 for every rank (collective); a refusal (a damaged checkpoint named by checkpoint.resume) raises on
+        every rank."""
         resume, error = None, None
         if self.rank == 0:
             try:
@@ -248,7 +255,7 @@ class Trainer:
         resume, error = distributed.broadcast_object((resume, error), src=0)
         if error:
             raise ValueError(error)
-        return resume
+        return resume or (self.branch.checkpoint if self.branch else None)
 
     def _build_model(self):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -310,6 +317,9 @@ class Trainer:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         o, t = self.cfg.optim, self.cfg.trainer
+        # wsd: megatron-core's WSD with the (1 - sqrt) cooldown of Hägele et al. 2024 over the last cooldown steps
+        wsd = {"lr_decay_style": "WSD", "wsd_decay_steps": cooldown_steps(o, t.max_steps),
+               "lr_wsd_decay_style": "minus_sqrt"} if o.decay == "wsd" else {"lr_decay_style": o.decay}
         # a resumed run's schedule is the config's, continued at the checkpoint's step (megatron's
         # --override-opt_param-scheduler): extending trainer.max_steps or changing optim.lr takes effect
         return OptimizerParamScheduler(
@@ -319,7 +329,7 @@ class Trainer:
             min_lr=o.min_lr,
             lr_warmup_steps=o.warmup_steps,
             lr_decay_steps=t.max_steps,
-            lr_decay_style=o.decay,  # linear | cosine | constant (validated), megatron-core's names
+            **wsd,  # linear | cosine | constant (validated) are megatron-core's names
             start_wd=o.weight_decay,
             end_wd=o.weight_decay,
             wd_incr_steps=t.max_steps,
@@ -477,6 +487,21 @@ class Trainer:
             self.checkpoints.load(weights, weights_only=True)
             if self.rank == 0:
                 logger.info("started from the weights of %s", weights)
+        elif self.branch is not None:
+            self._start_branch()
+
+    def _start_branch(self) -> None:
+        """Model, optimizer, schedule position, data position and RNG from the source's checkpoint (only read); the
+        W&B run, metrics and checkpoints are this run's own."""
+        saved = self.checkpoints.load(self.branch.checkpoint)
+        self.step, self.consumed_samples = saved["step"], saved["consumed_samples"]
+        self.skipped_steps = saved.get("skipped_steps", 0)
+        self.bad_steps.recent.extend(saved.get("recent_losses", []))
+        self._apply_optimizer_settings()
+        if self.rank == 0:
+            logger.info("cooldown branch from %s at step %d (%d samples consumed): cools down over the last %d of "
+                        "trainer.max_steps=%d", self.branch.checkpoint, self.step, self.consumed_samples,
+                        cooldown_steps(self.cfg.optim, self.cfg.trainer.max_steps), self.cfg.trainer.max_steps)
 
     def _apply_optimizer_settings(self) -> None:
         """The config's learning rates, Adam betas and eps over the ones a loaded optimizer state carries, then the
@@ -597,6 +622,14 @@ class Trainer:
             check_weights_compatible(weights, saved["config"]["model"], current_model)
             check_weights_loadable(weights, saved, self.cfg)
             return None, weights
+        if self.branch is not None:  # checked like a resume; loaded by _start_branch
+            source = self.branch.checkpoint
+            require_verified(source, c.verify)
+            saved = read_trainer_state(source)
+            check_model_compatible(source, saved["config"]["model"], current_model)
+            if self.tokenizer is not None:
+                check_tokenizer_unchanged(source, saved, self.tokenizer.model_sha256, self.tokenizer.path)
+            check_resumable(source, saved, self.cfg)
         return None, None
 
     # -- data --------------------------------------------------------------------------------------------------------
@@ -747,6 +780,16 @@ class Trainer:
             "attention": self.cfg.model.attention,
             "variant": variant_label(self.cfg.model),  # the kind and its ablation keys: compare --table groups by it
             "seed": self.cfg.seed,
+            "lr": self.cfg.optim.lr,
+            "lr_schedule": {
+                "decay": self.cfg.optim.decay, "warmup_steps": self.cfg.optim.warmup_steps,
+                "cooldown_steps": (cooldown_steps(self.cfg.optim, self.cfg.trainer.max_steps)
+                                   if self.cfg.optim.decay == "wsd" else None),
+            },
+            "branch": self.branch.record() if self.branch else None,
+            "flops_per_token": self._flops_per_token,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "sweep": self.sweep,
             "num_parameters": self.num_parameters,
             "num_non_embedding_parameters": self.num_non_embedding_parameters,
             "tokens_per_step": self.tokens_per_step,
@@ -808,13 +851,13 @@ class Trainer:
                 logger.info("already at max_steps=%d (resumed from %s): nothing to train; raise trainer.max_steps to "
                             "train on", self.cfg.trainer.max_steps, self.resumed_from)
             return []
+        self._flops_per_token = model_flops_per_token(self.cfg, self.num_non_embedding_parameters, self.padded_vocab,
+                                                      self._masked_attention_keys())
         self.write_run_info()
         writer = self._open_metrics()
         signals = PreemptionSignals(self.cfg.failures.signals, grace_period_seconds(self.cfg.failures),
                                     self.checkpoint_root).install()
         train_iter = self._loader(self.train_ds, self.consumed_samples)
-        self._flops_per_token = model_flops_per_token(self.cfg, self.num_non_embedding_parameters, self.padded_vocab,
-                                                      self._masked_attention_keys())
         self._peak_flops = peak_flops_per_device(self.cfg)
         self.diagnostics = self._attention_diagnostics()
         history = []
@@ -846,7 +889,7 @@ class Trainer:
         wandb_run = None
         if self.rank == 0:
             resolved = OmegaConf.to_container(OmegaConf.structured(self.cfg))
-            wandb_run = init_wandb(self.cfg, self.run_dir, resolved, run_id=self.wandb_run_id)
+            wandb_run = init_wandb(self.cfg, self.run_dir, resolved, run_id=self.wandb_run_id, sweep=self.sweep)
             self.wandb_run_id = getattr(wandb_run, "id", None)
             if wandb_run is not None:  # compare --wandb reads the run description from here
                 with open(os.path.join(self.run_dir, "run.json")) as f:
