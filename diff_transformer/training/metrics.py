@@ -300,5 +300,5 @@ def init_wandb(cfg: Any, run_dir: str, resolved_config: Dict[str, Any], run_id: 
         dir=run_dir,
         id=run_id,
         resume="allow" if run_id else None,
-        settings=wandb.Settings(quiet=True),  # its banner and history table: the run's own lines say where it is
+        settings=wandb.Settings(silent=True),  # its banner and history table: the run's own lines say where it is
     )
