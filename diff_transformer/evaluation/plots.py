@@ -11,6 +11,7 @@ from diff_transformer.evaluation.niah import REGIONS
 from diff_transformer.figure_style import kind_color
 
 LINE_STYLES = ("-", "--", "-.", ":")
+UNIFORM_LABEL = "uniform attention"  # the reference line of the NIAH allocation figure
 REGION_TITLES = {"answer": "the answer needle", "distractors": "the other needles", "haystack": "the haystack",
                  "queries": "the query"}
 
@@ -102,12 +103,16 @@ def plot_attention_allocation(results: Dict[str, Dict[str, Any]], path: Path,
     runs = runs or {label: {} for label in results}
     styles = _run_styles(runs)
     fig, axes = plt.subplots(1, len(REGIONS), figsize=(3.2 * len(REGIONS), 3.4), sharey=True)
+    # the share uniform attention would give: the same for every run (same samples), absent from older results
+    uniform = next((r["uniform_allocation"] for r in results.values() if r.get("uniform_allocation")), None)
     for ax, region in zip(axes, REGIONS):
         for label, result in results.items():
             allocation = result["attention_allocation"]
             layers = sorted(allocation, key=int)
             ax.plot([int(x) for x in layers], [allocation[x][region] for x in layers], marker="o", label=label,
                     **styles[label])
+        if uniform is not None:
+            ax.axhline(uniform[region], color="0.4", linestyle=":", lw=1.2, label=UNIFORM_LABEL)
         ax.set_title(REGION_TITLES.get(region, region), fontsize=9)
         ax.set_xlabel("layer")
         ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
