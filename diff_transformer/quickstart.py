@@ -6,7 +6,7 @@ say otherwise), plot both, and measure their throughput against each other.
 Each model is a normal ``train.py experiment=quickstart`` run in its own run directory (so ``compare`` and
 ``checkpoint inspect`` work on them too); the bundled corpus is tokenized on first use. Ctrl-C stops the run in
 progress after it saves; the same command resumes it. Then both models train in this process in alternating short
-windows (``training.profiling.paired_throughput``), so that a neighbour's load slows both alike. Writes
+windows (``training.paired_throughput``), so that a neighbour's load slows both alike. Writes
 ``DIR/loss_curves.png`` and ``DIR/summary.json``.
 """
 
@@ -211,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{s['tokens_per_s_median']:,.0f} tokens/s (median over its run)")
     summary["diff_vs_vanilla_throughput"] = None
     if args.ab_rounds:
-        from diff_transformer.training.profiling import paired_run_throughput
+        from diff_transformer.training.paired_throughput import paired_run_throughput
 
         print(f"measuring throughput: {args.ab_rounds} rounds of alternating windows of each model ...", flush=True)
         try:

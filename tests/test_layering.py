@@ -52,9 +52,9 @@ ALLOWED = {
     # (every entry point may check its output with the torch-free fileio before it imports a library)
     "diff_transformer.checkpoint": ("diff_transformer.training", "diff_transformer.cli", "diff_transformer.fileio"),
     "diff_transformer.compare": ("diff_transformer.analysis", "diff_transformer.cli"),
-    # the quickstart's A/B trains both models in its own process (training.profiling)
+    # the quickstart's A/B trains both models in its own process (training.paired_throughput)
     "diff_transformer.quickstart": ("diff_transformer.analysis", "diff_transformer.fileio", "diff_transformer.cli",
-                                    "diff_transformer.figure_style", "diff_transformer.training.profiling"),
+                                    "diff_transformer.figure_style", "diff_transformer.training.paired_throughput"),
     # export refuses a path that is no checkpoint before it imports torch: the torch-free checkpoint layout
     "diff_transformer.export": ("diff_transformer.hf", "diff_transformer.training.checkpoint_files", "diff_transformer.cli",
                                 "diff_transformer.fileio"),

@@ -1,11 +1,11 @@
-"""The throughput A/B (training.profiling.paired_throughput) on a synthetic clock with a known answer: one model exactly
+"""The throughput A/B (training.paired_throughput) on a synthetic clock with a known answer: one model exactly
 k times slower, a neighbour's load that changes between rounds and within them."""
 
 import random
 
 import pytest
 
-from diff_transformer.training.profiling import median_interval, paired_throughput
+from diff_transformer.training.paired_throughput import median_interval, paired_throughput
 
 K = 1.1  # A takes 1.1x B's time per step: A's throughput over B's is 1/1.1
 

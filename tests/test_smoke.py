@@ -35,7 +35,7 @@ def test_smoke_experiment_loss_falls_and_run_dir_is_complete(tmp_path):
     # a quiet start: a short summary before the first progress line, the whole config only in the run directory
     start = proc.stdout.split("| loss ")[0].splitlines()[:-1]
     assert len(start) + len(proc.stderr.splitlines()) <= 25, proc.stdout
-    for what in ("config: ", "model debug", "data: ", "layout: ", "estimated memory per GPU", "attention_backend"):
+    for what in ("config: ", "model debug DIFF (", "data: ", "layout: ", "estimated memory per GPU", "attention_backend"):
         assert any(what in line for line in start), (what, start)
     assert f"config: {tmp_path / 'config.yaml'} (resolved)" in proc.stdout and "overwrite_run" not in proc.stdout
     assert "overwrite_run: false" in (tmp_path / "config.yaml").read_text()

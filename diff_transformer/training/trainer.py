@@ -42,6 +42,7 @@ from diff_transformer.models.gpt import (
     v2_baseline,
 )
 from diff_transformer.models.attention.diff_v2 import record_lambda, recorded_lambda_sums
+from diff_transformer.figure_style import variant_name
 from diff_transformer.models.layer_specs import variant_label
 from diff_transformer import distributed
 from diff_transformer.training.accounting import (
@@ -363,9 +364,9 @@ class Trainer:
         # the console gets a summary; the whole resolved config is the run directory's config.yaml
         logger.info("config: %s (resolved)", os.path.join(self.run_dir, "config.yaml"))
         logger.info(
-            "model %s (%s attention, backend %s, fusions %s): %s parameters (%s without embeddings), vocab %d "
+            "model %s %s (attention backend %s, fusions %s): %s parameters (%s without embeddings), vocab %d "
             "(padded %d)",
-            cfg.model.name, cfg.model.attention, cfg.model.attention_backend,
+            cfg.model.name, variant_name(variant_label(cfg.model)), cfg.model.attention_backend,
             fusions_summary(cfg),
             f"{self.num_parameters:,}", f"{self.num_non_embedding_parameters:,}",
             self.tokenizer.vocab_size, self.padded_vocab,
