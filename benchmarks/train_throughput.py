@@ -235,7 +235,8 @@ def report(args, rows) -> str:
         for base in bases if r["kind"] != "vanilla" else []:
             lines.append(f"- **{r['label']} / {base['label']} tokens/s at TP={r['tp']}: "
                          f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}**; peak memory "
-                         f"{r['memory_gib'] / base['memory_gib']:.3f}×")
+                         f"{r['memory_gib'] / base['memory_gib']:.3f}× (runs one after the other: a neighbour's load on a "
+                         f"shared machine moves this ratio; the interleaved one does not)")
     for (tp, compiled), ab in sorted(getattr(args, "paired", {}).items()):
         lines.append(f"- **interleaved in one process at TP={tp}{', compiled' if compiled else ''}: "
                      f"{ab.describe('DIFF', 'Transformer')}**")
@@ -279,7 +280,7 @@ def measure(args, tp: int, spec: str, compile_mode: str, profile_step: int, tmp:
         kernels = sdpa_kernels(overrides)
     except Exception as err:  # the attention kinds without an sdpa path (none today), or no memory left
         kernels = [f"not measured: {type(err).__name__}: {err}"]
-    print(f"{kind}: SDPA kernels per layer: {kernels}", flush=True)
+    print(f"{variant_name(kind)}: SDPA kernels per layer: {kernels}", flush=True)
     run_dir = tmp / f"{kind}-{backend or 'auto'}-tp{tp}-compile-{compile_mode}"
     result = run(overrides, tp, run_dir)
     from diff_transformer.models.gpt import dynamo_disabled
