@@ -106,6 +106,8 @@ def train(kind: str, run_dir: Path, steps: int | None, extra: Sequence[str]) -> 
         if status in (EXIT_STOPPED_RESUMABLE, 0):
             raise Interrupted(f"interrupted (SIGINT): the {LABELS[kind]} run saved its last step in {run_dir}; "
                               f"rerun the same command to resume it") from None
+        if status == EXIT_INTERRUPTED:  # before its training started: train.py said so in its own line
+            raise Interrupted() from None
         raise Interrupted(f"interrupted (SIGINT): the {LABELS[kind]} run stopped (exit {status}); rerun the same "
                           f"command to go on") from None
     if status == EXIT_STOPPED_RESUMABLE:  # the trainer was stopped by a signal of its own (SIGTERM)
@@ -187,7 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             with open(out / kind / "metrics.jsonl") as f:
                 runs[kind] = [json.loads(line) for line in f if line.strip()]
     except Interrupted as stop:
-        print_error(str(stop))
+        if stop.args:
+            print_error(str(stop))
         return EXIT_INTERRUPTED
     except TrainingFailed as failed:
         return failed.args[0]
