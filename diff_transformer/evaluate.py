@@ -187,7 +187,7 @@ def evaluate_one(model, run, args, tasks: List[str], config) -> Dict:
     tokenizer = load_run_tokenizer(run)
     result: Dict = {"run": {"label": run.label, "checkpoint": run.checkpoint, "step": run.step,
                             "attention": run.attention, "seq_length": run.seq_length,
-                            "data": report.data_label(run.config),
+                            **report.training_of(run.config, run.step),
                             "evaluated_length": model.seq_length, "rope_base": model.cfg.model.rope_base,
                             "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""),
                             "world_size": model.world_size * model.cp, "context_parallel": model.cp}}
