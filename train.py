@@ -22,7 +22,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from diff_transformer.cli import (
     EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_REFUSED, EXIT_STOPPED_RESUMABLE, USER_ERRORS, error_text, print_error,
-    quiet_library_notices,
 )
 from diff_transformer.config import (
     config_error_message, launch_record, register_configs, resolve_launch_paths, to_object, validate, validate_settings,
@@ -35,7 +34,6 @@ from diff_transformer.training.run_directory import (
 )
 
 register_configs()
-quiet_library_notices()
 _started = []  # main was entered: Hydra made the run directory
 
 

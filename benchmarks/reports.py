@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+import diff_transformer.cli  # noqa: F401  (every benchmark, as every command, hides the libraries' notices)
+
 
 def machine_name() -> str:
     if torch.cuda.is_available():

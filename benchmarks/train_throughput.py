@@ -15,8 +15,10 @@ epilogue, norms, other elementwise, optimizer, communication, idle). ``--fit-gib
 ``trainer.recompute`` (none, selective, full) whose memory plan fits that many GiB. ``--compile off on`` runs each
 configuration eagerly and with ``trainer.compile=true`` (each layer under torch.compile); every row shows its first
 step's time (which under compile includes compiling) apart from the median. Hydra overrides after the options go to
-every run. Ratios are only meaningful between rows of the same run on the same machine. Writes
-``<out>/train_throughput_<model>_<machine>_<date>.md``.
+every run. Ratios are only meaningful between rows of the same run on the same machine. Runs made one after the
+other see different loads on a shared machine: at TP=1 (by default on a CPU, ``--ab-rounds``) DIFF and the
+Transformer then also train in one process in alternating windows (``training.paired_throughput``), whose
+ratio a neighbour's load does not move, with its interval. Writes ``<out>/train_throughput_<model>_<machine>_<date>.md``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.reports import machine_name, write_report  # noqa: E402
 
 from diff_transformer.distributed import free_port  # noqa: E402
+from diff_transformer.figure_style import variant_name  # noqa: E402
 
 CATEGORIES = ("GEMM", "attention", "DIFF epilogue", "norms", "other elementwise", "optimizer", "communication", "idle")
 
@@ -232,7 +235,11 @@ def report(args, rows) -> str:
         for base in bases if r["kind"] != "vanilla" else []:
             lines.append(f"- **{r['label']} / {base['label']} tokens/s at TP={r['tp']}: "
                          f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}**; peak memory "
-                         f"{r['memory_gib'] / base['memory_gib']:.3f}×")
+                         f"{r['memory_gib'] / base['memory_gib']:.3f}× (runs one after the other: a neighbour's load on a "
+                         f"shared machine moves this ratio; the interleaved one does not)")
+    for (tp, compiled), ab in sorted(getattr(args, "paired", {}).items()):
+        lines.append(f"- **interleaved in one process at TP={tp}{', compiled' if compiled else ''}: "
+                     f"{ab.describe('DIFF', 'Transformer')}**")
     lines += ["", "Attention backend and kernels per run:", ""]
     for r in rows:
         choice = r.get("choice") or {}
@@ -273,15 +280,16 @@ def measure(args, tp: int, spec: str, compile_mode: str, profile_step: int, tmp:
         kernels = sdpa_kernels(overrides)
     except Exception as err:  # the attention kinds without an sdpa path (none today), or no memory left
         kernels = [f"not measured: {type(err).__name__}: {err}"]
-    print(f"{kind}: SDPA kernels per layer: {kernels}", flush=True)
-    result = run(overrides, tp, tmp / f"{kind}-{backend or 'auto'}-tp{tp}-compile-{compile_mode}")
+    print(f"{variant_name(kind)}: SDPA kernels per layer: {kernels}", flush=True)
+    run_dir = tmp / f"{kind}-{backend or 'auto'}-tp{tp}-compile-{compile_mode}"
+    result = run(overrides, tp, run_dir)
     from diff_transformer.models.gpt import dynamo_disabled
 
-    label = f"{kind} ({result.get('backend') or backend or 'auto'})"
+    label = f"{variant_name(kind)} ({result.get('backend') or backend or 'auto'})"
     if compiled:  # under TORCHDYNAMO_DISABLE=1 (gpu_run.sh --dry-run) train.py runs the layers eagerly
         label += " compiled" if not dynamo_disabled() else " compile (TorchDynamo off: eager)"
     return {"kind": kind, "label": label, "tp": tp, "recompute": recompute, "compile": compiled, "kernels": kernels,
-            **result}
+            "run_dir": run_dir, **result}
 
 
 def report_name(args) -> str:
@@ -307,6 +315,9 @@ def main() -> int:
     parser.add_argument("--compile", nargs="+", choices=("off", "on"), default=["off"],
                         help="trainer.compile for each configuration: off, on, or both (off on) to compare them")
     parser.add_argument("--profile-step", type=int, default=None, help="step to profile (default: the last but one)")
+    parser.add_argument("--ab-rounds", type=int, default=None,
+                        help="rounds of the interleaved DIFF/Transformer A/B at TP=1 (default: 10 on a CPU, 0 on a "
+                             "GPU, where both models would share its memory; 0 skips it)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
     args = parser.parse_intermixed_args()  # overrides may follow options (gpu_run.sh appends toy sizes)
@@ -332,8 +343,29 @@ def main() -> int:
                           f"first step {_seconds(r['first_step_s'])} s  peak {r['memory_gib']:.2f} GiB "
                           f"(plan {r['estimate_gib']:.2f})  loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}",
                           flush=True)
+        args.paired = paired_ratios(rows, args.ab_rounds)
     write_report(report(args, rows), args.out, name)
     return 1 if any("failed" in r for r in rows) else 0
+
+
+def paired_ratios(rows, rounds) -> dict:
+    """{(tp, compiled): the interleaved A/B of the first DIFF and Transformer rows} at TP=1, while their run
+    directories exist."""
+    from diff_transformer.training.paired_throughput import paired_run_throughput
+
+    rounds = rounds if rounds is not None else (0 if torch.cuda.is_available() else 10)
+    paired = {}
+    for compiled in sorted({r["compile"] for r in rows}) if rounds else []:
+        first = {}
+        for r in rows:
+            if "failed" not in r and r["tp"] == 1 and r["compile"] == compiled:
+                first.setdefault(r["kind"], r)
+        if "diff" in first and "vanilla" in first:
+            paired[(1, compiled)] = paired_run_throughput(str(first["diff"]["run_dir"] / "config.yaml"),
+                                                          str(first["vanilla"]["run_dir"] / "config.yaml"), rounds)
+            print(f"interleaved, TP=1{' compiled' if compiled else ''}: "
+                  f"{paired[(1, compiled)].describe('DIFF', 'Transformer')}", flush=True)
+    return paired
 
 
 

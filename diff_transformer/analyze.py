@@ -149,7 +149,7 @@ def analyze_one(model, run, args, documents) -> Dict:
 
     probes, description = probe_batch(model, run, args, documents)
     result = {"run": {"label": run.label, "checkpoint": run.checkpoint, "step": run.step, "attention": run.attention,
-                      "device": str(model.device), "data": report.data_label(run.config)},
+                      "device": str(model.device), **report.training_of(run.config, run.step)},
               "probe": description, "topk": args.topk}
     result.update(analyze_attention(model, probes, args.topk))
     if model.lambdas():

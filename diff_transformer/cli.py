@@ -2,7 +2,8 @@
 traceback, and the exit statuses are the same everywhere.
 
 Standard library only, so that every entry point (``train.py``, ``data.*``, ``launch.*``, ``diff_transformer.*``)
-refuses bad input before it imports torch or megatron-core.
+refuses bad input before it imports torch or megatron-core. Importing it hides the libraries' notices
+(:func:`quiet_library_notices`): every entry point imports it before any library, so every command is quiet alike.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ def quiet_library_notices() -> None:
         warnings.filterwarnings("ignore", message=message, category=category)
     for name in LIBRARY_NOTICE_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+# every command line imports this module before torch or megatron-core: one place, so that no command shows the notices
+quiet_library_notices()
 
 
 def error_text(err: BaseException) -> str:

@@ -35,7 +35,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
-from diff_transformer.cli import EXIT_REFUSED, USER_ERRORS, ArgumentParser, print_error, quiet_library_notices
+from diff_transformer.cli import EXIT_REFUSED, USER_ERRORS, ArgumentParser, print_error
 from diff_transformer.fileio import check_output
 
 TASKS = ("ppl", "niah")
@@ -110,7 +110,6 @@ def check_out(args: argparse.Namespace, command: str) -> None:
 def run_command(args: argparse.Namespace, command: str, body) -> int:
     """What ``evaluate`` and ``analyze`` share around their work: the runs and ``--out`` checked before anything is
     loaded, and a user's error as one ``error:`` line with exit status 2."""
-    quiet_library_notices()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         check_runs_exist(args.runs)
@@ -188,7 +187,7 @@ def evaluate_one(model, run, args, tasks: List[str], config) -> Dict:
     tokenizer = load_run_tokenizer(run)
     result: Dict = {"run": {"label": run.label, "checkpoint": run.checkpoint, "step": run.step,
                             "attention": run.attention, "seq_length": run.seq_length,
-                            "data": report.data_label(run.config),
+                            **report.training_of(run.config, run.step),
                             "evaluated_length": model.seq_length, "rope_base": model.cfg.model.rope_base,
                             "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""),
                             "world_size": model.world_size * model.cp, "context_parallel": model.cp}}

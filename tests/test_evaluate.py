@@ -82,6 +82,9 @@ def test_evaluate_writes_complete_results_for_both_runs(evaluated):
             assert set(shares) == {"answer", "distractors", "haystack", "queries"}
             assert all(0.0 <= v <= 1.0 for v in shares.values())
             assert sum(shares.values()) == pytest.approx(1.0, abs=1e-5)  # every key belongs to one region
+        uniform = niah["uniform_allocation"]  # the figure's reference: shares of the keys each answer row sees
+        assert set(uniform) == set(shares) and sum(uniform.values()) == pytest.approx(1.0)
+        assert 0.0 < uniform["answer"] < uniform["haystack"] < 1.0  # a needle is a sentence, the haystack most keys
         assert "The magic number for" in niah["example"]
     assert len(json.loads((evaluated / "diff_step_4" / "eval.json").read_text())["lambda"]) == DEBUG_LAYERS
 
@@ -402,7 +405,8 @@ def test_evaluate_and_analyze_figures_colour_each_kind_and_name_the_data(tmp_pat
     monkeypatch.setattr(plots, "_save", lambda fig, path: saved.setdefault(path.name, fig))
     data = "shards wiki/train"
     layers = [{"layer": i, "mean": {"combined/entropy": 1.0 + i}} for i in (1, 2)]
-    results = {label: {"run": {"attention": kind, "data": data}, "probe": {"source": "validation"}, "layers": layers,
+    results = {label: {"run": {"attention": kind, "data": data, "tokens": 2048, "seed": 1234},
+                       "probe": {"source": "validation"}, "layers": layers,
                        "lambda_trajectory": [{"step": s, "lambda": [0.2, 0.3]} for s in range(1, 30)] if kind == "diff"
                        else [], "lambda_trajectory_source": "metrics.jsonl"}
                for label, kind in (("diff_step_4", "diff"), ("vanilla_step_4", "vanilla"))}
@@ -410,7 +414,9 @@ def test_evaluate_and_analyze_figures_colour_each_kind_and_name_the_data(tmp_pat
     fig = saved["analysis.png"]
     entropy = fig.axes[0]
     colours = {line.get_label(): to_rgb(line.get_color()) for line in entropy.get_lines()}
-    assert colours["diff_step_4"] == to_rgb("tab:red") and colours["vanilla_step_4"] == to_rgb("tab:blue")
+    # each run's legend: its label, its kind as DIFF or Transformer, the tokens it had seen, its seed
+    diff, vanilla = "diff_step_4 (DIFF, 2.05K tokens, seed 1234)", "vanilla_step_4 (Transformer, 2.05K tokens, seed 1234)"
+    assert colours == {diff: to_rgb("tab:red"), vanilla: to_rgb("tab:blue")}
     assert fig._suptitle.get_text() == f"Attention per layer on validation probes (data: {data})"
     assert fig.axes[1].get_title() == "λ per layer over training (metrics.jsonl)"
     ppl = {label: {"validation": {"position_nll": [3.0, 2.5, 2.0], "perplexity": 8.0}} for label in results}
@@ -420,17 +426,23 @@ def test_evaluate_and_analyze_figures_colour_each_kind_and_name_the_data(tmp_pat
     regions = ("answer", "distractors", "haystack", "queries")
     niah = {label: {"config": {"needles": 2, "asked": 1, "depths": [0.0, 1.0], "lengths": [64]}, "accuracy": 0.5,
                     "accuracy_by_length_depth": [[0.0, 1.0]],
-                    "attention_allocation": {"1": dict.fromkeys(regions, 0.25), "2": dict.fromkeys(regions, 0.25)}}
+                    "attention_allocation": {"1": dict.fromkeys(regions, 0.25), "2": dict.fromkeys(regions, 0.25)},
+                    "uniform_allocation": dict(zip(regions, (0.05, 0.1, 0.8, 0.05)))}
             for label in results}
     run_of = {label: r["run"] for label, r in results.items()}
     plots.plot_attention_allocation(niah, tmp_path / "niah_attention.png", run_of)
     fig = saved["niah_attention.png"]
     assert [ax.get_title() for ax in fig.axes] == ["the answer needle", "the other needles", "the haystack", "the query"]
-    for ax in fig.axes:  # each panel: one line per run, in its kind's colour
-        assert {line.get_label(): to_rgb(line.get_color()) for line in ax.get_lines()} == {
-            "diff_step_4": to_rgb("tab:red"), "vanilla_step_4": to_rgb("tab:blue")}
+    for ax, share in zip(fig.axes, (0.05, 0.1, 0.8, 0.05)):  # each panel: a line per run in its kind's colour
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        assert {label: to_rgb(lines[label].get_color()) for label in (diff, vanilla)} == {
+            diff: to_rgb("tab:red"), vanilla: to_rgb("tab:blue")}
+        assert list(lines[plots.UNIFORM_LABEL].get_ydata()) == [share, share]  # and what uniform attention gives
+    assert plots.UNIFORM_LABEL in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert fig._suptitle.get_text().endswith(f"haystack: validation split of {data})")
     plots.plot_niah_heatmaps(niah, tmp_path / "niah_accuracy.png", run_of)
+    titles = [ax.get_title().split("\n")[0] for ax in saved["niah_accuracy.png"].axes]
+    assert [t for t in titles if t] == [diff, vanilla]  # the colour bars have none
     assert saved["niah_accuracy.png"]._suptitle.get_text() == f"NIAH accuracy (haystack: validation split of {data})"
     for fig in saved.values():
         matplotlib.pyplot.close(fig)

@@ -29,6 +29,7 @@ ALLOWED = {
     "diff_transformer.training": (
         "diff_transformer.training", "diff_transformer.models", "diff_transformer.config", "diff_transformer.compat",
         "diff_transformer.distributed", "diff_transformer.fileio", "data", "diff_transformer.attention_metrics",
+        "diff_transformer.figure_style",  # the progress line's token counts read as the figures' do (1.2M)
     ),
     # checkpoints loaded for inference, perplexity, NIAH, the attention analysis, their figures
     "diff_transformer.evaluation": (
@@ -51,7 +52,9 @@ ALLOWED = {
     # (every entry point may check its output with the torch-free fileio before it imports a library)
     "diff_transformer.checkpoint": ("diff_transformer.training", "diff_transformer.cli", "diff_transformer.fileio"),
     "diff_transformer.compare": ("diff_transformer.analysis", "diff_transformer.cli"),
-    "diff_transformer.quickstart": ("diff_transformer.analysis", "diff_transformer.fileio"),
+    # the quickstart's A/B trains both models in its own process (training.paired_throughput)
+    "diff_transformer.quickstart": ("diff_transformer.analysis", "diff_transformer.fileio", "diff_transformer.cli",
+                                    "diff_transformer.figure_style", "diff_transformer.training.paired_throughput"),
     # export refuses a path that is no checkpoint before it imports torch: the torch-free checkpoint layout
     "diff_transformer.export": ("diff_transformer.hf", "diff_transformer.training.checkpoint_files", "diff_transformer.cli",
                                 "diff_transformer.fileio"),

@@ -1,6 +1,9 @@
-"""What a run says about its progress and its budget: tok/s and ETA over a window of steps (not one step's rate), the
-epochs each blend entry is seen at start-up with a warning past a few, and a warning where the embeddings hold most
-of the parameters."""
+"""What a run says about its progress and its budget: tok/s and ETA over a window of steps (not one step's rate),
+tokens seen and time elapsed, the epochs each blend entry is seen at start-up with a warning past a few, a warning
+where the embeddings hold most of the parameters; and no library's notices in any command."""
+
+import subprocess
+import sys
 
 from data.inspect import EPOCHS_WARNING, ShardSummary, epochs_lines
 from diff_transformer.training import metrics
@@ -19,7 +22,7 @@ def test_progress_line_rate_and_eta_are_over_a_window(tmp_path, monkeypatch):
         step_time = 0.05 if step % 3 else 1.5  # 41,000 vs 1,365 tok/s
         clock[0] += step_time + (3.0 if step % 10 == 0 else 0.0)
         record = {"step": step, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "step_time": step_time,
-                  "tokens_per_s": tokens_per_step / step_time}
+                  "tokens_per_s": tokens_per_step / step_time, "tokens": step * tokens_per_step}
         writer.log(record)
         lines[step] = writer.progress_line(record)
     window_steps = range(81, 101)  # the last 20 steps
@@ -30,6 +33,9 @@ def test_progress_line_rate_and_eta_are_over_a_window(tmp_path, monkeypatch):
     assert f"ETA {metrics.format_duration(per_step * 100)}" in lines[100]
     # steady: the ETA at step 60 and step 100 agree with the time the remaining steps take at that pace
     assert lines[60].split("ETA ")[1] == metrics.format_duration(per_step * 140)
+    # what was seen so far: tokens (100 x 2048) and the wall-clock time since training began
+    assert "205K tokens" in lines[100] and f"elapsed {metrics.format_duration(clock[0])}" in lines[100]
+    assert metrics.format_duration(clock[0]) == "1:22"  # 33 x 1.5 s + 67 x 0.05 s + 10 x 3 s
 
 
 def test_epochs_per_blend_entry_and_a_warning_past_a_few():
@@ -48,3 +54,15 @@ def test_embeddings_that_dominate_the_model_are_named():
     assert warning.startswith("the embeddings are 84% of the model's 9,800,000 parameters (vocabulary 32,000 x hidden "
                               "size 256)")
     assert embedding_share_warning(9_800_000, 6_000_000, 4096, 256) is None
+
+
+def test_commands_show_no_library_notices():
+    """megatron-core warns at import that TransformerEngine and Apex are missing (and more): every command hides it
+    through diff_transformer.cli, which every entry point imports first; here data.inspect, which imports megatron."""
+    from tests.train_runs import REPO, train_env
+
+    env = {k: v for k, v in train_env().items() if k != "PYTHONWARNINGS"}  # Python's default filters, as a user has
+    proc = subprocess.run([sys.executable, "-m", "data.inspect", "--bundled"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "epochs" in proc.stdout and proc.stderr == "", proc.stderr

@@ -32,4 +32,12 @@ def test_smoke_experiment_loss_falls_and_run_dir_is_complete(tmp_path):
     assert "parameters" in log and "estimated memory per GPU" in log
     assert "step 30/30" in log and "tok/s (last 20 steps)" in log and "ETA" in log  # rate and ETA over a window
     assert "epochs of its train split" in log  # how often the run sees its data, said before it starts
-    assert "resolved config" in proc.stdout
+    # a quiet start: a short summary before the first progress line, the whole config only in the run directory
+    start = proc.stdout.split("| loss ")[0].splitlines()[:-1]
+    assert len(start) + len(proc.stderr.splitlines()) <= 25, proc.stdout
+    for what in ("config: ", "model debug DIFF (", "data: ", "layout: ", "estimated memory per GPU", "attention_backend"):
+        assert any(what in line for line in start), (what, start)
+    assert f"config: {tmp_path / 'config.yaml'} (resolved)" in proc.stdout and "overwrite_run" not in proc.stdout
+    assert "overwrite_run: false" in (tmp_path / "config.yaml").read_text()
+    progress = next(line for line in proc.stdout.splitlines() if "step 5/30" in line)
+    assert "2.56K tokens" in progress and "elapsed 0:" in progress  # 5 steps of 8 x 64 tokens

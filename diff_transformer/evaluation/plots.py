@@ -8,9 +8,10 @@ from typing import Any, Dict, List
 import numpy as np
 
 from diff_transformer.evaluation.niah import REGIONS
-from diff_transformer.figure_style import kind_color
+from diff_transformer.figure_style import human_number, kind_color, variant_name
 
 LINE_STYLES = ("-", "--", "-.", ":")
+UNIFORM_LABEL = "uniform attention"  # the reference line of the NIAH allocation figure
 REGION_TITLES = {"answer": "the answer needle", "distractors": "the other needles", "haystack": "the haystack",
                  "queries": "the query"}
 
@@ -25,6 +26,17 @@ def _run_styles(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
         index = seen[kind] = seen.get(kind, -1) + 1
         styles[label] = {"color": kind_color(kind), "linestyle": LINE_STYLES[index % len(LINE_STYLES)]}
     return styles
+
+
+def _legend(label: str, run: Dict[str, Any] | None) -> str:
+    """A run's legend entry: its label, then its kind as figures name it, the tokens it had seen and its seed."""
+    run = run or {}
+    parts = [variant_name(run["attention"])] if run.get("attention") else []
+    if run.get("tokens"):
+        parts.append(f"{human_number(run['tokens'])} tokens")
+    if run.get("seed") is not None:
+        parts.append(f"seed {run['seed']}")
+    return f"{label} ({', '.join(parts)})" if parts else label
 
 
 def _data_of(runs: Dict[str, Dict[str, Any]]) -> str:
@@ -59,8 +71,8 @@ def plot_position_loss(results: Dict[str, Dict[str, Any]], path: Path,
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, ppl in results.items():
         curve = np.array([np.nan if v is None else v for v in ppl["validation"]["position_nll"]], dtype=float)
-        ax.plot(np.arange(1, len(curve) + 1), curve, label=f"{label} (ppl {ppl['validation']['perplexity']:.1f})",
-                **styles[label])
+        ax.plot(np.arange(1, len(curve) + 1), curve,
+                label=f"{_legend(label, runs.get(label))}: ppl {ppl['validation']['perplexity']:.1f}", **styles[label])
     ax.set_xlabel("position in the window (tokens of context)")
     ax.set_ylabel("validation NLL (nats)")
     ax.set_xscale("log")
@@ -87,7 +99,8 @@ def plot_niah_heatmaps(results: Dict[str, Dict[str, Any]], path: Path,
             ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
         ax.set_xlabel("depth of the asked needles")
         ax.set_ylabel("context length")
-        ax.set_title(f"{label}\nN={cfg['needles']}, R={cfg['asked']}: accuracy {result['accuracy']:.2f}", fontsize=9)
+        ax.set_title(f"{_legend(label, runs.get(label))}\nN={cfg['needles']}, R={cfg['asked']}: accuracy "
+                     f"{result['accuracy']:.2f}", fontsize=9)
         fig.colorbar(image, ax=ax, fraction=0.046)
     fig.suptitle(f"NIAH accuracy (haystack: validation split of {_data_of(runs)})", fontsize=10)
     return _save(fig, path)
@@ -102,12 +115,16 @@ def plot_attention_allocation(results: Dict[str, Dict[str, Any]], path: Path,
     runs = runs or {label: {} for label in results}
     styles = _run_styles(runs)
     fig, axes = plt.subplots(1, len(REGIONS), figsize=(3.2 * len(REGIONS), 3.4), sharey=True)
+    # the share uniform attention would give: the same for every run (same samples), absent from older results
+    uniform = next((r["uniform_allocation"] for r in results.values() if r.get("uniform_allocation")), None)
     for ax, region in zip(axes, REGIONS):
         for label, result in results.items():
             allocation = result["attention_allocation"]
             layers = sorted(allocation, key=int)
-            ax.plot([int(x) for x in layers], [allocation[x][region] for x in layers], marker="o", label=label,
-                    **styles[label])
+            ax.plot([int(x) for x in layers], [allocation[x][region] for x in layers], marker="o",
+                    label=_legend(label, runs.get(label)), **styles[label])
+        if uniform is not None:
+            ax.axhline(uniform[region], color="0.4", linestyle=":", lw=1.2, label=UNIFORM_LABEL)
         ax.set_title(REGION_TITLES.get(region, region), fontsize=9)
         ax.set_xlabel("layer")
         ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
@@ -154,7 +171,8 @@ def plot_analysis(results: Dict[str, Dict[str, Any]], path: Path) -> Path:
             values = [layer["mean"].get(key) for layer in result["layers"]]
             if all(v is None for v in values):
                 continue
-            ax.plot(layers, [np.nan if v is None else v for v in values], marker="o", label=label, **styles[label])
+            ax.plot(layers, [np.nan if v is None else v for v in values], marker="o",
+                    label=_legend(label, result.get("run")), **styles[label])
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("layer", fontsize=8)
         ax.xaxis.set_major_locator(_pyplot().MaxNLocator(integer=True))

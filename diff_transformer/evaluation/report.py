@@ -49,6 +49,14 @@ def data_label(config: Dict[str, Any]) -> str:
     return DataConfig(**{k: v for k, v in data.items() if k in DataConfig.__dataclass_fields__}).describe()
 
 
+def training_of(config: Dict[str, Any], step: int) -> Dict[str, Any]:
+    """What a run's figures say about its training at ``step``: its data, the tokens it had seen, its seed."""
+    trainer, model = config.get("trainer") or {}, config.get("model") or {}
+    batch, length = trainer.get("global_batch_size"), model.get("seq_length")
+    return {"data": data_label(config), "tokens": step * batch * length if batch and length else None,
+            "seed": config.get("seed")}
+
+
 def lambda_over_training(run_dir: Optional[str], up_to_step: int) -> List[Dict[str, Any]]:
     """DIFF's per-layer λ at every step metrics.jsonl logged it (logging steps), up to the analysed step; a step
     replayed after a resume keeps its last record, a line cut short by a crash is skipped. Empty without a run

@@ -47,6 +47,7 @@ def run_niah(model, tokenizer, config: niah.NiahConfig, haystack: np.ndarray, ba
     mine = list(range(model.rank, len(samples), model.world_size))
     results: Dict[int, List[bool]] = {}
     region_sums: Dict[int, torch.Tensor] = {}  # layer -> (regions,) summed over rows (mean over heads)
+    uniform_sums = torch.zeros(len(niah.REGIONS), dtype=torch.float64)  # what uniform causal attention would give
     rows_seen = 0
     progress = Progress(f"{model.run.label}: NIAH samples", len(mine), enabled=model.global_rank == 0)
     for start in range(0, len(mine), batch_size):
@@ -62,6 +63,10 @@ def run_niah(model, tokenizer, config: niah.NiahConfig, haystack: np.ndarray, ba
                 for s in group
             ]).to(model.device)
             wanted = torch.stack([torch.isin(union, r) for r in rows_per_sample]).to(model.device)  # (b, rows)
+            # a row at position p attending uniformly puts 1/(p+1) on each key up to p: a region's share is its count
+            causal = (torch.arange(length)[None, :] <= union[:, None]).to(model.device, torch.float32)  # (rows, L)
+            uniform = torch.einsum("bril,rl->bri", masks.float(), causal) / causal.sum(1)[None, :, None]
+            uniform_sums += (uniform * wanted[..., None]).sum((0, 1)).double().cpu()
 
             def on_maps(layer, maps_for, masks=masks, wanted=wanted, union=union):
                 weights = am.normalized_magnitude(maps_for(union.to(model.device)).combined)  # (b, H, rows, L)
@@ -80,9 +85,10 @@ def run_niah(model, tokenizer, config: niah.NiahConfig, haystack: np.ndarray, ba
         gathered.update(part)
     ordered = [gathered[i] for i in range(len(samples))]
     layers = sorted(region_sums)
-    sums = all_reduce_values([float(x) for layer in layers for x in region_sums[layer]] + [rows_seen],
-                             group=model.data_group)
+    sums = all_reduce_values([float(x) for layer in layers for x in region_sums[layer]]
+                             + [float(x) for x in uniform_sums] + [rows_seen], group=model.data_group)
     rows_total = sums[-1]
+    uniform_shares = sums[len(layers) * len(niah.REGIONS):-1]
     allocation = {
         str(layer): {region: sums[i * len(niah.REGIONS) + j] / rows_total for j, region in enumerate(niah.REGIONS)}
         for i, layer in enumerate(layers)
@@ -95,6 +101,7 @@ def run_niah(model, tokenizer, config: niah.NiahConfig, haystack: np.ndarray, ba
         "accuracy": float(np.mean([np.mean(r) for r in ordered])),
         "accuracy_by_length_depth": grid,
         "attention_allocation": allocation,
+        "uniform_allocation": {region: uniform_shares[j] / rows_total for j, region in enumerate(niah.REGIONS)},
         "example": tokenizer.decode(samples[0].tokens),
     }
 

@@ -14,6 +14,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from diff_transformer.config import WANDB_MODES
+from diff_transformer.figure_style import human_number
 from diff_transformer.fileio import atomic_write_lines
 
 logger = logging.getLogger("diff_transformer")
@@ -144,6 +145,7 @@ class MetricsWriter:
     def __init__(self, run_dir: str, max_steps: int, enabled: bool, wandb_run=None, resume_step: Optional[int] = None,
                  window_steps: int = PROGRESS_WINDOW_STEPS):
         self.run_dir = run_dir
+        self.started = time.time()  # the progress line's elapsed time: since this process began training
         # (wall time, step, tokens, seconds training) of the last steps: the progress line's rate and ETA
         self._window: collections.deque = collections.deque(maxlen=window_steps + 1)
         self.path = os.path.join(run_dir, METRICS_FILE)
@@ -191,10 +193,11 @@ class MetricsWriter:
             self.wandb_run.log(flat, step=record["step"])
 
     def progress_line(self, record: Dict[str, Any]) -> str:
-        """step, loss, lr, grad norm, tok/s and ETA; tok/s and ETA over the window of the last steps logged (tok/s:
-        training time only; ETA: wall-clock, evaluations and saves included)."""
+        """step, loss, lr, grad norm, tokens seen, tok/s, elapsed time and ETA; tok/s and ETA over the window of the
+        last steps logged (tok/s: training time only; ETA: wall-clock, evaluations and saves included)."""
         step = record["step"]
-        window = list(self._window) or [(time.time(), step, 0.0, 0.0)]
+        now = time.time()
+        window = list(self._window) or [(now, step, 0.0, 0.0)]
         steps = window[1:] or window  # the steps between the window's first wall-clock mark and its last
         tokens = sum(w[2] for w in steps)
         training = sum(w[3] for w in steps)
@@ -210,8 +213,10 @@ class MetricsWriter:
             f"loss {record['loss']:.4f}",
             f"lr {record['lr']:.3e}",
             f"grad_norm {record['grad_norm']:.3f}" if record.get("grad_norm") is not None else None,
-            f"{tokens_per_s:,.0f} tok/s (last {len(steps)} step{'s' if len(steps) != 1 else ''})",
             f"val_loss {record['val_loss']:.4f}" if "val_loss" in record else None,
+            f"{human_number(record['tokens'])} tokens" if record.get("tokens") is not None else None,
+            f"{tokens_per_s:,.0f} tok/s (last {len(steps)} step{'s' if len(steps) != 1 else ''})",
+            f"elapsed {format_duration(now - self.started)}",
             f"ETA {format_duration(eta)}",
         ]
         return " | ".join(p for p in parts if p)
@@ -308,4 +313,5 @@ def init_wandb(cfg: Any, run_dir: str, resolved_config: Dict[str, Any], run_id: 
         dir=run_dir,
         id=run_id,
         resume="allow" if run_id else None,
+        settings=wandb.Settings(silent=True),  # its banner and history table: the run's own lines say where it is
     )

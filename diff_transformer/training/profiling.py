@@ -277,3 +277,4 @@ class StepProfiler:
         path = os.path.join(run_dir, f"profile_step_{step}.json")
         atomic_write_json(path, record)
         return path
+

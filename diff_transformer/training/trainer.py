@@ -42,6 +42,7 @@ from diff_transformer.models.gpt import (
     v2_baseline,
 )
 from diff_transformer.models.attention.diff_v2 import record_lambda, recorded_lambda_sums
+from diff_transformer.figure_style import variant_name
 from diff_transformer.models.layer_specs import variant_label
 from diff_transformer import distributed
 from diff_transformer.training.accounting import (
@@ -95,6 +96,7 @@ from diff_transformer.training.run_directory import check_start, move_old_run_as
 from diff_transformer.training.steps import forward_step
 
 logger = logging.getLogger("diff_transformer")
+MOST_DATA_LINES = 3  # blend entries the start-up summary names one by one
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -369,11 +371,12 @@ class Trainer:
         mem = estimate_memory_per_gpu(cfg, self.dtype, torch.distributed.get_world_size(), self.padded_vocab)
         if self.rank != 0:
             return
-        logger.info("resolved config:\n%s", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        # the console gets a summary; the whole resolved config is the run directory's config.yaml
+        logger.info("config: %s (resolved)", os.path.join(self.run_dir, "config.yaml"))
         logger.info(
-            "model %s (%s attention, backend %s, fusions %s): %s parameters (%s without embeddings), vocab %d "
+            "model %s %s (attention backend %s, fusions %s): %s parameters (%s without embeddings), vocab %d "
             "(padded %d)",
-            cfg.model.name, cfg.model.attention, cfg.model.attention_backend,
+            cfg.model.name, variant_name(variant_label(cfg.model)), cfg.model.attention_backend,
             fusions_summary(cfg),
             f"{self.num_parameters:,}", f"{self.num_non_embedding_parameters:,}",
             self.tokenizer.vocab_size, self.padded_vocab,
@@ -436,8 +439,12 @@ class Trainer:
         t = self.cfg.trainer
         summaries = summarise_blend(self.prepared.prefixes, self.prepared.weights, self.cfg.data.split)
         lines, warnings = epochs_lines(summaries, t.max_steps * self.tokens_per_step)
-        for line in lines:
+        shown = lines if len(lines) <= MOST_DATA_LINES else lines[:MOST_DATA_LINES - 1]
+        for line in shown:
             logger.info("data: %s", line)
+        if len(shown) < len(lines):  # a long blend: the start-up summary stays short
+            logger.info("data: and %d more blend entries (python -m data.inspect --config %s)", len(lines) - len(shown),
+                        os.path.join(self.run_dir, "config.yaml"))
         for warning in warnings:
             logger.warning("warning: %s", warning)
 
