@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kernels import gpu_target
-from kernels.diff_attn import fused, tuning
+from kernels.diff_attn import launch, tuning
 from tests.test_diff_attn_kernel import (
     FP32_TOLERANCE,
     FUSED,
@@ -51,14 +51,14 @@ def on_another_thread(fn):
 def launched_configs(monkeypatch):
     """Record the (kernel name, config) of every launch."""
     launched = []
-    original = fused._block_config
+    original = launch._block_config
 
     def recording(name, *args, **kwargs):
         config = original(name, *args, **kwargs)
         launched.append((name, config))
         return config
 
-    monkeypatch.setattr(fused, "_block_config", recording)
+    monkeypatch.setattr(launch, "_block_config", recording)
     return launched
 
 
@@ -86,7 +86,7 @@ def test_table_entries_through_the_gpu_branch(arch, version, head_dim, gqa, desi
     launched = launched_configs(monkeypatch)
     with gpu_target.simulate(arch):
         gpu = gpu_target.simulated()
-        design = fused._design(inputs[0], inputs[2].shape[3], None)
+        design = launch._design(inputs[0], inputs[2].shape[3], None)
         out, lse = FUSED[version](*inputs[:4], return_lse=True, **fused_epilogue)
         upstream = torch.randn_like(out)
         grads = on_another_thread(lambda: torch.autograd.grad(out, inputs, upstream))
