@@ -147,12 +147,13 @@ def _block_config(name, kernel, grid, args, constants, q, n_q, n_k, plan, design
 
 def _launch(name, kernel, grid, args, constants, q, n_q, n_k, plan, design, value_dim=None):
     """Launch `kernel` over `grid(config)` with the block config chosen for it (the problem's value dim: the
-    kernel's VALUE_D unless the kernel has none)."""
+    kernel's VALUE_D unless the kernel has none); returns that config."""
     config = _block_config(name, kernel, grid, args, constants, q, n_q, n_k, plan, design,
                            constants["VALUE_D"] if value_dim is None else value_dim)
     if constants["USE_DESC"]:
         gpu_target.require_allocator()
     kernel[grid(config)](*args, **constants, **config.launch_options())
+    return config
 
 
 # Buffers the kernels write in full are poisoned with NaN under test, so that any element a kernel fails to write shows
@@ -272,9 +273,10 @@ def _diff_attn_preprocess(dout, q, k, v, lam_rows, y, lse, rstd, norm_weight, ca
     dy = _written(y.shape, y.dtype, y.device) if epilogue else dout
     delta = _written((batch, two_h, n_q), torch.float32, q.device)
     r2 = _written((batch, n_heads, n_q), torch.float32, q.device)
-    # Rows of query blocks that a config with larger blocks has no program for stay 0 in the sum.
-    dw_partial = torch.zeros((batch * n_heads * triton.cdiv(n_q, _MIN_BLOCK_M), value_dim) if norm else (1,),
-                             dtype=torch.float32, device=q.device)
+    # one row for each query-block program, sized for the smallest block: the rows of the config launched are
+    # returned, each written in full (no fill); without a norm weight the kernel writes none (the LSE stands in)
+    dw_partial = _written((batch * n_heads * triton.cdiv(n_q, _MIN_BLOCK_M), value_dim), torch.float32,
+                          q.device) if norm else lse
     constants = _kernel_constants(q, value_dim, causal, shared_k, design, _use_descriptors(design, q, k, v))
     constants.update(EPILOGUE=epilogue, NORM=norm)
     document_args, document_flag = _document_args(documents, q)
@@ -285,9 +287,11 @@ def _diff_attn_preprocess(dout, q, k, v, lam_rows, y, lse, rstd, norm_weight, ca
         *_strides3(dout), n_heads, n_heads // n_kv_groups, n_q, n_k, causal_offset, softmax_scale * _LOG2E,
         output_scale, *document_args,
     )
-    _launch("preprocess", _diff_attn_bwd_preprocess_kernel, _query_grid(n_q, batch, n_heads), args, constants, q,
-            n_q, n_k, plan, design)
-    return dy, delta, r2, dw_partial if norm else None
+    config = _launch("preprocess", _diff_attn_bwd_preprocess_kernel, _query_grid(n_q, batch, n_heads), args,
+                     constants, q, n_q, n_k, plan, design)
+    if not norm:
+        return dy, delta, r2, None
+    return dy, delta, r2, dw_partial[:batch * n_heads * triton.cdiv(n_q, config.block_m)]
 
 
 def _diff_attn_grads(dy, q, k, v, lam_rows, lse, delta, causal, causal_offset, softmax_scale, shared_k, design,
