@@ -32,11 +32,15 @@ any other megatron-core version before a patch is applied.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import importlib
 import inspect
 import logging
 import multiprocessing
+import os
+import signal
+import sys
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -137,6 +141,16 @@ PATCH_SITES = (
               "_get_write_results_queue", 'get_context("spawn")'),
     PatchSite("checkpoint writer queue", "megatron.core.dist_checkpointing.strategies.filesystem_async",
               "_results_queue"),
+    # not workarounds: the checkpoint reader that admits only the format's classes, and weights_only for its bytes
+    PatchSite("checkpoint metadata reader", "megatron.core.dist_checkpointing.strategies.torch",
+              "_get_filesystem_reader", "CachedMetadataFileSystemReader(checkpoint_dir)"),
+    PatchSite("checkpoint metadata reader", "megatron.core.dist_checkpointing.strategies.torch",
+              "TorchDistLoadShardedStrategy.load", "_get_filesystem_reader(checkpoint_dir, cache_metadata=True)"),
+    PatchSite("checkpoint metadata reader", "megatron.core.dist_checkpointing.strategies.torch", "MCoreLoadPlanner"),
+    PatchSite("checkpoint metadata reader", "torch.distributed.checkpoint.default_planner",
+              "DefaultLoadPlanner.load_bytes", "torch.load(value, weights_only=False)"),
+    PatchSite("checkpoint metadata reader", "torch.distributed.checkpoint.filesystem", "FileSystemReader.read_metadata",
+              "pickle.load(metadata_file)"),
     # not a workaround: training.checkpoint.record_written_files wraps the writer's save function to record each
     # rank's files (size, crc32) for the checkpoint's manifest, where they are written
     PatchSite("checkpoint file records", "megatron.core.dist_checkpointing.strategies.filesystem_async",
@@ -620,12 +634,62 @@ def resolve_default_tp_group_quietly() -> None:
 def fork_checkpoint_results_queue() -> None:
     """megatron's torch_dist writer gathers its workers' results through a Manager queue that it starts with the
     spawn method (dist_checkpointing/strategies/filesystem_async.py:51-56); a spawned child re-imports the training
-    script, seconds per process. A forked Manager serves the same queue at once (the writers themselves fork too)."""
+    script, seconds per process. A forked Manager serves the same queue at once (the writers themselves fork too); it
+    dies with the trainer (:func:`_die_with_parent`), so that a trainer killed outright leaves no process behind."""
     check_megatron_core_version()
+    from multiprocessing.managers import SyncManager
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", "absent") is None:
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+        manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
+        filesystem_async._results_queue = manager.Queue()
+
+
+def read_checkpoint_metadata_with(reader: type, cached_reader: type) -> None:
+    """Make megatron-core's torch_dist loader read ``.metadata`` through the project's readers (subclasses of torch's
+    FileSystemReader that admit only the format's classes): megatron-core builds its reader itself
+    (dist_checkpointing/strategies/torch.py ``_get_filesystem_reader``), with no argument to pass one. And the
+    objects a checkpoint stores as bytes (the RNG states) load with ``weights_only``: torch's planner unpickles them
+    with ``weights_only=False`` (distributed/checkpoint/default_planner.py ``load_bytes``)."""
+    check_megatron_core_version()
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    def _get_filesystem_reader(checkpoint_dir, cache_metadata: bool = False):
+        return (cached_reader if cache_metadata else reader)(checkpoint_dir)
+
+    torch_strategy._get_filesystem_reader = _get_filesystem_reader
+    torch_strategy.MCoreLoadPlanner.load_bytes = _load_bytes_weights_only
+
+
+def _load_bytes_weights_only(self, read_item, value) -> None:
+    """DefaultLoadPlanner.load_bytes with ``weights_only=True``."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    loaded = torch.load(value, weights_only=True)
+    if self.flatten_state_dict:
+        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+    else:
+        self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+# The trainer's handlers (training.failures) a forked helper must not run: it would only record a stop nobody reads.
+_TRAINER_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a forked helper process: the kernel kills it when ``parent`` dies (Linux's PR_SET_PDEATHSIG), and the
+    signals the trainer handles get their default action back (SIGINT stays ignored, as multiprocessing sets it
+    for a Manager: a Ctrl-C reaches the whole process group, and the trainer's save after it needs the queue)."""
+    for name in _TRAINER_SIGNALS:
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(0)
 
 
 def _inner_optimizers(optimizer) -> "List[torch.optim.Optimizer]":

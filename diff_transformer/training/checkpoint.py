@@ -33,7 +33,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from diff_transformer import compat
 from diff_transformer.config import CheckpointConfig
@@ -42,6 +44,8 @@ from diff_transformer.fileio import atomic_write_text, fsync_dir
 from diff_transformer.training.checkpoint_files import (  # noqa: F401  (the layout, importable from here too)
     CHECKPOINTS_DIRNAME,
     DAMAGED_SUFFIX,
+    DCP_METADATA,
+    CheckpointRefused,
     FORMAT_WITH_MANIFEST,
     LATEST_FILE,
     MANIFEST_FILE,
@@ -64,6 +68,7 @@ from diff_transformer.training.checkpoint_files import (  # noqa: F401  (the lay
     move_aside,
     partial_saves,
     pointer_target,
+    read_dcp_metadata,
     read_manifest,
     read_trainer_state,
     rerun_advice,
@@ -108,6 +113,38 @@ class CheckpointSaveFailed(RuntimeError):
     def __init__(self, message: str, disk_full: bool = False):
         super().__init__(message)
         self.disk_full = disk_full
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Reading torch_dist's .metadata: only the format's own classes (torch's reader unpickles whatever the file names)
+# ------------------------------------------------------------------------------------------------------------------
+class RestrictedMetadataReader(FileSystemReader):
+    """torch's FileSystemReader whose ``.metadata`` is read by ``checkpoint_files.read_dcp_metadata``: a file naming
+    anything but the format's classes raises CheckpointRefused before any of it is built."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = str(self._get_metadata_path(kwargs.get("rank")))
+        metadata = read_dcp_metadata(path)
+        if not isinstance(metadata, Metadata):
+            raise CheckpointRefused(f"{path} holds no torch_dist Metadata but a {type(metadata).__name__}")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _cached_reader_class() -> type:
+    from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
+        CachedMetadataFileSystemReader,
+    )
+
+    class CachedRestrictedMetadataReader(CachedMetadataFileSystemReader, RestrictedMetadataReader):
+        """megatron-core's caching reader (the one its loader uses) reading through RestrictedMetadataReader."""
+
+    return CachedRestrictedMetadataReader
+
+
+compat.read_checkpoint_metadata_with(RestrictedMetadataReader, _cached_reader_class())
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -166,10 +203,10 @@ def _unmanifested_problems(path: str) -> List[str]:
                 if not os.path.isfile(os.path.join(path, name))]
     if problems:
         return problems
-    from torch.distributed.checkpoint import FileSystemReader
-
     try:
-        storage = FileSystemReader(path).read_metadata().storage_data
+        storage = read_dcp_metadata(os.path.join(path, DCP_METADATA)).storage_data
+    except CheckpointRefused:
+        raise
     except Exception as err:  # noqa: BLE001 - a damaged .metadata raises anything pickle can
         return [f".metadata: unreadable ({type(err).__name__}: {err})"]
     needed: Dict[str, int] = {}
