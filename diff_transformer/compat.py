@@ -151,6 +151,10 @@ PATCH_SITES = (
               "DefaultLoadPlanner.load_bytes", "torch.load(value, weights_only=False)"),
     PatchSite("checkpoint metadata reader", "torch.distributed.checkpoint.filesystem", "FileSystemReader.read_metadata",
               "pickle.load(metadata_file)"),
+    PatchSite("checkpoint metadata reader", "deepspeed.utils.zero_to_fp32", "parse_model_states",
+              "torch.load(file, map_location=device, weights_only=False)"),
+    PatchSite("checkpoint metadata reader", "deepspeed.utils.zero_to_fp32", "parse_optim_states",
+              "torch.load(f, map_location=device, mmap=True, weights_only=False)"),
     # not a workaround: training.checkpoint.record_written_files wraps the writer's save function to record each
     # rank's files (size, crc32) for the checkpoint's manifest, where they are written
     PatchSite("checkpoint file records", "megatron.core.dist_checkpointing.strategies.filesystem_async",
@@ -447,7 +451,7 @@ def restore_nvme_optimizer_memory_state(engine, root: str, tag: str) -> bool:
     if not engine.zero_nvme_offload_optimizer():
         return False
     optimizer = engine.optimizer
-    saved = torch.load(engine._get_zero_ckpt_name(root, tag), map_location="cpu", weights_only=False)
+    saved = engine.checkpoint_engine.load(engine._get_zero_ckpt_name(root, tag), map_location="cpu")  # weights_only
     saved = saved["optimizer_state_dict"]
     optimizer._set_fp32_optimizer_param_groups()  # how it numbered the states it saved (state_dict does the same)
     try:
@@ -672,6 +676,30 @@ def _load_bytes_weights_only(self, read_item, value) -> None:
         set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
     else:
         self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+@contextlib.contextmanager
+def zero_to_fp32_loads_with(load):
+    """DeepSpeed's ZeRO-3 readers (deepspeed/utils/zero_to_fp32.py ``parse_model_states``, ``parse_optim_states``)
+    unpickle each file with ``torch.load(..., weights_only=False)``: inside the block they call
+    ``load(path, map_location, mmap)`` instead (the caller's weights-only load)."""
+    from deepspeed.utils import zero_to_fp32
+
+    original = zero_to_fp32.torch
+
+    class TorchWithLoad:
+        def __getattr__(self, name):
+            return getattr(original, name)
+
+        @staticmethod
+        def load(f, map_location=None, mmap=False, **_):
+            return load(f, map_location, mmap)
+
+    zero_to_fp32.torch = TorchWithLoad()
+    try:
+        yield
+    finally:
+        zero_to_fp32.torch = original
 
 
 # The trainer's handlers (training.failures) a forked helper must not run: it would only record a stop nobody reads.

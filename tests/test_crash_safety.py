@@ -103,7 +103,8 @@ def test_a_killed_run_leaves_no_process_and_its_rerun_resumes(killed):
     run, survivors, step = killed
     assert survivors == [], f"processes of the killed train.py still alive: {survivors}"
     run_train(run, RUN + [f"trainer.max_steps={step + 2}"], timeout=240)
-    assert f"resumed from {run / 'checkpoints' / checkpoint_name(step)} at step {step}" in (run / "train.log").read_text()
+    resumed = f"resumed from {run / 'checkpoints' / checkpoint_name(step)} at step {step}"
+    assert resumed in (run / "train.log").read_text()
 
 
 HOLDER = """

@@ -27,6 +27,7 @@ import logging
 import os
 import pickle
 import random
+import re
 import shutil
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -131,6 +132,38 @@ class RestrictedMetadataReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def load_weights_only(path: str, safe_globals: Tuple[type, ...] = (), map_location: Any = "cpu",
+                      mmap: bool = False) -> Any:
+    """``torch.load(path, weights_only=True)``: tensors, plain containers, the classes torch and megatron-core admit
+    and ``safe_globals``. A file naming anything else raises CheckpointRefused naming the file and the global."""
+    try:
+        with torch.serialization.safe_globals(list(safe_globals)):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        refused = re.search(r"GLOBAL ([\w.]+)", str(err))
+        if refused is None:
+            raise
+        raise CheckpointRefused(
+            f"{path} names {refused.group(1)}, which this checkpoint format never holds: loading it could run code "
+            "planted in the file, so it is refused; load only checkpoints from a source you trust"
+        ) from None
+
+
+def deepspeed_safe_globals() -> tuple:
+    """The classes DeepSpeed's checkpoint files hold besides tensors and containers (its ZeRO optimizers' state:
+    the loss scaler, the stage, the bf16/ZeRO parameter-slice addresses)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address
+
+
+def load_deepspeed_file(path: str, map_location=None, mmap: bool = False):
+    """One file of a DeepSpeed checkpoint, ``weights_only`` with DeepSpeed's own classes admitted."""
+    return load_weights_only(path, deepspeed_safe_globals(), map_location, mmap)
 
 
 def _cached_reader_class() -> type:
@@ -642,7 +675,8 @@ class _Reading:
         return self
 
     def __exit__(self, kind, err, tb):
-        if err is not None and isinstance(err, _READ_ERRORS) and not isinstance(err, CheckpointDamaged):
+        passed_on = (CheckpointDamaged, CheckpointRefused)  # said in full already
+        if err is not None and isinstance(err, _READ_ERRORS) and not isinstance(err, passed_on):
             raise CheckpointDamaged(f"checkpoint {self.path} cannot be read: {type(err).__name__}: {err}") from err
         return False
 

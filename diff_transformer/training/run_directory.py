@@ -297,7 +297,9 @@ def lock_run_directory(run_dir: str, checkpoint_root: Optional[str] = None) -> H
                 os.makedirs(checkpoint_root)
                 _created.append(checkpoint_root)  # removed again if the run leaves it empty
         except OSError as err:
-            raise ValueError(f"cannot create the checkpoint directory {checkpoint_root}: {err.strerror or err}") from None
+            raise ValueError(
+                f"cannot create the checkpoint directory {checkpoint_root}: {err.strerror or err}"
+            ) from None
         _lock_directory(checkpoint_root, owner, f"checkpoint directory {checkpoint_root}", (
             "two runs saving into one checkpoint directory would resume each other's checkpoints; wait for it to "
             "end or stop it, or give this run its own checkpoint.dir"))
