@@ -226,9 +226,14 @@ def test_two_runs_never_share_a_checkpoint_directory(killed, tmp_path):
     b.mkdir(exist_ok=True)
     step = list_checkpoints(str(shared))[-1][0]
     (b / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 8.0}) + "\n" for s in range(1, step)))
-    rerun = run_command(train_command(b, RUN + [f"trainer.max_steps={step + 2}", f"checkpoint.dir={shared}"]))
+    over_shared = RUN + [f"trainer.max_steps={step + 2}", f"checkpoint.dir={shared}"]
+    rerun = run_command(train_command(b, over_shared))
     assert f"is at step {step}, beyond step {step - 1}, the last this run's metrics.jsonl" in refused(rerun)
     assert [json.loads(line)["step"] for line in (b / "metrics.jsonl").read_text().splitlines()] == list(range(1, step))
+    # a new run directory over that checkpoint directory: the checkpoint is another run's (checkpoint.resume=PATH
+    # would resume it on purpose)
+    fresh = run_command(train_command(tmp_path / "c", over_shared))
+    assert f"is at step {step}, beyond step 0: this run's metrics.jsonl" in refused(fresh)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ directory holds checkpoints, and in particular where ``metrics.jsonl`` shows pro
 
 A run directory is also locked for the lifetime of the run that uses it (``.run.lock``: an OS lock, so a crash
 releases it): a second start there, say the same command launched twice, is refused naming the holder. So is its
-checkpoint directory (its own ``.run.lock``), so that two runs given one ``checkpoint.dir`` cannot run at once; and a
-run resumes (``checkpoint.resume=auto``) no checkpoint beyond the steps its own ``metrics.jsonl`` records.
+checkpoint directory (its own ``.run.lock``), so that two runs given one ``checkpoint.dir`` cannot run at once; and
+``checkpoint.resume=auto`` resumes no checkpoint beyond the steps the run's own ``metrics.jsonl`` records.
 """
 
 from __future__ import annotations
@@ -133,17 +133,19 @@ def resumes(cfg: Any, state: RunDirectory) -> bool:
 
 def check_resume_is_this_runs(run_dir: str, checkpoint: str, step: int) -> None:
     """``checkpoint.resume=auto``: a run logs every step to its metrics.jsonl before it saves that step, so a
-    checkpoint beyond the last step logged there was saved by another run that shares the checkpoint directory:
-    refused (ValueError naming both steps). A run directory without metrics resumes what it finds (a new run
-    directory for each launch, over one ``checkpoint.dir``)."""
+    checkpoint beyond the last step logged there (or any, where nothing is logged) was saved by another run that
+    shares the checkpoint directory: refused (ValueError naming both steps). Resuming it on purpose is
+    ``checkpoint.resume=PATH``."""
     last = last_logged_step(os.path.join(run_dir, METRICS_FILE))
-    if last is not None and step > last:
-        raise ValueError(
-            f"checkpoint {checkpoint} is at step {step}, beyond step {last}, the last this run's {METRICS_FILE} in "
-            f"{run_dir} records: another run saved it into the same checkpoint directory, and resuming it would mix "
-            f"two runs; give each run its own checkpoint.dir, or resume that checkpoint on purpose in a new run "
-            f"directory (checkpoint.resume={checkpoint} hydra.run.dir=NEW)"
-        )
+    if step <= (last or 0):
+        return
+    logged = f"step {last}, the last this run's {METRICS_FILE} in {run_dir} records" if last else (
+        f"step 0: this run's {METRICS_FILE} in {run_dir} records no step")
+    raise ValueError(
+        f"checkpoint {checkpoint} is at step {step}, beyond {logged}; another run saved it into the same checkpoint "
+        f"directory, and resuming it would mix two runs: give each run its own checkpoint.dir, or resume that "
+        f"checkpoint on purpose (checkpoint.resume={checkpoint})"
+    )
 
 
 def recorded_checkpoint_dir(run_dir: str) -> Optional[str]:
