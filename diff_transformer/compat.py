@@ -22,6 +22,9 @@ Two kinds:
 - **Checkpoint workarounds** (:func:`fork_checkpoint_results_queue`, :func:`initialise_adam_state`,
   :func:`adam_step_left_out_of_param_copies`, :func:`unshare_adam_step_tensors`): defects of megatron-core's
   distributed-optimizer checkpointing on the torch-Adam path and of its writer start-up, needed on any device.
+- **Safe checkpoint reading** (:func:`read_checkpoint_metadata_with`, :func:`zero_to_fp32_loads_with`): where
+  megatron-core, torch's distributed checkpoint and DeepSpeed unpickle a checkpoint's files with no restriction
+  (``pickle.load``, ``weights_only=False``), so that no file can run code when loaded.
 
 Each names the megatron-core lines (paths relative to ``megatron/core``) it answers, and :data:`PATCH_SITES` lists
 what each one assumes about the installed megatron-core; ``tests/test_compat.py`` checks every site, so an upgrade

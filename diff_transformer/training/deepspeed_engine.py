@@ -495,11 +495,12 @@ class WeightsOnlyCheckpointEngine:
         self._inner = inner
 
     def __getattr__(self, name: str):
+        if name == "_inner":  # not set yet (a copy being built)
+            raise AttributeError(name)
         return getattr(self._inner, name)
 
     def load(self, path: str, map_location=None):
         return load_deepspeed_file(path, map_location)
-
 
 
 class DeepSpeedCheckpointManager(CheckpointManager):
