@@ -82,10 +82,26 @@ def _read_holder(fd: int) -> Dict[str, Any]:
         return {}
 
 
+def this_process() -> Dict[str, Any]:
+    """What a lock's owner record says about the process: its host, pid and pid namespace (two containers can
+    share a host name and a disk, not their pids)."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "pid_ns": _pid_namespace()}
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def holder_is_gone(holder: Dict[str, Any]) -> bool:
-    """Whether ``holder`` (a lock's owner record) names a process of this host that has exited (or is a zombie)."""
+    """Whether ``holder`` (a lock's owner record, :func:`this_process`) names a process of this host and pid
+    namespace that has exited (or is a zombie)."""
     pid = holder.get("pid")
     if holder.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0 or pid == os.getpid():
+        return False
+    if holder.get("pid_ns", _pid_namespace()) != _pid_namespace():
         return False
     try:
         os.kill(pid, 0)

@@ -19,12 +19,11 @@ import contextlib
 import fnmatch
 import json
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from data.locking import HeldLock, LockHeld, hold_lock
+from data.locking import HeldLock, LockHeld, hold_lock, this_process
 from diff_transformer.fileio import atomic_write_text, check_writable, move_aside, old_suffix
 from diff_transformer.training.checkpoint_files import (
     CHECKPOINTS_DIRNAME,
@@ -288,8 +287,7 @@ def lock_run_directory(run_dir: str, checkpoint_root: Optional[str] = None) -> H
     :func:`release_run_directory` (or the process ends); RunDirectoryInUse naming the holder (host, pid, start
     time) when another run holds either: two runs saving into one checkpoint directory would resume each other's
     checkpoints."""
-    owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-             "run_dir": os.path.abspath(run_dir)}
+    owner = {**this_process(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "run_dir": os.path.abspath(run_dir)}
     lock = _lock_directory(run_dir, owner, f"run directory {run_dir}", (
         "two runs in one directory would write the same metrics.jsonl and checkpoints; wait for it to end or stop "
         "it, or start this run in a new directory (hydra.run.dir=NEW)"))
