@@ -5,6 +5,7 @@ refused; Ctrl-C during start-up exits 130 in one line. One killed run is shared 
 
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -150,16 +151,14 @@ def test_a_lock_outlived_by_a_child_of_its_holder_never_blocks(tmp_path, helper)
 # ------------------------------------------------------------------------------------------------------------------
 # 2. Loading never runs code from a file; 5. a newer format is refused
 # ------------------------------------------------------------------------------------------------------------------
-PAYLOAD = """
-import os, pickle, sys
-class Payload:
+class Planted:
+    """Unpickling it runs ``touch <marker>``: the code a planted file would run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
     def __reduce__(self):
-        return (os.system, ("touch " + sys.argv[2],))
-with open(sys.argv[1], "rb") as f:
-    metadata = pickle.load(f)
-metadata.planner_data = Payload()
-sys.stdout.buffer.write(pickle.dumps(metadata))
-"""
+        return (os.system, ("touch " + self.marker,))
 
 
 def test_a_planted_metadata_pickle_is_refused_and_never_runs(killed, tmp_path, capsys):
@@ -168,9 +167,9 @@ def test_a_planted_metadata_pickle_is_refused_and_never_runs(killed, tmp_path, c
     run = copy_of_run(killed[0], tmp_path / "run")
     checkpoint = Path(list_checkpoints(str(run / "checkpoints"))[-1][1])
     marker = tmp_path / "code_ran"
-    planted = subprocess.run([sys.executable, "-c", PAYLOAD, str(checkpoint / ".metadata"), str(marker)],
-                             capture_output=True, check=True).stdout
-    rewrite_with_manifest(checkpoint, ".metadata", planted)
+    metadata = pickle.loads((checkpoint / ".metadata").read_bytes())  # the file this test's run wrote
+    metadata.planner_data = Planted(marker)
+    rewrite_with_manifest(checkpoint, ".metadata", pickle.dumps(metadata))
     what = f"{checkpoint.name}/.metadata names posix.system"
 
     assert checkpoint_main(["inspect", str(run)]) == 2
@@ -182,6 +181,21 @@ def test_a_planted_metadata_pickle_is_refused_and_never_runs(killed, tmp_path, c
     assert what in refused(resume)
     assert not marker.exists(), "the planted code ran"
     assert not (tmp_path / "hf").exists()
+
+
+def test_torch_files_of_a_checkpoint_load_weights_only(tmp_path):
+    """What DeepSpeed's files, the RNG states and the objects inside torch_dist's .distcp files go through."""
+    import torch
+
+    from diff_transformer.training.checkpoint import CheckpointRefused, load_weights_only
+
+    path, marker = tmp_path / "mp_rank_00_model_states.pt", tmp_path / "code_ran"
+    torch.save({"module": {"w": torch.ones(2)}, "extra": Planted(marker)}, path)
+    with pytest.raises(CheckpointRefused, match=f"{path} names posix.system"):
+        load_weights_only(str(path))
+    assert not marker.exists()
+    torch.save({"module": {"w": torch.ones(2)}}, path)
+    assert torch.equal(load_weights_only(str(path))["module"]["w"], torch.ones(2))
 
 
 def test_a_checkpoint_of_a_newer_format_is_refused_naming_both_versions(killed, tmp_path, capsys):
