@@ -27,10 +27,14 @@ from data.locking import HeldLock, LockHeld, hold_lock, this_process
 from diff_transformer.fileio import atomic_write_text, check_writable, move_aside, old_suffix
 from diff_transformer.training.checkpoint_files import (
     CHECKPOINTS_DIRNAME,
+    check_readable,
     checkpoint_bytes,
     checkpoints_dir,
     ensure_free_space,
     list_checkpoints,
+    pointer_problem,
+    pointer_target,
+    read_trainer_state,
     resolve_checkpoint_path,
 )
 from diff_transformer.training.metrics import LOG_FILE, METRICS_FILE, last_logged_step
@@ -188,15 +192,29 @@ def check_start(cfg: Any, run_dir: str, will_resume: Optional[bool] = None) -> O
     """Refuse (RunDirectoryInUse) a fresh start in a directory that holds a run, naming what is there and the
     choices; returns the directory's state when the start is fresh there under ``overwrite_run=true`` (the caller
     moves the old run aside once every other start-up check has passed), else None. ``will_resume``: the trainer's
-    decision once checkpoints are verified; None guesses it from the files (the cheap check before any import)."""
+    decision once checkpoints are verified; None guesses it from the files (the cheap check before any import).
+    The checkpoint the start would load is refused here too, before torch is imported, when its format is newer,
+    its ``.metadata`` would run code, or (``auto``) it is another run's (:func:`check_resume_is_this_runs`)."""
+    to_load = []
     for key, path in (("checkpoint.resume", cfg.checkpoint.resume), ("checkpoint.load_weights_only",
                                                                      cfg.checkpoint.load_weights_only)):
         if path is not None and path not in ("auto", "none"):
             try:  # a path that names no complete checkpoint: refused, never replaced by another
-                resolve_checkpoint_path(path)
+                to_load.append(resolve_checkpoint_path(path))
             except ValueError as err:
                 raise ValueError(f"{key}={path}: {err}") from None
     state = inspect_run_directory(cfg, run_dir)
+    latest = pointer_target(state.checkpoint_root)
+    if cfg.checkpoint.resume == "auto" and latest is not None and pointer_problem(state.checkpoint_root) is None:
+        to_load.append(os.path.join(state.checkpoint_root, latest))
+        try:
+            step = int(read_trainer_state(to_load[-1])["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            step = None  # unreadable: verification says so
+        if step is not None:  # (the trainer checks again what it then selects)
+            check_resume_is_this_runs(run_dir, to_load[-1], step)
+    for path in to_load:  # a newer format, a file that would run code: refused before torch is imported
+        check_readable(path)
     if (resumes(cfg, state) if will_resume is None else will_resume):
         return None
     if not state.used:
