@@ -13,33 +13,42 @@ before training started, or by a second Ctrl-C during a save.
 import os
 import sys
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from hydra.errors import HydraException
-from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
+from diff_transformer.cli import EXIT_INTERRUPTED, exit_on_sigint, print_error
 
-from diff_transformer.cli import (
-    EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_REFUSED, EXIT_STOPPED_RESUMABLE, USER_ERRORS, error_text, print_error,
-)
-from diff_transformer.config import (
-    config_error_message, launch_record, register_configs, resolve_launch_paths, to_object, validate, validate_settings,
-)
-from diff_transformer.training.metrics import wandb_credentials_problem
-from diff_transformer.training.sweep import SweepRefusal, finished_run, sweep_of_run
-from diff_transformer.training.branching import resolve_branch
-from diff_transformer.training.run_directory import (
-    check_disks, check_start, lock_run_directory, release_run_directory,
-)
-
-register_configs()
-_started = []  # main was entered: Hydra made the run directory
+INTERRUPTED_AT_START = "interrupted (SIGINT) before training started: nothing was saved; rerun the same command"
 
 
 def first_process() -> bool:
     """Every process refuses alike; one of them says so."""
     return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
+if __name__ == "__main__":  # until the trainer takes SIGINT over; set before the slow imports, which it covers too
+    exit_on_sigint(INTERRUPTED_AT_START, first_process(), cleanup=lambda: release_run_directory())
+
+import hydra  # noqa: E402  (after the handler: Ctrl-C during these imports exits cleanly too)
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.errors import HydraException  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+from omegaconf.errors import OmegaConfBaseException  # noqa: E402
+
+from diff_transformer.cli import (  # noqa: E402
+    EXIT_FAILURE, EXIT_REFUSED, EXIT_STOPPED_RESUMABLE, USER_ERRORS, error_text,
+)
+from diff_transformer.config import (  # noqa: E402
+    config_error_message, launch_record, register_configs, resolve_launch_paths, to_object, validate, validate_settings,
+)
+from diff_transformer.training.branching import resolve_branch  # noqa: E402
+from diff_transformer.training.checkpoint_files import checkpoints_dir  # noqa: E402
+from diff_transformer.training.metrics import wandb_credentials_problem  # noqa: E402
+from diff_transformer.training.sweep import SweepRefusal, finished_run, sweep_of_run  # noqa: E402
+from diff_transformer.training.run_directory import (  # noqa: E402
+    check_disks, check_start, lock_run_directory, release_run_directory,
+)
+
+register_configs()
+_started = []  # main was entered: Hydra made the run directory
 
 
 def refuse(err: BaseException) -> None:
@@ -70,7 +79,8 @@ def run(dict_cfg: DictConfig) -> None:
             raise ValueError(credentials)
         if first_process():
             check_disks(cfg, run_dir)
-            lock_run_directory(run_dir)  # held until the run ends: a second start here is refused
+            # held until the run ends: a second start here, or into the same checkpoint directory, is refused
+            lock_run_directory(run_dir, checkpoints_dir(cfg, run_dir))
         if in_sweep:  # a rerun of the sweep: its finished runs are skipped (another run's directory is refused)
             finished = finished_run(cfg, run_dir)
             if finished:
@@ -128,5 +138,5 @@ if __name__ == "__main__":
         refuse(ValueError(f"cannot create the run directory (hydra.run.dir): {error_text(error)}"))
     except KeyboardInterrupt:
         if first_process():
-            print_error("interrupted (SIGINT) before training started: nothing was saved; rerun the same command")
+            print_error(INTERRUPTED_AT_START)
         sys.exit(EXIT_INTERRUPTED)

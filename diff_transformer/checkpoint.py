@@ -20,7 +20,9 @@ from typing import List, Optional
 
 from diff_transformer.cli import EXIT_REFUSED, ArgumentParser, print_error, run
 from diff_transformer.fileio import check_output
-from diff_transformer.training.checkpoint_files import describe, format_bytes, resolve_checkpoint_path, verify
+from diff_transformer.training.checkpoint_files import (
+    check_readable, describe, format_bytes, resolve_checkpoint_path, verify,
+)
 
 COMMAND = "diff_transformer.checkpoint"  # the mark of the checkpoint directories convert writes
 
@@ -54,6 +56,7 @@ def _command(argv: Optional[List[str]]) -> int:
         return inspect(args.path, args.json, checksums=not args.sizes_only)
     # the output, checked before seconds of loading: never an input, a run, another checkpoint or someone's files
     inputs = [args.path, resolve_checkpoint_path(args.path)]
+    check_readable(inputs[1])  # a newer format, or a file that would run code: refused before any loading
     check_output(args.output, inputs, COMMAND, args.force, directory=args.to == "torch_dist", option="output")
     from diff_transformer.training.checkpoint_tools import convert_to_torch, convert_to_torch_dist
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 import warnings
 from typing import Callable, NoReturn, Optional, Sequence
@@ -63,6 +65,27 @@ def error_text(err: BaseException) -> str:
 def print_error(err: BaseException | str) -> None:
     message = err if isinstance(err, str) else error_text(err)
     print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+
+
+def exit_on_sigint(message: str, speak: bool = True, cleanup: Optional[Callable[[], None]] = None) -> None:
+    """Until something else takes SIGINT over: Ctrl-C prints ``error: <message>`` (when ``speak``), runs ``cleanup``
+    and exits EXIT_INTERRUPTED at once. Nothing unwinds: an import cut half-way by KeyboardInterrupt fails later in
+    confusing ways (or is swallowed, and the command goes on). A forked child (a data loader worker) keeps Python's
+    KeyboardInterrupt."""
+    owner = os.getpid()
+
+    def interrupted(signum, frame) -> None:
+        if os.getpid() != owner:
+            raise KeyboardInterrupt
+        if speak:
+            print_error(message)
+        try:
+            if cleanup is not None:
+                cleanup()
+        finally:
+            os._exit(EXIT_INTERRUPTED)
+
+    signal.signal(signal.SIGINT, interrupted)
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -23,6 +23,9 @@ Two kinds:
 - **Checkpoint workarounds** (:func:`fork_checkpoint_results_queue`, :func:`initialise_adam_state`,
   :func:`adam_step_left_out_of_param_copies`, :func:`unshare_adam_step_tensors`): defects of megatron-core's
   distributed-optimizer checkpointing on the torch-Adam path and of its writer start-up, needed on any device.
+- **Safe checkpoint reading** (:func:`read_checkpoint_metadata_with`, :func:`zero_to_fp32_loads_with`): where
+  megatron-core, torch's distributed checkpoint and DeepSpeed unpickle a checkpoint's files with no restriction
+  (``pickle.load``, ``weights_only=False``), so that no file can run code when loaded.
 
 Each names the megatron-core lines (paths relative to ``megatron/core``) it answers, and :data:`PATCH_SITES` lists
 what each one assumes about the installed megatron-core; ``tests/test_compat.py`` checks every site, so an upgrade
@@ -33,11 +36,15 @@ any other megatron-core version before a patch is applied.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import importlib
 import inspect
 import logging
 import multiprocessing
+import os
+import signal
+import sys
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -138,6 +145,20 @@ PATCH_SITES = (
               "_get_write_results_queue", 'get_context("spawn")'),
     PatchSite("checkpoint writer queue", "megatron.core.dist_checkpointing.strategies.filesystem_async",
               "_results_queue"),
+    # not workarounds: the checkpoint reader that admits only the format's classes, and weights_only for its bytes
+    PatchSite("checkpoint metadata reader", "megatron.core.dist_checkpointing.strategies.torch",
+              "_get_filesystem_reader", "CachedMetadataFileSystemReader(checkpoint_dir)"),
+    PatchSite("checkpoint metadata reader", "megatron.core.dist_checkpointing.strategies.torch",
+              "TorchDistLoadShardedStrategy.load", "_get_filesystem_reader(checkpoint_dir, cache_metadata=True)"),
+    PatchSite("checkpoint metadata reader", "megatron.core.dist_checkpointing.strategies.torch", "MCoreLoadPlanner"),
+    PatchSite("checkpoint metadata reader", "torch.distributed.checkpoint.default_planner",
+              "DefaultLoadPlanner.load_bytes", "torch.load(value, weights_only=False)"),
+    PatchSite("checkpoint metadata reader", "torch.distributed.checkpoint.filesystem", "FileSystemReader.read_metadata",
+              "pickle.load(metadata_file)"),
+    PatchSite("checkpoint metadata reader", "deepspeed.utils.zero_to_fp32", "parse_model_states",
+              "torch.load(file, map_location=device, weights_only=False)"),
+    PatchSite("checkpoint metadata reader", "deepspeed.utils.zero_to_fp32", "parse_optim_states",
+              "torch.load(f, map_location=device, mmap=True, weights_only=False)"),
     # not a workaround: training.checkpoint.record_written_files wraps the writer's save function to record each
     # rank's files (size, crc32) for the checkpoint's manifest, where they are written
     PatchSite("checkpoint file records", "megatron.core.dist_checkpointing.strategies.filesystem_async",
@@ -441,7 +462,7 @@ def restore_nvme_optimizer_memory_state(engine, root: str, tag: str) -> bool:
     if not engine.zero_nvme_offload_optimizer():
         return False
     optimizer = engine.optimizer
-    saved = torch.load(engine._get_zero_ckpt_name(root, tag), map_location="cpu", weights_only=False)
+    saved = engine.checkpoint_engine.load(engine._get_zero_ckpt_name(root, tag), map_location="cpu")  # weights_only
     saved = saved["optimizer_state_dict"]
     optimizer._set_fp32_optimizer_param_groups()  # how it numbered the states it saved (state_dict does the same)
     try:
@@ -645,12 +666,86 @@ def resolve_default_tp_group_quietly() -> None:
 def fork_checkpoint_results_queue() -> None:
     """megatron's torch_dist writer gathers its workers' results through a Manager queue that it starts with the
     spawn method (dist_checkpointing/strategies/filesystem_async.py:51-56); a spawned child re-imports the training
-    script, seconds per process. A forked Manager serves the same queue at once (the writers themselves fork too)."""
+    script, seconds per process. A forked Manager serves the same queue at once (the writers themselves fork too); it
+    dies with the trainer (:func:`_die_with_parent`), so that a trainer killed outright leaves no process behind."""
     check_megatron_core_version()
+    from multiprocessing.managers import SyncManager
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", "absent") is None:
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+        manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
+        filesystem_async._results_queue = manager.Queue()
+
+
+def read_checkpoint_metadata_with(reader: type, cached_reader: type) -> None:
+    """Make megatron-core's torch_dist loader read ``.metadata`` through the project's readers (subclasses of torch's
+    FileSystemReader that admit only the format's classes): megatron-core builds its reader itself
+    (dist_checkpointing/strategies/torch.py ``_get_filesystem_reader``), with no argument to pass one. And the
+    objects a checkpoint stores as bytes (the RNG states) load with ``weights_only``: torch's planner unpickles them
+    with ``weights_only=False`` (distributed/checkpoint/default_planner.py ``load_bytes``)."""
+    check_megatron_core_version()
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    def _get_filesystem_reader(checkpoint_dir, cache_metadata: bool = False):
+        return (cached_reader if cache_metadata else reader)(checkpoint_dir)
+
+    torch_strategy._get_filesystem_reader = _get_filesystem_reader
+    torch_strategy.MCoreLoadPlanner.load_bytes = _load_bytes_weights_only
+
+
+def _load_bytes_weights_only(self, read_item, value) -> None:
+    """DefaultLoadPlanner.load_bytes with ``weights_only=True``."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    loaded = torch.load(value, weights_only=True)
+    if self.flatten_state_dict:
+        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+    else:
+        self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+@contextlib.contextmanager
+def zero_to_fp32_loads_with(load):
+    """DeepSpeed's ZeRO-3 readers (deepspeed/utils/zero_to_fp32.py ``parse_model_states``, ``parse_optim_states``)
+    unpickle each file with ``torch.load(..., weights_only=False)``: inside the block they call
+    ``load(path, map_location, mmap)`` instead (the caller's weights-only load)."""
+    from deepspeed.utils import zero_to_fp32
+
+    original = zero_to_fp32.torch
+
+    class TorchWithLoad:
+        def __getattr__(self, name):
+            return getattr(original, name)
+
+        @staticmethod
+        def load(f, map_location=None, mmap=False, **_):
+            return load(f, map_location, mmap)
+
+    zero_to_fp32.torch = TorchWithLoad()
+    try:
+        yield
+    finally:
+        zero_to_fp32.torch = original
+
+
+# The trainer's handlers (training.failures) a forked helper must not run: it would only record a stop nobody reads.
+_TRAINER_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a forked helper process: the kernel kills it when ``parent`` dies (Linux's PR_SET_PDEATHSIG), and the
+    signals the trainer handles get their default action back (SIGINT stays ignored, as multiprocessing sets it
+    for a Manager: a Ctrl-C reaches the whole process group, and the trainer's save after it needs the queue)."""
+    for name in _TRAINER_SIGNALS:
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(0)
 
 
 def _inner_optimizers(optimizer) -> "List[torch.optim.Optimizer]":

@@ -16,7 +16,7 @@ from typing import List, Optional
 
 from diff_transformer.cli import EXIT_REFUSED, USER_ERRORS, ArgumentParser, print_error
 from diff_transformer.fileio import check_output
-from diff_transformer.training.checkpoint_files import resolve_checkpoint_path
+from diff_transformer.training.checkpoint_files import check_readable, resolve_checkpoint_path
 
 FORMATS = ("hf",)
 COMMAND = "diff_transformer.export"  # the mark of its output directories: a rerun may replace them
@@ -38,6 +38,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.format not in FORMATS:
             raise ValueError(f"--format {args.format!r} is unknown; use one of {', '.join(FORMATS)}")
         path = resolve_checkpoint_path(args.checkpoint)  # a path that is no checkpoint: refused before torch is imported
+        check_readable(path)  # so is a newer format, or a file that would run code
         inputs = [args.checkpoint, path] + ([args.tokenizer] if args.tokenizer not in (None, "none") else [])
         check_output(args.out, inputs, COMMAND, args.force)
         from diff_transformer.hf.export import export_hf

@@ -27,13 +27,16 @@ import logging
 import os
 import pickle
 import random
+import re
 import shutil
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from diff_transformer import compat
 from diff_transformer.config import CheckpointConfig
@@ -42,6 +45,8 @@ from diff_transformer.fileio import atomic_write_text, fsync_dir
 from diff_transformer.training.checkpoint_files import (  # noqa: F401  (the layout, importable from here too)
     CHECKPOINTS_DIRNAME,
     DAMAGED_SUFFIX,
+    DCP_METADATA,
+    CheckpointRefused,
     FORMAT_WITH_MANIFEST,
     LATEST_FILE,
     MANIFEST_FILE,
@@ -64,6 +69,7 @@ from diff_transformer.training.checkpoint_files import (  # noqa: F401  (the lay
     move_aside,
     partial_saves,
     pointer_target,
+    read_dcp_metadata,
     read_manifest,
     read_trainer_state,
     rerun_advice,
@@ -108,6 +114,70 @@ class CheckpointSaveFailed(RuntimeError):
     def __init__(self, message: str, disk_full: bool = False):
         super().__init__(message)
         self.disk_full = disk_full
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Reading torch_dist's .metadata: only the format's own classes (torch's reader unpickles whatever the file names)
+# ------------------------------------------------------------------------------------------------------------------
+class RestrictedMetadataReader(FileSystemReader):
+    """torch's FileSystemReader whose ``.metadata`` is read by ``checkpoint_files.read_dcp_metadata``: a file naming
+    anything but the format's classes raises CheckpointRefused before any of it is built."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = str(self._get_metadata_path(kwargs.get("rank")))
+        metadata = read_dcp_metadata(path)
+        if not isinstance(metadata, Metadata):
+            raise CheckpointRefused(f"{path} holds no torch_dist Metadata but a {type(metadata).__name__}")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def load_weights_only(path: str, safe_globals: Tuple[type, ...] = (), map_location: Any = "cpu",
+                      mmap: bool = False) -> Any:
+    """``torch.load(path, weights_only=True)``: tensors, plain containers, the classes torch and megatron-core admit
+    and ``safe_globals``. A file naming anything else raises CheckpointRefused naming the file and the global."""
+    try:
+        with torch.serialization.safe_globals(list(safe_globals)):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        refused = re.search(r"GLOBAL ([\w.]+)", str(err))
+        if refused is None:
+            raise
+        raise CheckpointRefused(
+            f"{path} names {refused.group(1)}, which this checkpoint format never holds: loading it could run code "
+            "planted in the file, so it is refused; load only checkpoints from a source you trust"
+        ) from None
+
+
+def deepspeed_safe_globals() -> tuple:
+    """The classes DeepSpeed's checkpoint files hold besides tensors and containers (its ZeRO optimizers' state:
+    the loss scaler, the stage, the bf16/ZeRO parameter-slice addresses)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address
+
+
+def load_deepspeed_file(path: str, map_location=None, mmap: bool = False):
+    """One file of a DeepSpeed checkpoint, ``weights_only`` with DeepSpeed's own classes admitted."""
+    return load_weights_only(path, deepspeed_safe_globals(), map_location, mmap)
+
+
+def _cached_reader_class() -> type:
+    from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
+        CachedMetadataFileSystemReader,
+    )
+
+    class CachedRestrictedMetadataReader(CachedMetadataFileSystemReader, RestrictedMetadataReader):
+        """megatron-core's caching reader (the one its loader uses) reading through RestrictedMetadataReader."""
+
+    return CachedRestrictedMetadataReader
+
+
+compat.read_checkpoint_metadata_with(RestrictedMetadataReader, _cached_reader_class())
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -166,10 +236,10 @@ def _unmanifested_problems(path: str) -> List[str]:
                 if not os.path.isfile(os.path.join(path, name))]
     if problems:
         return problems
-    from torch.distributed.checkpoint import FileSystemReader
-
     try:
-        storage = FileSystemReader(path).read_metadata().storage_data
+        storage = read_dcp_metadata(os.path.join(path, DCP_METADATA)).storage_data
+    except CheckpointRefused:
+        raise
     except Exception as err:  # noqa: BLE001 - a damaged .metadata raises anything pickle can
         return [f".metadata: unreadable ({type(err).__name__}: {err})"]
     needed: Dict[str, int] = {}
@@ -605,7 +675,8 @@ class _Reading:
         return self
 
     def __exit__(self, kind, err, tb):
-        if err is not None and isinstance(err, _READ_ERRORS) and not isinstance(err, CheckpointDamaged):
+        passed_on = (CheckpointDamaged, CheckpointRefused)  # said in full already
+        if err is not None and isinstance(err, _READ_ERRORS) and not isinstance(err, passed_on):
             raise CheckpointDamaged(f"checkpoint {self.path} cannot be read: {type(err).__name__}: {err}") from err
         return False
 

@@ -21,6 +21,7 @@ import concurrent.futures
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import time
@@ -399,15 +400,122 @@ def state_format(path: str) -> Optional[int]:
         return None
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# What this code refuses to load: a newer format, and a .metadata that would run code
+# ------------------------------------------------------------------------------------------------------------------
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a torch_dist checkpoint: a pickle
+_DCP = "torch.distributed.checkpoint"
+# Every global a torch_dist .metadata may name (recorded from real checkpoints): torch's checkpoint dataclasses and
+# enums, torch.Size, the dtypes and the layout reader. A pickle may construct anything it names, so nothing else.
+_TORCH_DTYPES = (
+    "float32", "float16", "bfloat16", "float64", "complex64", "complex128", "int64", "int32", "int16", "int8",
+    "uint8", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+    "float8_e5m2fnuz", "float8_e8m0fnu",
+)
+DCP_METADATA_GLOBALS = frozenset(
+    [("torch", "Size"), ("torch.serialization", "_get_layout"), (f"{_DCP}.filesystem", "_StorageInfo")]
+    + [("torch", name) for name in _TORCH_DTYPES]
+    + [(f"{_DCP}.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")]
+    + [(f"{_DCP}.planner", name) for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")]
+    + [("builtins", name) for name in ("set", "frozenset", "slice")]
+    + [("collections", "OrderedDict")]
+)
+
+
+class CheckpointRefused(ValueError):
+    """A checkpoint this code will not load: a file that would run code when read, or a format newer than it
+    reads. Unlike damage, never passed over for an older checkpoint: someone has to look."""
+
+
+class _Inert:
+    """What a global admitted by the check stands for when nothing is to be built: takes any arguments and state."""
+
+    def __new__(cls, *args, **kwargs):
+        return object.__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles only the globals of DCP_METADATA_GLOBALS (``build``: the real ones, else inert stand-ins, so that
+    checking a file imports nothing); any other raises CheckpointRefused naming the file and the global."""
+
+    def __init__(self, file, path: str, build: bool):
+        super().__init__(file)
+        self.path, self.build = path, build
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in DCP_METADATA_GLOBALS:
+            raise CheckpointRefused(
+                f"{self.path} names {module}.{name}, which a torch_dist checkpoint's metadata never holds: loading it "
+                "could run code planted in the file, so it is refused; load only checkpoints from a source you trust"
+            )
+        return super().find_class(module, name) if self.build else _Inert
+
+    def persistent_load(self, pid):
+        raise CheckpointRefused(f"{self.path} holds a persistent reference, which a torch_dist .metadata never does")
+
+
+def read_dcp_metadata(path: str, build: bool = True):
+    """torch_dist's ``.metadata`` at ``path``, unpickled with only the format's own classes (``build`` False: checked
+    only, with stand-ins and without importing torch). CheckpointRefused for anything else."""
+    with open(path, "rb") as f:
+        try:
+            return _MetadataUnpickler(f, path, build).load()
+        except CheckpointRefused:
+            raise
+        except Exception as err:  # noqa: BLE001 - a damaged pickle raises anything
+            raise ValueError(f"{path} is unreadable ({type(err).__name__}: {err})") from None
+
+
+def check_readable(path: str) -> None:
+    """Refuse (CheckpointRefused) a checkpoint this code must not load: trainer_state.json or the manifest of a newer
+    format than it reads, or a ``.metadata`` naming anything but the format's classes."""
+    newest = (
+        (STATE_FILE, state_format(path), FORMAT_WITH_MANIFEST, "format_version"),
+        (MANIFEST_FILE, _manifest_version(path), MANIFEST_VERSION, "manifest_version"),
+    )
+    for name, found, known, key in newest:
+        if found is not None and found > known:
+            raise CheckpointRefused(
+                f"checkpoint {path} has {key} {found} in its {name}, newer than this code reads ({key} {known}): "
+                "load it with the version of this framework that saved it, or a newer one"
+            )
+    metadata = os.path.join(path, DCP_METADATA)
+    if os.path.isfile(metadata):
+        try:
+            read_dcp_metadata(metadata, build=False)
+        except CheckpointRefused:
+            raise
+        except ValueError:
+            pass  # damage, not danger: verification names it (or the loader does, for an unmanifested checkpoint)
+
+
+def _manifest_version(path: str) -> Optional[int]:
+    try:
+        with open(os.path.join(path, MANIFEST_FILE)) as f:
+            return int(json.load(f).get("manifest_version", MANIFEST_VERSION))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
 def verify(path: str, checksums: bool = True) -> Verification:
     """Check checkpoint ``path`` against its manifest: every listed file present, of its size, and (``checksums``)
     of its crc32. A checkpoint of format 1 has no manifest: reported with ``has_manifest`` false and no problem
-    (the caller decides what an unverified checkpoint is worth)."""
+    (the caller decides what an unverified checkpoint is worth). A checkpoint it must not load at all (a newer
+    format, a ``.metadata`` that would run code) raises CheckpointRefused (``check_readable``)."""
     start = time.perf_counter()
     result = Verification(path)
     if not os.path.isdir(path):
         result.problems.append(f"{path} is not a directory")
         return result
+    check_readable(path)
     try:
         manifest = read_manifest(path)
     except ValueError as err:

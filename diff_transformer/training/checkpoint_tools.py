@@ -18,11 +18,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from omegaconf import OmegaConf
 
+from diff_transformer import compat
 from diff_transformer.config import Config, padded_vocab_size
 from diff_transformer.fileio import replace_directory, staging_directory
 from diff_transformer.models.gpt import build_model_chunk, resolve_precision, set_dex_anneal
 from diff_transformer.training.checkpoint import (
     FORMAT_VERSION,
+    load_deepspeed_file,
     read_trainer_state,
     reading_checkpoint,
     require_verified,
@@ -112,7 +114,7 @@ def deepspeed_tp_state_dicts(path: str, ranks: Optional[List[int]] = None) -> Li
     for mp in range(layout["tp"]) if ranks is None else ranks:
         if stage < 3:
             model_file = os.path.join(path, f"mp_rank_{mp:02d}_model_states.pt")
-            weights = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
+            weights = load_deepspeed_file(model_file, "cpu")["module"]
         else:
             weights = _zero3_weights(path, mp)
         out.append(weights)
@@ -130,10 +132,11 @@ def _zero3_weights(path: str, mp: int) -> Dict[str, torch.Tensor]:
             raise ValueError(f"{path} is missing DeepSpeed's {pattern} files: not a complete ZeRO-3 checkpoint")
         return found
 
-    model_states = zero_to_fp32.parse_model_states(files(f"zero_pp_rank_*_mp_rank_{mp:02d}_model_states.pt"))
-    stage, world_size, flat_groups, _ = zero_to_fp32.parse_optim_states(
-        files(f"*zero_pp_rank_*_mp_rank_{mp:02d}_optim_states.pt"), path
-    )
+    with compat.zero_to_fp32_loads_with(load_deepspeed_file):  # its own loads are not weights_only
+        model_states = zero_to_fp32.parse_model_states(files(f"zero_pp_rank_*_mp_rank_{mp:02d}_model_states.pt"))
+        stage, world_size, flat_groups, _ = zero_to_fp32.parse_optim_states(
+            files(f"*zero_pp_rank_*_mp_rank_{mp:02d}_optim_states.pt"), path
+        )
     if stage != 3:
         raise ValueError(f"{path}: DeepSpeed's files are of ZeRO stage {stage}, its trainer_state.json says 3")
     weights = zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(world_size, flat_groups, model_states, False)

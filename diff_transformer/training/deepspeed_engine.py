@@ -41,7 +41,9 @@ from diff_transformer.training.checkpoint import (
     CheckpointManager,
     check_resumable,
     checkpoint_bytes,
+    load_deepspeed_file,
     load_model_weights,
+    load_weights_only,
     read_trainer_state,
     reading_checkpoint,
     rng_state,
@@ -325,6 +327,7 @@ class DeepSpeedTrainer(Trainer):
         self.engine, optimizer, _, _ = deepspeed.initialize(
             model=chunk, model_parameters=groups, config=self.ds_config, mpu=MegatronParallelState()
         )
+        self.engine.checkpoint_engine = WeightsOnlyCheckpointEngine(self.engine.checkpoint_engine)
         self._ds_optimizer = optimizer
         return chunk
 
@@ -484,6 +487,22 @@ def _drops_nonfinite_steps(engine) -> bool:
 # ------------------------------------------------------------------------------------------------------------------
 # Checkpoints
 # ------------------------------------------------------------------------------------------------------------------
+class WeightsOnlyCheckpointEngine:
+    """DeepSpeed's checkpoint engine (it reads every file of ``load_checkpoint``) with its loads made
+    ``weights_only``: DeepSpeed's own TorchCheckpointEngine unpickles with ``weights_only=False``."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name: str):
+        if name == "_inner":  # not set yet (a copy being built)
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def load(self, path: str, map_location=None):
+        return load_deepspeed_file(path, map_location)
+
+
 class DeepSpeedCheckpointManager(CheckpointManager):
     """DeepSpeed's ``save_checkpoint``/``load_checkpoint`` inside :class:`CheckpointManager`'s protocol. A step
     directory holds DeepSpeed's files (``mp_rank_XX_model_states.pt``, ZeRO's ``*_optim_states.pt`` partitions,
@@ -516,7 +535,7 @@ class DeepSpeedCheckpointManager(CheckpointManager):
                 raise ValueError(f"DeepSpeed found no checkpoint to load in {path}")
             compat.restore_nvme_optimizer_memory_state(self.trainer.engine, root, tag)
             self.trainer.scheduler.load_state_dict(client_state["opt_param_scheduler"])
-            set_rng_state(torch.load(os.path.join(path, RNG_FILE.format(rank=self.rank)), weights_only=False))
+            set_rng_state(load_weights_only(os.path.join(path, RNG_FILE.format(rank=self.rank))))
         distributed.barrier()
         return saved
 

@@ -92,7 +92,9 @@ from diff_transformer.training.metrics import (
     PROGRESS_WINDOW_STEPS, MetricsWriter, RunLogFailed, init_wandb, setup_console_logging, start_run_log,
 )
 from diff_transformer.training.profiling import StepProfiler
-from diff_transformer.training.run_directory import check_start, move_old_run_aside, write_launch_record
+from diff_transformer.training.run_directory import (
+    check_resume_is_this_runs, check_start, move_old_run_aside, write_launch_record,
+)
 from diff_transformer.training.steps import forward_step
 
 logger = logging.getLogger("diff_transformer")
@@ -618,6 +620,8 @@ class Trainer:
         resume = self._resume_candidate(self.checkpoint_root)
         if resume:
             saved = read_trainer_state(resume)
+            if c.resume == "auto":
+                check_resume_is_this_runs(self.run_dir, resume, saved["step"])
             check_model_compatible(resume, saved["config"]["model"], current_model)
             if self.tokenizer is not None:
                 check_tokenizer_unchanged(resume, saved, self.tokenizer.model_sha256, self.tokenizer.path)
