@@ -62,7 +62,7 @@ class DataConfig:
         """What the data is, as run.json's data_source and every figure's title name it."""
         if self.source == "bundled":
             return "the bundled corpus (Shakespeare, King James Bible)"
-        return "shards " + ", ".join("/".join(str(p).rstrip("/").split("/")[-2:]) for p in self.blend)
+        return ", ".join("/".join(str(p).rstrip("/").split("/")[-2:]) for p in self.blend)  # "shards/mytext"
 
 
 def resolve_path(path: str) -> str:

@@ -430,7 +430,7 @@ def test_runs_of_every_kind_load_and_old_runs_fall_back_to_their_kind(tmp_path):
 # The first three sizes of docs/tiny_sweep.json: non-embedding parameters and final validation losses.
 TINY_3 = {"diff": [(804736, 5.759966), (1771968, 5.652569), (3956416, 5.620125)],
           "vanilla": [(803968, 5.550559), (1771200, 5.383466), (3955456, 5.420916)]}
-SHARDS = "shards wiki/train"
+SHARDS = "wiki/train"
 
 
 def strict_json(path):
@@ -554,7 +554,8 @@ def test_quickstart_figure_names_the_data_it_trained_on(tmp_path):
     from diff_transformer import quickstart
 
     assert DataConfig("shards", "tok", ["/data/wiki/train", "/data/books/part"]).describe() == \
-        "shards wiki/train, books/part"  # run.json's data_source
+        "wiki/train, books/part"  # run.json's data_source
+    assert DataConfig("shards", "tok", ["shards/mytext"]).describe() == "shards/mytext"  # no "shards shards/mytext"
     assert "bundled corpus" in DataConfig().describe()
     run_dir = write_run(tmp_path, "diff", 1e6, 5.0, max_steps=20, eval_interval=10, data_source=SHARDS)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

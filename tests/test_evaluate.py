@@ -403,7 +403,7 @@ def test_evaluate_and_analyze_figures_colour_each_kind_and_name_the_data(tmp_pat
 
     saved = {}
     monkeypatch.setattr(plots, "_save", lambda fig, path: saved.setdefault(path.name, fig))
-    data = "shards wiki/train"
+    data = "wiki/train"
     layers = [{"layer": i, "mean": {"combined/entropy": 1.0 + i}} for i in (1, 2)]
     results = {label: {"run": {"attention": kind, "data": data, "tokens": 2048, "seed": 1234},
                        "probe": {"source": "validation"}, "layers": layers,

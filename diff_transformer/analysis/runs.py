@@ -65,7 +65,7 @@ class RunRecord:
             return self.data_source
         shards = self.data.get("shards") if isinstance(self.data, dict) else None
         names = [s.get("name", "?") for s in shards or [] if isinstance(s, dict)]
-        return f"shards {', '.join(names)}" if names else "unrecorded data"
+        return ", ".join(names) if names else "unrecorded data"
 
     @property
     def token_budget(self) -> int:
