@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Sequence
 
 from diff_transformer.cli import EXIT_REFUSED, USER_ERRORS, ArgumentParser, print_error
+from diff_transformer.fileio import atomic_write_text
 from diff_transformer.analysis.plots import data_label, plot_comparison, plot_variant_spread, tokens_label
 from diff_transformer.analysis.runs import PARAMETER_COUNTS, RunMismatchError, check_comparable, load_runs
 from diff_transformer.analysis.scaling import BOOTSTRAP_SAMPLES, compare_runs, format_report
@@ -106,7 +107,7 @@ def _write_summary(figure: Path, payload: dict) -> Path:
     """The summary beside the figure, signed as compare's with the figure's hash (what check_out looks for)."""
     path = figure.with_suffix(".json")
     signed = {"written_by": WRITTEN_BY, "figure": {"path": figure.name, "sha256": _sha256(figure)}, **payload}
-    path.write_text(_json(signed))
+    atomic_write_text(str(path), _json(signed))
     return path
 
 

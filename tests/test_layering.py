@@ -51,7 +51,7 @@ ALLOWED = {
     # command-line entry points over the libraries
     # (every entry point may check its output with the torch-free fileio before it imports a library)
     "diff_transformer.checkpoint": ("diff_transformer.training", "diff_transformer.cli", "diff_transformer.fileio"),
-    "diff_transformer.compare": ("diff_transformer.analysis", "diff_transformer.cli"),
+    "diff_transformer.compare": ("diff_transformer.analysis", "diff_transformer.cli", "diff_transformer.fileio"),
     # the quickstart's A/B trains both models in its own process (training.paired_throughput)
     "diff_transformer.quickstart": ("diff_transformer.analysis", "diff_transformer.fileio", "diff_transformer.cli",
                                     "diff_transformer.figure_style", "diff_transformer.training.paired_throughput"),
