@@ -44,6 +44,11 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
     _atomic_write(path, "wb", lambda f: f.write(data))
 
 
+def atomic_write_binary(path: str, write: Callable[[IO], Any]) -> None:
+    """``write(f)`` into a binary file that replaces ``path`` once complete (e.g. ``torch.save(obj, f)``)."""
+    _atomic_write(path, "wb", write)
+
+
 def _atomic_write(path: str, mode: str, write: Callable[[IO], Any]) -> None:
     """``write`` to a new same-directory temporary file, fsynced, then renamed over ``path``. A symbolic link at
     ``path`` is replaced, never written through (exclusive creation also refuses a link planted at the temporary

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from diff_transformer import compat
 from diff_transformer.config import Config, padded_vocab_size
-from diff_transformer.fileio import replace_directory, staging_directory
+from diff_transformer.fileio import atomic_write_binary, replace_directory, staging_directory
 from diff_transformer.models.gpt import build_model_chunk, resolve_precision, set_dex_anneal
 from diff_transformer.training.checkpoint import (
     FORMAT_VERSION,
@@ -226,13 +226,9 @@ def convert_to_torch(path: str, output: str) -> Dict[str, Any]:
     try:
         chunk, _, state = load_single_rank_model(path)
         weights = {k: v.detach().cpu().clone() for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}
-        partial = f"{output}.tmp.{os.getpid()}"
-        try:
-            torch.save({"model": weights, "config": state["config"], "step": state["step"]}, partial)
-            os.replace(partial, output)
-        finally:
-            if os.path.exists(partial):
-                os.remove(partial)
+        # a new temporary file renamed over output: a link planted at either name is never written through
+        atomic_write_binary(output, lambda f: torch.save({"model": weights, "config": state["config"],
+                                                         "step": state["step"]}, f))
         logger.info("converted %s (saved at tp=%d) to %s", path, state["layout"]["tp"], output)
         return {"path": output, "tensors": len(weights), "parameters": sum(v.numel() for v in weights.values())}
     finally:
