@@ -43,7 +43,7 @@ def test_ctrl_c_waits_for_the_save_exits_130_and_the_rerun_resumes(tmp_path):
     takes the two as one) once its first run has logged a step: the trainer saves, the quickstart says so in one
     line; the same command then resumes that run (its steps contiguous), trains the other and measures both."""
     out = tmp_path / "quick"
-    command = [sys.executable, "-m", "diff_transformer.quickstart", "--out", str(out), "--steps", "6",
+    command = [sys.executable, "-m", "diff_transformer.quickstart", "--out", str(out), "--steps", "30",
                "--ab-rounds", "2", "model=debug", "trainer.eval_iters=1", "logging.wandb.mode=disabled"]
     proc = subprocess.Popen(command, cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -58,13 +58,13 @@ def test_ctrl_c_waits_for_the_save_exits_130_and_the_rerun_resumes(tmp_path):
     assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
     saved = (out / "diff" / "checkpoints" / "latest").read_text().strip()
     stopped_at = int(saved.split("_")[-1])
-    assert stopped_at < 6 and not (out / "vanilla").exists()
+    assert stopped_at < 30 and not (out / "vanilla").exists()
 
     rerun = subprocess.run(command, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, (rerun.stdout[-2000:], rerun.stderr[-3000:])
     assert f"resumed from {out / 'diff' / 'checkpoints' / saved} at step {stopped_at}" in rerun.stdout
-    assert [r["step"] for r in read_metrics(out / "diff")] == list(range(1, 7))
-    assert [r["step"] for r in read_metrics(out / "vanilla")] == list(range(1, 7))
+    assert [r["step"] for r in read_metrics(out / "diff")] == list(range(1, 31))
+    assert [r["step"] for r in read_metrics(out / "vanilla")] == list(range(1, 31))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["throughput_ab"]["rounds"] == 2 and summary["diff_vs_vanilla_throughput"] > 0
     assert "DIFF / Transformer throughput: " in rerun.stdout and (out / "loss_curves.png").exists()
