@@ -38,7 +38,7 @@ def test_the_recipe_sweep_takes_data_overrides():
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         cfg = to_object(compose("config", overrides=overrides))
     assert (cfg.data.source, cfg.data.tokenizer_dir, cfg.data.blend) == ("shards", "tok/", ["shards/mytext"])
-    assert cfg.name == "tiny-sweep" and cfg.logging.wandb.mode == "offline"
+    assert cfg.name == "tiny-wsd" and cfg.optim.decay == "wsd" and cfg.logging.wandb.mode == "offline"
 
 
 @pytest.mark.parametrize("index", range(5))
