@@ -53,7 +53,7 @@ FLOPs = 2 × multiply-adds, per (query, key) pair that attends (causal: × 1/2 o
   baseline, 2H heads of d (per pair of heads): forward = 2·2·(d + d),  backward = 2·2·(3·d + 2·d)
 V1's backward is the baseline's (20·d FLOPs a pair), V2's 16·d. These are the products the algorithm needs; every
 method of one problem is credited with them, so TFLOP/s compare like for like. The fused kernels execute more, as
-recomputation (kernels/diff_attn/fused.py names the designs): the backward preprocess recomputes S2 and dP (d + d_v)
+recomputation (kernels/diff_attn/forward.py and backward.py name the designs): the backward preprocess recomputes S2 and dP (d + d_v)
 for δ, the dQ kernel S1, S2 and dP (2·d + d_v), and the split backward's dV kernel S1 and S2 (2·d): V1's backward
 executes 2·19·d a pair with the split backward (2·17·d fused, 2·15·d with atomic dQ), V2's 2·15·d (13, 12). The
 two-pass forward executes V1's 2·6·d as the one-pass does, V2's 2·5·d against 2·4·d."""

@@ -11,7 +11,8 @@
 # room): a step with less than its need left is skipped and says so, rather than spend the window on a run that the
 # deadline cuts off):
 #   first   830m throughput (DIFF and the baseline, sequence 2048) with one step's profile under trainer.compile on
-#           sdpa; trainer.fusions' compiled RoPE and cross-entropy against what they replace (benchmarks/fusions.py);
+#           sdpa (every throughput step with trainer.fusions and trainer.grad_accumulation_fusion on); trainer.fusions'
+#           compiled RoPE and cross-entropy against what they replace (benchmarks/fusions.py);
 #           the host's time a core-attention call and a Triton launch (benchmarks/host_overhead.py); the GPU tests
 #           of the kernels, the epilogue, RoPE, the attention backends and the CUDA ring; core attention at d=128
 #           (N=4096) and d=96 (the 830m shape), the fused kernel's row first; 830m eagerly with auto's choice
@@ -166,7 +167,7 @@ throughput() {  # name, limit, need, train_throughput.py arguments (a later --ou
   # the overrides right after the step's arguments on a GPU and in the dry run alike (an option that takes several
   # values, such as --compile, takes what follows it: the dry run sees it as the GPU does), the toy sizes last
   step "$name" "$limit" "$need" '(tok/s|tokens/s at TP|FAILED)' "$py" benchmarks/train_throughput.py --out "$out" "$@" \
-    trainer.init_on_gpu=true trainer.fusions=on "${toy[@]}"
+    trainer.init_on_gpu=true trainer.fusions=on trainer.grad_accumulation_fusion=on "${toy[@]}"
 }
 
 gpu_tests() {  # name, limit, need, pytest arguments
@@ -196,7 +197,7 @@ plan_first() {
   [ $dry_run -eq 1 ] && toy=(--calls 2 --repeats 2)
   step host_overhead 120 45 '^headline' "$py" benchmarks/host_overhead.py --out "$out" "${toy[@]}"
   gpu_tests kernel_tests 250 175 tests/test_diff_attn_kernel.py tests/test_diff_epilogue.py tests/test_rope_kernel.py \
-    tests/test_attention.py tests/test_context_parallel.py tests/test_profiling.py
+    tests/test_attention.py tests/test_context_parallel.py tests/test_profiling.py tests/test_weight_gradient.py
   core_attention core_attention_d128 150 70 --heads 8 --head-dim 128 --seq-len 4096 --batch 4
   core_attention core_attention_d96 120 65 --heads 8 --head-dim 96 --seq-len 2048 --batch 4
   throughput throughput_830m 300 125 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 --steps 8

@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import triton  # noqa: E402
 
-from kernels.diff_attn import fused, tuning  # noqa: E402
+from kernels.diff_attn import diff_flash_attn, diff_flash_attn_v2, launch, tuning  # noqa: E402
 from kernels.diff_attn.naive import diff_attn_naive, diff_attn_v2_naive  # noqa: E402
 from kernels.diff_attn.tuning import BlockConfig, Design, Plan  # noqa: E402
 
@@ -140,7 +140,7 @@ class Sweep:
 
     def configs(self, key):
         if not self.on_gpu:  # the interpreter: small blocks whatever the table says
-            return dict(fused._INTERPRET_CONFIGS)
+            return dict(launch._INTERPRET_CONFIGS)
         return dict(tuning.DEFAULT_CONFIGS[key])
 
     def previous_plan(self, version, head_dim):
@@ -154,12 +154,12 @@ class Sweep:
     def run(self, version, plan, tensors, previous=False):
         """The model's call: V1 with its sub-layer norm and output scale (in PyTorch after the earlier kernels)."""
         if version == "v2":
-            return fused.diff_flash_attn_v2(*tensors, plan=plan)
+            return diff_flash_attn_v2(*tensors, plan=plan)
         q, k, v, lam, weight = tensors
         if previous:
-            y = fused.diff_flash_attn(q, k, v, lam, plan=plan)
+            y = diff_flash_attn(q, k, v, lam, plan=plan)
             return torch.nn.functional.rms_norm(y, (y.shape[-1],), weight, 1e-5) * 0.7
-        return fused.diff_flash_attn(q, k, v, lam, plan=plan, norm_weight=weight, output_scale=0.7)
+        return diff_flash_attn(q, k, v, lam, plan=plan, norm_weight=weight, output_scale=0.7)
 
     def reference(self, version, tensors):
         ref = [t.detach().float().requires_grad_() for t in tensors]

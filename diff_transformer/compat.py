@@ -11,9 +11,10 @@ Two kinds:
   compiles a shared-memory all-reduce op when its communication backend starts; gloo reduces the same tensors. Like
   the CPU patches, applied only without CUDA.
 - **Speed workarounds** (:func:`apply_grad_norm_patches`, :func:`fuse_torch_adamw`, :func:`install_fused_rope`,
-  :func:`install_fused_cross_entropy`): where megatron-core without TransformerEngine or Apex falls back to slow
-  paths (a host sync per parameter tensor in the gradient norm, torch's foreach AdamW, no fused RoPE, a native fused
-  cross-entropy that keeps an fp32 softmax and rounds an fp32 model's gradient to bf16), on any device.
+  :func:`install_fused_cross_entropy`, :func:`install_weight_gradient_accumulation`): where megatron-core without
+  TransformerEngine or Apex falls back to slow paths (a host sync per parameter tensor in the gradient norm, torch's
+  foreach AdamW, no fused RoPE, a native fused cross-entropy that keeps an fp32 softmax and rounds an fp32 model's
+  gradient to bf16, a separate add of each weight gradient into the fp32 main gradient), on any device.
 - **Compiled layers** (:func:`call_core_attention_eagerly`, :func:`resolve_default_tp_group_quietly`,
   ``trainer.compile``, any device): where megatron-core's TransformerLayer forward stops torch.compile from keeping one
   graph on each side of the core attention.
@@ -161,6 +162,13 @@ PATCH_SITES = (
     PatchSite("fused cross-entropy", "megatron.core.models.common.language_module.language_module",
               "LanguageModule.compute_language_model_loss",
               "loss = fused_vocab_parallel_cross_entropy(logits, labels, self.pg_collection.tp)"),
+    PatchSite("weight gradient accumulation", "megatron.core.tensor_parallel.layers", "_grad_accum_fusion_available"),
+    PatchSite("weight gradient accumulation", "megatron.core.tensor_parallel.layers",
+              "LinearWithGradAccumulationAndAsyncCommunication.backward",
+              "fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(\n"
+              "                            total_input, grad_output, weight.main_grad"),
+    PatchSite("weight gradient accumulation", "megatron.core.tensor_parallel.layers", "ColumnParallelLinear.__init__",
+              "if config.gradient_accumulation_fusion and not _grad_accum_fusion_available:"),
     PatchSite("compiled layers", "megatron.core.transformer.attention", "Attention.forward",
               "if self.checkpoint_core_attention and self.training:"),
     PatchSite("compiled layers", "megatron.core.transformer.attention", "Attention.forward", "with off_interface("),
@@ -537,6 +545,23 @@ def install_fused_rope(apply_fn) -> bool:
     if rope_utils.fused_apply_rotary_pos_emb is None:
         rope_utils.fused_apply_rotary_pos_emb = apply_fn
     return rope_utils.fused_apply_rotary_pos_emb is apply_fn
+
+
+def install_weight_gradient_accumulation(apex_compatible) -> bool:
+    """megatron-core's ``gradient_accumulation_fusion`` accumulates each linear layer's weight gradient into its fp32
+    ``main_grad`` through Apex's ``fused_weight_gradient_mlp_cuda``, a module global of tensor_parallel/layers.py
+    (imported at lines 45-48, called at 569-575 as ``wgrad_gemm_accum_fp32(total_input, grad_output,
+    weight.main_grad)``), and ColumnParallelLinear refuses the switch without it (``_grad_accum_fusion_available``,
+    layers.py:924). Put ``apex_compatible`` (an object with both
+    functions, ``models.weight_gradient``) there unless Apex's own is installed; returns whether the hook now holds
+    it. Idempotent."""
+    check_megatron_core_version()
+    from megatron.core.tensor_parallel import layers
+
+    if not layers._grad_accum_fusion_available:  # without Apex the module global is not even defined
+        layers.fused_weight_gradient_mlp_cuda = apex_compatible
+        layers._grad_accum_fusion_available = True
+    return getattr(layers, "fused_weight_gradient_mlp_cuda", None) is apex_compatible
 
 
 def install_fused_cross_entropy(cross_entropy_fn) -> None:

@@ -116,6 +116,9 @@ class TrainerConfig:
     # fused RoPE, SwiGLU, cross-entropy and DIFF epilogue: auto (on with CUDA, off on a CPU) | on | off
     fusions: str = "auto"
     diff_epilogue: str = "triton"  # the DIFF epilogue when fusions are on: triton (one kernel each way) | compile
+    # each linear layer's weight gradient accumulated into the fp32 main gradient in its GEMM (megatron-core's
+    # gradient_accumulation_fusion, without Apex: models/weight_gradient.py): auto (on with CUDA, off on a CPU) | on | off
+    grad_accumulation_fusion: str = "auto"
     # each transformer layer under torch.compile (inductor fuses norms, RoPE, SwiGLU, residuals), with its core
     # attention on sdpa and combined (outside CP, selective recomputation, document masking), eager on the others;
     # the first step pays the compilation; evaluation runs eagerly
@@ -372,6 +375,9 @@ def validate_settings(cfg: Any) -> None:
         raise ValueError(f"trainer.gpu_memory_gib={t.gpu_memory_gib} must be positive (or null: the GPU's memory)")
     if t.fusions not in FUSION_MODES:
         raise ValueError(f"trainer.fusions={t.fusions!r} is unknown; use one of {', '.join(FUSION_MODES)}")
+    if t.grad_accumulation_fusion not in FUSION_MODES:
+        raise ValueError(f"trainer.grad_accumulation_fusion={t.grad_accumulation_fusion!r} is unknown; use one of "
+                         f"{', '.join(FUSION_MODES)}")
     if t.profile_step is not None and not 1 <= t.profile_step <= t.max_steps:
         raise ValueError(f"trainer.profile_step={t.profile_step} must be a step of the run, 1..{t.max_steps} (or null)")
     if o.decay not in DECAYS:

@@ -23,17 +23,18 @@ VOCAB, BATCH, SEQ, STEPS = 128, 2, 32, 3
 # gradient against eager at most 5.1e-7 (diff, its core attention in the graph; vanilla 4.3e-7: linear_fc1.weight),
 # except DIFF's λ vectors, 6.9e-5: each λ gradient is one sum over every output of the layer, with cancellation, and
 # against an fp64 run of the same steps eager's own error is 3.0e-5 and the compiled one's 3.9e-5 (inductor fuses the
-# epilogue's sums in another order). Tolerances ~4-5x those.
+# epilogue's sums in another order). DIFF on flash_attn4 (its stand-in as the custom operators in inductor's graph):
+# loss 0, gradients 4.4e-7, λ 4.6e-5. Tolerances ~4-5x those.
 LOSS_TOLERANCE = 1e-6
 GRAD_TOLERANCE = 2e-6
 LAMBDA_GRAD_TOLERANCE = 3e-4
 
 
-def debug_cfg(kind, recompute="none"):
+def debug_cfg(kind, recompute="none", backend="sdpa"):
     from diff_transformer.config import Config
 
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), {
-        "model": {"name": "debug", "attention": kind, "attention_backend": "sdpa", "num_layers": 2, "hidden_size": 64,
+        "model": {"name": "debug", "attention": kind, "attention_backend": backend, "num_layers": 2, "hidden_size": 64,
                   "num_heads": 2, "ffn_hidden_size": 176, "seq_length": SEQ},
         "trainer": {"max_steps": STEPS, "global_batch_size": BATCH, "compile": True, "recompute": recompute},
     }))
@@ -43,15 +44,34 @@ def rel_rms(got, want):
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("kind,recompute", [("diff", "none"), ("vanilla", "selective")],
-                         ids=["diff-attention-in-graph", "vanilla-selective-attention-eager"])
-def test_compiled_layers_give_the_eager_loss_and_gradients(kind, recompute, megatron_single_process):
+@pytest.mark.parametrize("kind,recompute,backend", [
+    ("diff", "none", "sdpa"), ("vanilla", "selective", "sdpa"), ("diff", "none", "flash_attn4"),
+], ids=["diff-attention-in-graph", "vanilla-selective-attention-eager", "diff-flash_attn4-in-graph"])
+def test_compiled_layers_give_the_eager_loss_and_gradients(kind, recompute, backend, megatron_single_process):
     """Both models start from the same weights and take the same steps (the eager gradients), so each step measures
-    the compiled layers' error afresh; the test fails if compile_layers compiled nothing (no dynamo graphs)."""
+    the compiled layers' error afresh; the test fails if compile_layers compiled nothing (no dynamo graphs).
+    flash_attn4 (its stand-in, tests/flash_stand_in.py) runs in inductor's graph as its custom operators, forward and
+    backward: the path a GPU's trainer.compile takes with model.attention_backend=flash_attn4, but for the library."""
+    from tests.flash_stand_in import installed
+
+    if backend != "flash_attn4":
+        _compiled_against_eager(kind, recompute, backend)
+        return
+    with installed() as calls:
+        from flash_attn import _reference
+
+        _compiled_against_eager(kind, recompute, backend)
+        backward = list(_reference.BACKWARD)
+    # the eager model's 2 layers and the compiled model's 2, forward and backward, every step (evaluation: 4 more)
+    assert [entry for _, entry, *_ in calls].count("func") == 2 * 2 * STEPS + 4 and len(backward) == 2 * 2 * STEPS, \
+        (len(calls), len(backward))
+
+
+def _compiled_against_eager(kind, recompute, backend):
     from diff_transformer.models.attention_maps import capture_attention
     from diff_transformer.models.gpt import build_model_chunk, compile_layers, core_attention_in_graph
 
-    cfg = debug_cfg(kind, recompute)
+    cfg = debug_cfg(kind, recompute, backend)
     eager, compiled = build_model_chunk(cfg, VOCAB), build_model_chunk(cfg, VOCAB)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -77,7 +97,7 @@ def test_compiled_layers_give_the_eager_loss_and_gradients(kind, recompute, mega
             for model in (eager, compiled):
                 for name, p in model.named_parameters():
                     p -= 0.05 * grads[name]
-    print(f"{kind}: loss relative error {max(loss_errors):.2e}, gradients relative RMS error {max(grad_errors):.2e} "
+    print(f"{kind} on {backend}: loss relative error {max(loss_errors):.2e}, gradients relative RMS error {max(grad_errors):.2e} "
           f"(λ {max(lambda_errors):.2e})")
     assert max(loss_errors) <= LOSS_TOLERANCE, loss_errors
     assert max(grad_errors) <= GRAD_TOLERANCE and max(lambda_errors) <= LAMBDA_GRAD_TOLERANCE, (grad_errors, lambda_errors)
@@ -154,11 +174,13 @@ def _one_graph_for_three_layers(kind, backend, learnable, monkeypatch):
 
 def test_train_py_logs_the_compiling_first_step(tmp_path):
     """The trainer compiles the layers before DDP, logs the first step's time once, and its evaluation and attention
-    diagnostics run (eagerly)."""
+    diagnostics run (eagerly); the weight gradients go into DDP's main gradients from inside the compiled layers'
+    backward (trainer.grad_accumulation_fusion, on by default on a GPU: on a CPU, 3 steps of this run gave the same
+    losses bit for bit with it off)."""
     run_dir = tmp_path / "run"
     run_train(run_dir, ["experiment=smoke", "trainer.max_steps=3", "optim.warmup_steps=1", "trainer.eval_interval=3",
                         "trainer.eval_iters=1", "trainer.attention_diagnostics=on", "trainer.compile=true",
-                        "checkpoint.save_at_end=false"])
+                        "trainer.grad_accumulation_fusion=on", "checkpoint.save_at_end=false"])
     log = (run_dir / "train.log").read_text()
     assert "trainer.compile: 2 layers of this rank under torch.compile" in log
     assert log.count("trainer.compile: the first step of this process (step 1), which compiled the layers, took") == 1

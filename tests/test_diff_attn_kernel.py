@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kernels import diff_flash_attn, diff_flash_attn_v2, gpu_target
-from kernels.diff_attn import fused, tuning
+from kernels.diff_attn import launch, tuning
 from kernels.diff_attn.naive import diff_attn_naive, diff_attn_v2_naive
 from kernels.diff_attn.tuning import BlockConfig, ConfigCache, Design, DeviceInfo, KernelProblem
 
@@ -164,7 +164,7 @@ def plan_of(case):
     """The case's design with the interpreter's small block configs, also on a GPU (None: the table's plan)."""
     if case.design is None:
         return None
-    return tuning.Plan(case.design, fused._INTERPRET_CONFIGS)
+    return tuning.Plan(case.design, launch._INTERPRET_CONFIGS)
 
 
 def check_against_reference(case, version, dtype, tolerance, device):
@@ -558,37 +558,37 @@ def test_autotune_result_round_trips_through_the_disk_cache(tmp_path, monkeypatc
 def test_poison_setting_takes_0_or_1_and_names_a_bad_value(monkeypatch):
     """DIFF_ATTN_POISON: the suite poisons (tests/conftest.py sets 1); 0 leaves the buffers uninitialised; anything
     else is refused by name."""
-    assert fused._POISON and fused._written((2, 3), torch.float32, "cpu").isnan().all()
-    monkeypatch.setenv(fused.POISON_ENV, "0")
-    assert fused.poison_setting() is False
-    monkeypatch.setenv(fused.POISON_ENV, "yes")
+    assert launch._POISON and launch._written((2, 3), torch.float32, "cpu").isnan().all()
+    monkeypatch.setenv(launch.POISON_ENV, "0")
+    assert launch.poison_setting() is False
+    monkeypatch.setenv(launch.POISON_ENV, "yes")
     with pytest.raises(ValueError, match=r"DIFF_ATTN_POISON='yes'; expected 0 .* or 1"):
-        fused.poison_setting()
+        launch.poison_setting()
 
 
 def test_launcher_asks_for_the_table_config_once_per_problem(monkeypatch):
     """The launcher's wiring, with the GPU replaced: the problem it builds, and one selection per shape class."""
-    monkeypatch.setattr(fused, "_CHOSEN_CONFIGS", {})
+    monkeypatch.setattr(launch, "_CHOSEN_CONFIGS", {})
     monkeypatch.setattr(gpu_target, "_simulated", gpu_target.SIMULATED_GPUS["sm_90"])
     monkeypatch.delenv(tuning.AUTOTUNE_ENV, raising=False)
     looked_up = []
     monkeypatch.setattr(tuning, "device_info", lambda device: looked_up.append(device) or H100)
     q = torch.empty(1, 1000, 4, 96, dtype=torch.bfloat16)
     design = tuning.DEFAULT_DESIGNS[(9, 128, 256)]
-    constants = fused._kernel_constants(q, 192, True, False, design, False)
+    constants = launch._kernel_constants(q, 192, True, False, design, False)
     # d = 96 as two column blocks (64 + 32), V 2d = 192 as 128 + 64: no product padded to 128 or 256.
     assert (constants["BLOCK_D"], constants["BLOCK_D2"], constants["BLOCK_DV"], constants["BLOCK_DV2"]) == \
         (64, 32, 128, 64)
     for n in (1000, 1024, 600):
-        config = fused._block_config("dk", None, None, (), constants, q, n, n, None, design, 192)
+        config = launch._block_config("dk", None, None, (), constants, q, n, n, None, design, 192)
         assert config == tuning.DEFAULT_CONFIGS[(9, 128, 256)]["dk"]
     assert len(looked_up) == 1  # 600, 1000 and 1024 share the bucket of 1024
-    gqa = fused._block_config("dk", None, None, (), constants | dict(HEAD_LOOP=True), q, 1000, 1000, None, design,
+    gqa = launch._block_config("dk", None, None, (), constants | dict(HEAD_LOOP=True), q, 1000, 1000, None, design,
                               192)
     assert gqa == tuning.GQA_CONFIGS[(9, 128, 256)]["dk"]
-    plan = tuning.Plan(design, fused._INTERPRET_CONFIGS)
-    assert fused._block_config("dk", None, None, (), constants, q, 1000, 1000, plan, design, 192) == \
-        fused._INTERPRET_CONFIGS["dk"]
+    plan = tuning.Plan(design, launch._INTERPRET_CONFIGS)
+    assert launch._block_config("dk", None, None, (), constants, q, 1000, 1000, plan, design, 192) == \
+        launch._INTERPRET_CONFIGS["dk"]
 
 
 def test_unreadable_cache_is_ignored_and_autotune_switch_is_checked(tmp_path, monkeypatch):

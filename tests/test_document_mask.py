@@ -44,7 +44,7 @@ from diff_transformer.models.documents import PackedDocuments, document_segments
 from diff_transformer.models.ring_attention import context_parallel_chunks, load_balanced_indices  # noqa: E402
 from kernels import gpu_target  # noqa: E402
 from kernels.diff_attn import diff_attn_naive, diff_attn_v2_naive, diff_flash_attn, diff_flash_attn_v2  # noqa: E402
-from kernels.diff_attn import fused, tuning  # noqa: E402
+from kernels.diff_attn import launch, tuning  # noqa: E402
 
 CAUSAL = AttnMaskType.causal
 EOD = 2
@@ -337,7 +337,7 @@ def test_fused_kernel_with_documents_equals_every_document_alone(version, heads,
     weight."""
     ids = documents_from_lengths([1, 16, 1, 5, 22], [45])
     tensors = kernel_inputs(version, 2, 45, heads, groups, d, epilogue)
-    out = kernel_call(version, tensors, tuning.Plan(design, fused._INTERPRET_CONFIGS), ids)
+    out = kernel_call(version, tensors, tuning.Plan(design, launch._INTERPRET_CONFIGS), ids)
     upstream = torch.randn_like(out)
     grads = torch.autograd.grad(out, tensors, upstream)
     ref_out, ref_grads = reference_per_document(version, tensors, upstream, ids)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kernels import gpu_target
-from kernels.diff_attn import fused, tuning
+from kernels.diff_attn import function, launch, tuning
 from tests.test_diff_attn_kernel import (
     FP32_TOLERANCE,
     FUSED,
@@ -51,14 +51,14 @@ def on_another_thread(fn):
 def launched_configs(monkeypatch):
     """Record the (kernel name, config) of every launch."""
     launched = []
-    original = fused._block_config
+    original = launch._block_config
 
     def recording(name, *args, **kwargs):
         config = original(name, *args, **kwargs)
         launched.append((name, config))
         return config
 
-    monkeypatch.setattr(fused, "_block_config", recording)
+    monkeypatch.setattr(launch, "_block_config", recording)
     return launched
 
 
@@ -86,7 +86,7 @@ def test_table_entries_through_the_gpu_branch(arch, version, head_dim, gqa, desi
     launched = launched_configs(monkeypatch)
     with gpu_target.simulate(arch):
         gpu = gpu_target.simulated()
-        design = fused._design(inputs[0], inputs[2].shape[3], None)
+        design = launch._design(inputs[0], inputs[2].shape[3], None)
         out, lse = FUSED[version](*inputs[:4], return_lse=True, **fused_epilogue)
         upstream = torch.randn_like(out)
         grads = on_another_thread(lambda: torch.autograd.grad(out, inputs, upstream))
@@ -198,3 +198,30 @@ def test_simulation_needs_the_interpreter_and_a_known_gpu():
         with gpu_target.simulate("sm_70"):
             pass
     assert gpu_target.simulated() is None and not gpu_target.gpu_branch()
+
+
+def test_norm_weight_partial_sums_are_the_launched_configs_rows_unfilled(monkeypatch):
+    """The backward's preprocess writes one row of the norm weight's partial sums per query-block program: with the
+    H100's configs (blocks larger than the smallest, 16 rows) the rows of the config launched come back, each written
+    (NaN-poisoned before: no fill), and none of the smallest block's count (a zero fill once kept those)."""
+    torch.manual_seed(5)
+    case = Case(2, 72, 2, 2, 64, lam="per_head", epilogue=True)
+    inputs = make_inputs(case, 1, torch.float32, "cpu")
+    fused_epilogue, _ = reference_epilogue(case, inputs)
+    launched = launched_configs(monkeypatch)
+    partials = []
+    original = launch._diff_attn_preprocess
+
+    def recording(*args, **kwargs):
+        result = original(*args, **kwargs)
+        partials.append(result[3])
+        return result
+
+    monkeypatch.setattr(function, "_diff_attn_preprocess", recording)
+    with gpu_target.simulate("sm_90"):
+        out = FUSED[1](*inputs[:4], **fused_epilogue)
+        on_another_thread(lambda: torch.autograd.grad(out, inputs, torch.randn_like(out)))
+    block_m = dict(launched)["preprocess"].block_m
+    assert block_m > launch._MIN_BLOCK_M
+    assert len(partials) == 1 and partials[0].shape == (2 * 2 * -(-72 // block_m), 2 * 64)
+    assert not partials[0].isnan().any() and launch._POISON

@@ -1,7 +1,8 @@
 """TP=2 equals TP=1 and PP=2 equals PP=1 (same seed, same data), for DIFF and the vanilla baseline, over gloo; the
 same launches check trainer.fusions: the TP=2 and PP=2 runs have every fusion on (fused RoPE, SwiGLU, cross-entropy,
-the Triton DIFF epilogue in Triton's interpreter), the single-process references none, and DIFF also runs fused in
-one process (with a profiled step). DIFF's runs train on short documents with document masking and per-document
+the Triton DIFF epilogue in Triton's interpreter, the weight gradients accumulated into the fp32 main gradient in
+their GEMM), the single-process references none, and DIFF also runs fused in one process (with a profiled step).
+DIFF's runs train on short documents with document masking and per-document
 positions (several documents a sample), so the document ids also cross the pipeline stages and the TP ranks. They
 run DIFF on ``sdpa``, whose epilogue the fusions replace; the CPU's own choice for DIFF, ``combined`` (what ``auto``
 takes here), runs at TP=2 against the same single-process reference."""
@@ -16,7 +17,7 @@ STEPS = 20
 COMMON = ["experiment=smoke", f"trainer.max_steps={STEPS}", "trainer.eval_interval=0", "optim.warmup_steps=2"]
 # megatron-core's fused SwiGLU and cross-entropy are torch.compile'd: on a CPU their Python runs as written (the
 # formulas under test; inductor's kernels are the GPU tier's), without minutes of compiling per process
-FUSED, FUSED_ENV = ["trainer.fusions=on"], {"TORCHDYNAMO_DISABLE": "1"}
+FUSED, FUSED_ENV = ["trainer.fusions=on", "trainer.grad_accumulation_fusion=on"], {"TORCHDYNAMO_DISABLE": "1"}
 PROFILED_STEP = STEPS - 1
 
 

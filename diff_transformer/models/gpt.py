@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -31,6 +30,7 @@ from diff_transformer.models.cross_entropy import vocab_parallel_cross_entropy
 from diff_transformer.models.layer_specs import head_dim  # noqa: F401  (re-exported: accounting reads it here)
 from diff_transformer.models.layer_specs import attention_heads, layer_spec_for, num_kv_heads, resolved_backend
 from diff_transformer.models.norms import RMSNorm
+from diff_transformer.models import weight_gradient
 from diff_transformer.models.rope import fused_apply_rotary_pos_emb
 
 
@@ -97,10 +97,15 @@ def recompute_settings(cfg: Any) -> Dict[str, Any]:
     return {}
 
 
-def gradient_accumulation_fusion_available() -> bool:
-    """megatron-core accumulates weight gradients straight into the fp32 main gradient with APEX's CUDA extension
-    ``fused_weight_gradient_mlp_cuda``; without it (or without CUDA) the plain matmul-then-add path runs."""
-    return torch.cuda.is_available() and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+def gradient_accumulation_fusion_enabled(cfg: Any, device: Optional[str] = None) -> bool:
+    """``trainer.grad_accumulation_fusion``: megatron-core accumulates each weight gradient into the fp32 main
+    gradient in its GEMM (APEX's ``fused_weight_gradient_mlp_cuda`` where installed, else
+    ``models.weight_gradient``); off, the GEMM writes the gradient and DDP adds it. auto is on with CUDA and off on a
+    CPU; ``device`` (cuda or cpu): the machine to decide for (default: this one)."""
+    mode = getattr(cfg.trainer, "grad_accumulation_fusion", "off")
+    if mode == "auto":
+        return device == "cuda" if device is not None else torch.cuda.is_available()
+    return mode == "on"
 
 
 def transformer_config(
@@ -110,7 +115,7 @@ def transformer_config(
     SelfAttention (``layer_specs.attention_heads``) and in their layer spec.
 
     DIFF and its baseline use 2H query heads and 2Hkv key/value heads of size d; DIFF pairs them up.
-    ``grad_accumulation_fusion`` needs megatron-core DDP's fp32 ``main_grad`` (the trainer's model), and APEX.
+    ``grad_accumulation_fusion`` needs megatron-core DDP's fp32 ``main_grad`` (the trainer's model).
     """
     m, p = cfg.model, cfg.parallel
     bf16 = dtype == torch.bfloat16
@@ -118,6 +123,8 @@ def transformer_config(
     # trainer.fusions: megatron-core's own fused SwiGLU (torch.compile'd, no TransformerEngine needed), and our fused
     # cross-entropy and RoPE in its native cross-entropy's and TransformerEngine's hooks
     fused = fusions_enabled(cfg)
+    if grad_accumulation_fusion:
+        compat.install_weight_gradient_accumulation(weight_gradient.APEX_COMPATIBLE)
     if fused:
         compat.install_fused_rope(fused_apply_rotary_pos_emb)
         compat.install_fused_cross_entropy(vocab_parallel_cross_entropy)

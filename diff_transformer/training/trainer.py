@@ -34,7 +34,7 @@ from diff_transformer.models.gpt import (
     epilogue_impl,
     freeze_all_but_dex,
     fusions_summary,
-    gradient_accumulation_fusion_available,
+    gradient_accumulation_fusion_enabled,
     lambda_values,
     parameter_numel,
     resolve_precision,
@@ -264,7 +264,8 @@ class Trainer:
 
         p = self.cfg.parallel
         chunk = build_model_chunk(
-            self.cfg, self.padded_vocab, self.dtype, grad_accumulation_fusion=gradient_accumulation_fusion_available()
+            self.cfg, self.padded_vocab, self.dtype,
+            grad_accumulation_fusion=gradient_accumulation_fusion_enabled(self.cfg),
         )
         if self.cfg.model.attention == "dex" and not self.cfg.model.dex.train_base:
             freeze_all_but_dex(chunk)  # before DDP and the optimizer, which then hold only the trainable ones

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import triton  # noqa: E402
 
-from kernels.diff_attn import fused, tuning  # noqa: E402
+from kernels.diff_attn import backward, forward, launch, tiles, tuning  # noqa: E402
 
 HEAD_DIMS = (64, 96, 128)
 # Spill stores under this many bytes were harmless on an H200; over ~1 KiB they cost 2-4x.
@@ -56,15 +56,15 @@ FLOAT_SCALARS = {"qk_scale", "sm_scale", "out_scale", "norm_eps"}
 # Integer arguments that may be negative or odd: no divisibility hint.
 PLAIN_INTS = {"causal_offset", "N_HEADS", "N_KV_GROUPS", "GROUP"}
 KERNEL_FUNCTIONS = {
-    "forward": fused._diff_attn_fwd_kernel,
-    "forward_lse": fused._diff_attn_fwd_lse_kernel,
-    "forward_out": fused._diff_attn_fwd_out_kernel,
-    "preprocess": fused._diff_attn_bwd_preprocess_kernel,
-    "dkdv": fused._diff_attn_bwd_kv_kernel,
-    "dk": fused._diff_attn_bwd_kv_kernel,
-    "dv": fused._diff_attn_bwd_kv_kernel,
-    "dkdq": fused._diff_attn_bwd_kv_kernel,
-    "dq": fused._diff_attn_bwd_dq_kernel,
+    "forward": forward._diff_attn_fwd_kernel,
+    "forward_lse": forward._diff_attn_fwd_lse_kernel,
+    "forward_out": forward._diff_attn_fwd_out_kernel,
+    "preprocess": backward._diff_attn_bwd_preprocess_kernel,
+    "dkdv": backward._diff_attn_bwd_kv_kernel,
+    "dk": backward._diff_attn_bwd_kv_kernel,
+    "dv": backward._diff_attn_bwd_kv_kernel,
+    "dkdq": backward._diff_attn_bwd_kv_kernel,
+    "dq": backward._diff_attn_bwd_dq_kernel,
 }
 # What a compile depends on besides the source (a spec also says whether the lint judges it: "linted").
 SPEC_FIELDS = ("kernel", "dtype", "head_dim", "value_dim", "shared_k", "gqa", "arch", "design", "config")
@@ -74,13 +74,13 @@ RECORD_DIR = Path(__file__).resolve().parent / "compile_record"
 
 def constexprs(kernel, head_dim, value_dim, shared_k, design, config, gqa=False):
     """The constexpr arguments a launch of `kernel` passes (V1 with the sub-layer norm's epilogue, V2 without)."""
-    values = dict(fused._dims(head_dim, value_dim, design.split_dims), CAUSAL=True, SHARED_K=shared_k,
+    values = dict(launch._dims(head_dim, value_dim, design.split_dims), CAUSAL=True, SHARED_K=shared_k,
                   USE_DESC=design.descriptors, UPCAST=False, DOT_PRECISION="tf32", BLOCK_M=config.block_m,
                   BLOCK_N=config.block_n, DOCUMENTS=False)
     if kernel in ("forward", "forward_out", "preprocess"):
         values.update(EPILOGUE=not shared_k, NORM=not shared_k)
-    if kernel in fused._KEY_BLOCK_FLAGS:
-        values.update(zip(("COMPUTE_DK", "COMPUTE_DV", "ATOMIC_DQ"), fused._KEY_BLOCK_FLAGS[kernel]))
+    if kernel in launch._KEY_BLOCK_FLAGS:
+        values.update(zip(("COMPUTE_DK", "COMPUTE_DV", "ATOMIC_DQ"), launch._KEY_BLOCK_FLAGS[kernel]))
         values["HEAD_LOOP"] = gqa
     function = KERNEL_FUNCTIONS[kernel]
     return {name: value for name, value in values.items() if name in function.arg_names}
@@ -296,11 +296,11 @@ def problems(result, limit):
 
 
 def source_hash():
-    """What the compiled figures depend on: the kernels' source (fused.py above its launchers), how they are compiled
-    and read, Triton's version."""
+    """What the compiled figures depend on: the kernels' source (tiles.py, forward.py, backward.py; launcher edits keep
+    the record), how they are compiled and read, Triton's version."""
     digest = hashlib.sha256(triton.__version__.encode())
-    source = Path(fused.__file__).read_text()
-    digest.update(source[:source.index("\n# Launchers\n")].encode())  # the kernels: launcher edits keep the record
+    for module in (tiles, forward, backward):
+        digest.update(Path(module.__file__).read_text().encode())
     for part in (compile_one, constexprs, ptxas_registers, mma_report):
         digest.update(inspect.getsource(part).encode())
     for pattern in (_MMA_LAYOUT, _WGMMA, _PLAIN_DOT, _WAIT):

@@ -1,9 +1,9 @@
 """Designs and block configs of the fused kernels: a default table, shared-memory pruning, opt-in autotuning, a cache.
 
-A *design* (`Design`) chooses how the work is split into kernels (fused.py explains each): the forward in one pass
-or two, the backward's dK/dV in one program (fused), in two (split) or with atomic dQ (atomic, opt-in), tensor
-descriptors or pointer loads, and whether a head dim that is not a power of two (96) runs as two column blocks or
-one padded block. A *plan* (`Plan`) is a design and one block config for each kernel it launches.
+A *design* (`Design`) chooses how the work is split into kernels (forward.py and backward.py explain each): the
+forward in one pass or two, the backward's dK/dV in one program (fused), in two (split) or with atomic dQ (atomic,
+opt-in), tensor descriptors or pointer loads, and whether a head dim that is not a power of two (96) runs as two
+column blocks or one padded block. A *plan* (`Plan`) is a design and one block config for each kernel it launches.
 
 triton.autotune is not used. It keyed on the raw sequence lengths, so every new N retuned all the kernels (on one
 H200 the first call at one shape spent 17 s on the forward, 20 s on the backward preprocess, 65 s on dK/dV and had
@@ -84,7 +84,8 @@ class BlockConfig:
 
 @dataclass(frozen=True)
 class Design:
-    """How the work is split into kernels, and two code-generation switches (fused.py's docstring has the detail)."""
+    """How the work is split into kernels, and two code-generation switches (forward.py's, backward.py's and
+    tiles.py's docstrings have the detail)."""
 
     forward: str = "twopass"  # one of FORWARD_DESIGNS
     backward: str = "split"  # one of BACKWARD_DESIGNS; "atomic" is opt-in (non-deterministic dQ)
