@@ -38,7 +38,7 @@ def test_the_recipe_sweep_takes_data_overrides():
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         cfg = to_object(compose("config", overrides=overrides))
     assert (cfg.data.source, cfg.data.tokenizer_dir, cfg.data.blend) == ("shards", "tok/", ["shards/mytext"])
-    assert cfg.name == "tiny-sweep" and cfg.logging.wandb.mode == "offline"
+    assert cfg.name == "tiny-wsd" and cfg.optim.decay == "wsd" and cfg.logging.wandb.mode == "offline"
 
 
 @pytest.mark.parametrize("index", range(5))
@@ -214,7 +214,7 @@ def test_every_documented_command_and_flag_exists(page, monkeypatch):
 
 def test_every_documented_override_composes():
     """Every train.py (and quickstart) line of the docs composes against the config schema: its keys exist, its
-    values have their types. hydra.* settings and <placeholders> aside. One composition per set of group choices
+    values have their types (each value of a sweep's list). hydra.* settings and <placeholders> aside. One composition per set of group choices
     (experiment=, model=, ...); each line's key=value overrides are applied to it as Hydra applies them."""
     import copy
 
@@ -230,7 +230,7 @@ def test_every_documented_override_composes():
         if found and found[1] in ("train.py", "diff_transformer.quickstart"):
             overrides = [re.sub(r"<[^>]*>", "X", a) for a in found[2]
                          if "=" in a and not a.startswith(("-", "hydra.", "hydra/"))]
-            choices = tuple(o for o in overrides if "." not in o.split("=")[0])
+            choices = tuple(o for o in overrides if (REPO / "configs" / o.split("=")[0].lstrip("+").split("@")[0]).is_dir())
             by_choices.setdefault(choices, []).append((page, [o for o in overrides if o not in choices]))
     register_configs()
     parser, failed, checked = OverridesParser.create(), [], 0
@@ -241,7 +241,11 @@ def test_every_documented_override_composes():
                 cfg = copy.deepcopy(base)
                 try:
                     for override in parser.parse_overrides(overrides):
-                        OmegaConf.update(cfg, override.key_or_group, override.value(), merge=True)
+                        # a multirun's list (seed=1,2,3) composes value by value
+                        values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
+                        for value in values:
+                            OmegaConf.update(cfg, override.key_or_group, value, merge=True)
+                            to_object(cfg)
                     to_object(cfg)
                     checked += 1
                 except Exception as error:  # noqa: BLE001 - every failure is a finding, reported with its page
