@@ -114,12 +114,12 @@ from diff_transformer.training.run_directory import lock_run_directory
 lock = lock_run_directory(sys.argv[1])
 if sys.argv[2] == "fork":
     if os.fork() == 0:  # a forked helper that outlives the holder
-        print("child", flush=True)  # after the fork hooks ran: whatever the child closes is closed by now
+        os.write(1, b"child\\n")  # after the fork hooks ran; one write, so the two processes' lines never interleave
         time.sleep(60)
         os._exit(0)
 else:  # a helper that was handed the lock's descriptor (as forked children of older versions kept it)
     subprocess.Popen(["sleep", "60"], pass_fds=[lock._fd], start_new_session=False)
-print("held", flush=True)
+os.write(1, b"held\\n")
 os._exit(0)  # the holder dies without releasing anything
 """
 
