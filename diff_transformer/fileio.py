@@ -96,6 +96,11 @@ RUN_ENTRIES = ("metrics.jsonl", "run.json", "train.log", ".hydra")
 CHECKPOINT_ENTRIES = ("trainer_state.json", "latest")
 
 
+def name_some(names: Sequence[str], limit: int) -> str:
+    """The first ``limit`` of ``names``, and how many more there are: what a refusal shows of a directory."""
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
 def directory_writer(path: str) -> Optional[str]:
     """The command whose output directory ``path`` is (its marker), or None."""
     try:
@@ -178,7 +183,7 @@ def check_output(out: str, inputs: Sequence[str] = (), command: str = "", force:
     check_outside_training(out, real, real if not ours else os.path.dirname(real), option)
     if directory and os.path.isdir(real) and not ours and os.listdir(real) and not force:
         names = sorted(os.listdir(real))
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        shown = name_some(names, 4)
         raise ValueError(f"{option} {out} holds files this command did not write ({shown}); give a new or empty "
                          f"directory, or add --force to move them aside (to {out.rstrip('/')}.old-<time>)")
     if not directory and os.path.lexists(out) and not force:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from data.locking import HeldLock, LockHeld, hold_lock, this_process
-from diff_transformer.fileio import atomic_write_text, check_writable, move_aside, old_suffix
+from diff_transformer.fileio import atomic_write_text, check_writable, move_aside, name_some, old_suffix
 from diff_transformer.training.checkpoint_files import (
     CHECKPOINTS_DIRNAME,
     check_readable,
@@ -220,7 +220,7 @@ def check_start(cfg: Any, run_dir: str, will_resume: Optional[bool] = None) -> O
     if not state.used:
         foreign = foreign_entries(run_dir)
         if foreign:
-            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            shown = name_some(foreign, 5)
             raise RunDirectoryInUse(
                 f"run directory {run_dir} holds files this framework did not write ({shown}) and no run: a new run "
                 f"there would write {RESOLVED_CONFIG}, {RUN_INFO}, {METRICS_FILE} and checkpoints among them; start "

@@ -19,7 +19,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from diff_transformer.config import cooldown_steps
-from diff_transformer.fileio import atomic_write_json
+from diff_transformer.fileio import atomic_write_json, name_some
 from diff_transformer.training.metrics import METRICS_FILE, last_logged_step
 
 SWEEP_RECORD = "sweep.json"
@@ -93,7 +93,7 @@ def check_sweep_directory(sweep_dir: str, name: str, job_name: str) -> Optional[
             record = {"id": f"{name}-{os.path.basename(os.path.abspath(sweep_dir))}", "name": name}
     foreign = _foreign_entries(sweep_dir)
     if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        shown = name_some(foreign, 5)
         raise SweepDirectoryRefused(f"sweep directory {sweep_dir} holds files no run of a sweep wrote ({shown}): "
                                     f"{advice}")
     return record
