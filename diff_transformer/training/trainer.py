@@ -482,14 +482,10 @@ class Trainer:
         self.checkpoints = self._checkpoint_manager(checkpoints_dir(self.cfg, self.run_dir))
         resume, weights = self._decide_checkpoint()
         if resume:
-            saved = self.checkpoints.load(resume)
-            self.step, self.consumed_samples = saved["step"], saved["consumed_samples"]
-            self.skipped_steps = saved.get("skipped_steps", 0)
+            saved = self._restore_training_state(resume)
             self.bad_steps.consecutive = saved.get("bad_steps_in_a_row", 0)
-            self.bad_steps.recent.extend(saved.get("recent_losses", []))
             self.wandb_run_id = saved.get("wandb_run_id")
             self.resumed_from = resume
-            self._apply_optimizer_settings()
             if self.rank == 0:
                 logger.info("resumed from %s at step %d (%d samples consumed)", resume, self.step, self.consumed_samples)
                 self._log_config_changes(saved)
@@ -503,15 +499,21 @@ class Trainer:
     def _start_branch(self) -> None:
         """Model, optimizer, schedule position, data position and RNG from the source's checkpoint (only read); the
         W&B run, metrics and checkpoints are this run's own."""
-        saved = self.checkpoints.load(self.branch.checkpoint)
-        self.step, self.consumed_samples = saved["step"], saved["consumed_samples"]
-        self.skipped_steps = saved.get("skipped_steps", 0)
-        self.bad_steps.recent.extend(saved.get("recent_losses", []))
-        self._apply_optimizer_settings()
+        self._restore_training_state(self.branch.checkpoint)
         if self.rank == 0:
             logger.info("cooldown branch from %s at step %d (%d samples consumed): cools down over the last %d of "
                         "trainer.max_steps=%d", self.branch.checkpoint, self.step, self.consumed_samples,
                         cooldown_steps(self.cfg.optim, self.cfg.trainer.max_steps), self.cfg.trainer.max_steps)
+
+    def _restore_training_state(self, path: str) -> Dict[str, Any]:
+        """Load checkpoint ``path`` and continue from it: step, samples consumed, skipped steps, the recent losses the
+        bad-step guard compares with, then the config's optimizer settings. Returns the saved trainer state."""
+        saved = self.checkpoints.load(path)
+        self.step, self.consumed_samples = saved["step"], saved["consumed_samples"]
+        self.skipped_steps = saved.get("skipped_steps", 0)
+        self.bad_steps.recent.extend(saved.get("recent_losses", []))
+        self._apply_optimizer_settings()
+        return saved
 
     def _apply_optimizer_settings(self) -> None:
         """The config's learning rates, Adam betas and eps over the ones a loaded optimizer state carries, then the
@@ -622,10 +624,7 @@ class Trainer:
             saved = read_trainer_state(resume)
             if c.resume == "auto":
                 check_resume_is_this_runs(self.run_dir, resume, saved["step"])
-            check_model_compatible(resume, saved["config"]["model"], current_model)
-            if self.tokenizer is not None:
-                check_tokenizer_unchanged(resume, saved, self.tokenizer.model_sha256, self.tokenizer.path)
-            check_resumable(resume, saved, self.cfg)
+            self._check_continuable(resume, saved, current_model)
             return resume, None
         if c.load_weights_only:
             weights = resolve_checkpoint_path(c.load_weights_only)
@@ -637,12 +636,16 @@ class Trainer:
         if self.branch is not None:  # checked like a resume; loaded by _start_branch
             source = self.branch.checkpoint
             require_verified(source, c.verify)
-            saved = read_trainer_state(source)
-            check_model_compatible(source, saved["config"]["model"], current_model)
-            if self.tokenizer is not None:
-                check_tokenizer_unchanged(source, saved, self.tokenizer.model_sha256, self.tokenizer.path)
-            check_resumable(source, saved, self.cfg)
+            self._check_continuable(source, read_trainer_state(source), current_model)
         return None, None
+
+    def _check_continuable(self, path: str, saved: Dict[str, Any], current_model: Dict[str, Any]) -> None:
+        """What a resume and a branch's start both check of the checkpoint they continue: the same model, tokenizer
+        and layout it can be loaded into."""
+        check_model_compatible(path, saved["config"]["model"], current_model)
+        if self.tokenizer is not None:
+            check_tokenizer_unchanged(path, saved, self.tokenizer.model_sha256, self.tokenizer.path)
+        check_resumable(path, saved, self.cfg)
 
     # -- data --------------------------------------------------------------------------------------------------------
     def _loader(self, dataset, consumed_samples: int) -> Iterator:
