@@ -190,6 +190,31 @@ def idle_lines(profiled) -> list[str]:
     return lines + [""]
 
 
+def fill_lines(profiled, micro_batches: int, top: int = 12) -> list[str]:
+    """The profiled step's memsets and fill kernels (GPU profiles only) by the operator that launched them, its
+    module or backward node and Python frame, and the chain of operators from its call to the fill; per micro-batch
+    too, and how each launcher was found."""
+    profiled = [r for r in profiled if r["profile"]["device"] == "cuda" and "fills" in r["profile"]]
+    if not profiled:
+        return []
+    lines = ["Memsets and fill kernels of the profiled step by launcher (the operator that launched each, with its "
+             "module or backward node; operators: from its call to the fill; MB where the trace records a memset's "
+             "bytes):", ""]
+    for r in profiled:
+        totals, how = r["profile"]["fill_totals"], r["profile"]["fill_launchers"]["how"]
+        lines.append(f"- {r['label']}: {totals['memset']['count']} memsets ({totals['memset']['ms']:.2f} ms) and "
+                     f"{totals['fill']['count']} fill kernels ({totals['fill']['ms']:.2f} ms) in the profiled step; "
+                     f"launchers: {how['linked']} linked by the profiler, {how['runtime call']} by the runtime call, "
+                     f"{how['time span']} by time span, {how['not recorded']} not recorded")
+    lines += ["", "| run | kind | launched by | operators | count | per micro-batch | MB | ms |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in profiled:
+        for f in r["profile"]["fills"][:top]:
+            lines.append(f"| {r['label']} | {f['kind']} | {f['site'][:120]} | {f['chain'][:90]} | {f['count']} "
+                         f"| {f['count'] / micro_batches:.1f} | {f['bytes'] / 1e6:.3f} | {f['ms']:.3f} |")
+    return lines + [""]
+
+
 def report(args, rows) -> str:
     """The markdown report of the runs so far (rewritten after each, so that a run cut off keeps what it measured)."""
     failed = [r for r in rows if "failed" in r]
@@ -249,7 +274,7 @@ def report(args, rows) -> str:
                      f"{'; one layer fwd+bwd: ' + timings if timings else ''}); SDPA kernels of one layer's sdpa "
                      f"path{'' if r['backend'] == 'sdpa' else ' (not the backend this run trained on)'}: "
                      f"{'; '.join(r['kernels']) or 'none'}")
-    lines += ["", *profile_table(rows)]
+    lines += ["", *profile_table(rows), *fill_lines([r for r in rows if r.get("profile")], args.micro_batches)]
     return "\n".join(lines) + "\n"
 
 
