@@ -125,6 +125,7 @@ def transformer_config(
     fused = fusions_enabled(cfg)
     if grad_accumulation_fusion:
         compat.install_weight_gradient_accumulation(weight_gradient.APEX_COMPATIBLE)
+        compat.skip_tied_embedding_dummy_gradient()  # the fusion's zero-filled dummy for the tied embedding
     if fused:
         compat.install_fused_rope(fused_apply_rotary_pos_emb)
         compat.install_fused_cross_entropy(vocab_parallel_cross_entropy)

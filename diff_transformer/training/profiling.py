@@ -189,15 +189,25 @@ def _parents(event):
         parent = parent.cpu_parent
 
 
+def _compact(name: str) -> str:
+    return name.removeprefix("aten::").replace("_", "").lower()
+
+
 def _forward_frames(events: Sequence) -> Dict[int, str]:
-    """Sequence number to the Python frame of the forward operator that has it (profiles recorded with_stack)."""
+    """Sequence number to the Python frame of the forward operator that made the backward node of that number
+    (profiles recorded with_stack): an operator outside any backward node whose name begins the node's name
+    (``aten::embedding`` for ``EmbeddingBackward0``; other operators record the same number)."""
+    nodes = {e.sequence_nr: _compact(e.name[len(_BACKWARD_NODE):]) for e in events
+             if e.name.startswith(_BACKWARD_NODE) and getattr(e, "sequence_nr", -1) >= 0}
     frames: Dict[int, str] = {}
     for event in events:
-        if getattr(event, "sequence_nr", -1) >= 0 and event.name.startswith("aten::") and event.sequence_nr not in frames:
-            if not any(p.name.startswith(_BACKWARD_NODE) for p in _parents(event)):
-                frame = _python_frame(event)
-                if frame:
-                    frames[event.sequence_nr] = frame
+        node = nodes.get(getattr(event, "sequence_nr", -1))
+        if node is None or event.sequence_nr in frames or not node.startswith(_compact(event.name)):
+            continue
+        if not any(p.name.startswith(_BACKWARD_NODE) for p in _parents(event)):
+            frame = _python_frame(event)
+            if frame:
+                frames[event.sequence_nr] = frame
     return frames
 
 
@@ -256,8 +266,8 @@ def zero_fills(events: Iterable) -> List[Dict[str, Any]]:
         where, chain = call_site(event, frames)
         row = sites.setdefault((where, chain), {"site": where, "chain": chain, "count": 0, "elements": 0})
         row["count"] += 1
-        shapes = getattr(event, "input_shapes", None) or [[]]
-        row["elements"] += int(torch.Size(shapes[0]).numel()) if shapes[0] else 0
+        shapes = getattr(event, "input_shapes", None)  # recorded with shapes: the filled tensor's first
+        row["elements"] += int(torch.Size(shapes[0]).numel()) if shapes else 0
     return sorted(sites.values(), key=lambda r: (-r["count"], r["site"]))
 
 
