@@ -51,6 +51,8 @@ _BACKWARD_NODE = "autograd::engine::evaluate_function: "
 _RUNTIME_CALL = re.compile(r"^cu(da)?[A-Z]")
 # the operators that fill a tensor (torch.zeros, zeros_like, new_zeros, ones, full: an allocation, then one of these)
 FILL_OPS = ("aten::zero_", "aten::fill_")
+# frames that only pass a call on: compat's CPU stand-in for megatron-core's CUDA tensor factories
+_PASS_THROUGH = {("diff_transformer/compat.py", "_on_cpu")}
 # a Python frame of a profile recorded with_stack: "path(line): function"
 _FRAME = re.compile(r"^(?P<path>[^<(][^(]*\.py)\(\d+\): ")
 
@@ -158,7 +160,8 @@ def _python_frame(op, within_node: bool = False) -> Optional[str]:
         if within_node and parent.name.startswith(_BACKWARD_NODE):
             return None
         match = _FRAME.match(parent.name)
-        if match and not match["path"].startswith("torch/"):
+        if (match and not match["path"].startswith("torch/")
+                and (match["path"], parent.name.rsplit(": ", 1)[-1]) not in _PASS_THROUGH):
             return parent.name
         parent = parent.cpu_parent
     return None
