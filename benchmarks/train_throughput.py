@@ -210,8 +210,9 @@ def fill_lines(profiled, micro_batches: int, top: int = 12) -> list[str]:
               "|---|---|---|---|---|---|---|---|"]
     for r in profiled:
         for f in r["profile"]["fills"][:top]:
+            megabytes = f"{f['bytes'] / 1e6:.3f}" if f["bytes"] else "–"  # bytes the trace did not record
             lines.append(f"| {r['label']} | {f['kind']} | {f['site'][:120]} | {f['chain'][:90]} | {f['count']} "
-                         f"| {f['count'] / micro_batches:.1f} | {f['bytes'] / 1e6:.3f} | {f['ms']:.3f} |")
+                         f"| {f['count'] / micro_batches:.1f} | {megabytes} | {f['ms']:.3f} |")
     return lines + [""]
 
 

@@ -160,6 +160,7 @@ def test_the_throughput_report_counts_the_memsets_by_launcher():
     assert ("| vanilla (sdpa) | memset | aten::embedding_dense_backward in EmbeddingBackward0 (backward) | "
             "aten::embedding_dense_backward > aten::zeros > aten::zero_ | 1 | 0.5 | 0.004 | 0.010 |") in text
     assert "launchers: 2 linked by the profiler, 1 by the runtime call, 1 by time span, 1 not recorded" in text
+    assert "| vanilla (sdpa) | memset | Memset (Device) (launcher not recorded) |  | 1 | 0.5 | – | 0.001 |" in text
     assert fill_lines([{"label": "cpu", "profile": {**profile, "device": "cpu"}}], micro_batches=2) == []
 
 
@@ -220,6 +221,8 @@ def test_module_ranges_name_the_place_but_not_the_kind_of_work(tmp_path):
     assert idle_gaps(events) == (0.0, []) and host_syncs(events) == []
     record = json.loads(open(profiler.write(str(tmp_path), 3, 1.0)).read())
     assert record["device"] == "cpu" and record["busy_s"] == 0.0 and record["idle_gaps"] == []
+    assert record["fills"] == [] and record["fill_totals"]["memset"] == {"count": 0, "ms": 0.0}
+    assert all(row["count"] > 0 for row in record["host_fills"])  # the CPU kernels' own fills, by call site
     assert record["sync_sites"] == [{"site": f"tests/test_profiling.py:{sync_line}", "count": 1}]
 
 
@@ -276,13 +279,13 @@ def test_a_layers_forward_and_backward_read_nothing_on_the_host(kind, backend, m
 @pytest.mark.gpu
 def test_a_profiled_gpu_step_finds_its_sync_and_idle(tmp_path):
     """On a GPU: an .item() between matrix products is a host sync, found at its Python line and on its operator,
-    and the device waits after it (a gap, put on a launch site)."""
+    and the device waits after it (a gap, put on a launch site); a torch.zeros's fill is put on it."""
     model = torch.nn.Linear(1024, 1024, device="cuda")
     x = torch.randn(4096, 1024, device="cuda")
     with StepProfiler() as profiler:
         y = model(model(x))
         scale = float(y.abs().max())  # the sync
-        model(y / scale).sum().backward()
+        model(y / scale + torch.zeros(4096, 1024, device="cuda")).sum().backward()  # a zero-fill
         profiler.synchronize()
     path = profiler.write(str(tmp_path), 1, 0.1)
     record = json.loads(open(path).read())
@@ -291,3 +294,6 @@ def test_a_profiled_gpu_step_finds_its_sync_and_idle(tmp_path):
     assert any(s["site"].startswith("tests/test_profiling.py:") for s in record["sync_sites"]), record["sync_sites"]
     assert 0 < record["busy_s"] < record["step_time_s"] and record["idle_gaps"], record
     assert sum(g["seconds"] for g in record["idle_gaps"]) < record["step_time_s"], record["idle_gaps"]
+    # the zero-fill (a memset or a fill kernel, by torch version) is found on the torch.zeros that launched it
+    zeros = [f for f in record["fills"] if f["site"].startswith("aten::zeros (tests/") or f["site"] == "aten::zeros"]
+    assert zeros and zeros[0]["chain"] == "aten::zeros > aten::zero_", (record["fills"], record["fill_launchers"])

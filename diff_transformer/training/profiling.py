@@ -125,7 +125,7 @@ class Launchers:
         self.how = {way: 0 for way in self.WAYS}
         self.misses: List[Dict[str, Any]] = []  # a few device events without a launcher, as the profile had them
 
-    def _around(self, call, horizon: int = 4096):
+    def _around(self, call, horizon: int = 1024):
         """The innermost operator whose span holds ``call`` (the latest to start among those not yet ended)."""
         at = call.time_range.start
         last = bisect.bisect_right(self._starts, at) - 1
@@ -259,7 +259,7 @@ def device_fills(events: Iterable, launchers: Optional[Launchers] = None) -> Lis
 def zero_fills(events: Iterable) -> List[Dict[str, Any]]:
     """The fills a host profile records (a CPU step; on a GPU the host side of each memset and fill kernel): every
     ``FILL_OPS`` operator not inside another, by ``call_site`` (with its Python frame when recorded with_stack) and
-    the operator it was called as; count and elements filled (recorded with shapes); most first."""
+    the operator it was called as; count and elements filled (None unless recorded with shapes); most first."""
     events = [e for e in events if not _is_device(e)]
     frames = _forward_frames(events)
     sites: Dict[Tuple[str, str], Dict[str, Any]] = {}
@@ -267,10 +267,11 @@ def zero_fills(events: Iterable) -> List[Dict[str, Any]]:
         if event.name not in FILL_OPS or any(p.name in FILL_OPS for p in _parents(event)):
             continue
         where, chain = call_site(event, frames)
-        row = sites.setdefault((where, chain), {"site": where, "chain": chain, "count": 0, "elements": 0})
+        row = sites.setdefault((where, chain), {"site": where, "chain": chain, "count": 0, "elements": None})
         row["count"] += 1
         shapes = getattr(event, "input_shapes", None)  # recorded with shapes: the filled tensor's first
-        row["elements"] += int(torch.Size(shapes[0]).numel()) if shapes else 0
+        if shapes:
+            row["elements"] = (row["elements"] or 0) + int(torch.Size(shapes[0]).numel())
     return sorted(sites.values(), key=lambda r: (-r["count"], r["site"]))
 
 
