@@ -193,26 +193,28 @@ def idle_lines(profiled) -> list[str]:
 def fill_lines(profiled, micro_batches: int, top: int = 12) -> list[str]:
     """The profiled step's memsets and fill kernels (GPU profiles only) by the operator that launched them, its
     module or backward node and Python frame, and the chain of operators from its call to the fill; per micro-batch
-    too, and how each launcher was found."""
+    too, the work that most often came next on its stream, and how each launcher was found."""
     profiled = [r for r in profiled if r["profile"]["device"] == "cuda" and "fills" in r["profile"]]
     if not profiled:
         return []
     lines = ["Memsets and fill kernels of the profiled step by launcher (the operator that launched each, with its "
              "module or backward node; operators: from its call to the fill; MB where the trace records a memset's "
-             "bytes):", ""]
+             "bytes; most often next: the device work that followed on the same stream, which a library's memset "
+             "prepares):", ""]
     for r in profiled:
         totals, how = r["profile"]["fill_totals"], r["profile"]["fill_launchers"]["how"]
         lines.append(f"- {r['label']}: {totals['memset']['count']} memsets ({totals['memset']['ms']:.2f} ms) and "
                      f"{totals['fill']['count']} fill kernels ({totals['fill']['ms']:.2f} ms) in the profiled step; "
                      f"launchers: {how['linked']} linked by the profiler, {how['runtime call']} by the runtime call, "
                      f"{how['time span']} by time span, {how['not recorded']} not recorded")
-    lines += ["", "| run | kind | launched by | operators | count | per micro-batch | MB | ms |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| run | kind | launched by | operators | count | per micro-batch | MB | ms | most often next |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in profiled:
         for f in r["profile"]["fills"][:top]:
             megabytes = f"{f['bytes'] / 1e6:.3f}" if f["bytes"] else "–"  # bytes the trace did not record
             lines.append(f"| {r['label']} | {f['kind']} | {f['site'][:120]} | {f['chain'][:90]} | {f['count']} "
-                         f"| {f['count'] / micro_batches:.1f} | {megabytes} | {f['ms']:.3f} |")
+                         f"| {f['count'] / micro_batches:.1f} | {megabytes} | {f['ms']:.3f} "
+                         f"| {f['next']['name'][:60]} ×{f['next']['count']} |")
     return lines + [""]
 
 

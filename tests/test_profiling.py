@@ -120,7 +120,7 @@ def fill_trace():
         kernel("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>, ...>", 340, 344, 6,
                correlation=4004),
         kernel("Memset (Device)", 350, 351, 0, correlation=4005),  # launched where the profiler saw nothing
-        kernel("nvjet_sm90_gemm", 360, 400, 0, correlation=4006),
+        kernel("nvjet_sm90_gemm", 360, 400, 0, correlation=4006),  # ... before a GEMM on its stream
     ]
     return events
 
@@ -136,7 +136,9 @@ def test_memsets_and_fills_are_counted_on_the_operator_that_launched_them():
     assert (cudnn["count"], cudnn["bytes"]) == (1, 512)
     assert rows[("memset", "aten::full", "aten::full > aten::fill_")]["count"] == 1  # the span's innermost operator
     assert rows[("fill", "aten::full", "aten::full > aten::fill_")]["ms"] == pytest.approx(0.004)
-    assert rows[("memset", "Memset (Device) (launcher not recorded)", "")]["count"] == 1
+    assert rows[("memset", "Memset (Device) (launcher not recorded)", "")]["next"] == {"name": "nvjet_sm90_gemm",
+                                                                                    "count": 1}
+    assert embedding["next"] == {"name": "Memset (Device)", "count": 1}
     assert len(rows) == 5  # the GEMM is neither
     assert launchers.how == {"linked": 2, "runtime call": 1, "time span": 1, "not recorded": 1}
     assert launchers.misses == [{"name": "Memset (Device)", "id": 4005, "linked_correlation_id": 0,
@@ -158,9 +160,11 @@ def test_the_throughput_report_counts_the_memsets_by_launcher():
     text = "\n".join(fill_lines([{"label": "vanilla (sdpa)", "profile": profile}], micro_batches=2))
     assert "vanilla (sdpa): 4 memsets (0.01 ms) and 1 fill kernels (0.00 ms) in the profiled step" in text
     assert ("| vanilla (sdpa) | memset | aten::embedding_dense_backward in EmbeddingBackward0 (backward) | "
-            "aten::embedding_dense_backward > aten::zeros > aten::zero_ | 1 | 0.5 | 0.004 | 0.010 |") in text
+            "aten::embedding_dense_backward > aten::zeros > aten::zero_ | 1 | 0.5 | 0.004 | 0.010 | Memset (Device) ×1 |"
+            ) in text
     assert "launchers: 2 linked by the profiler, 1 by the runtime call, 1 by time span, 1 not recorded" in text
-    assert "| vanilla (sdpa) | memset | Memset (Device) (launcher not recorded) |  | 1 | 0.5 | – | 0.001 |" in text
+    assert ("| vanilla (sdpa) | memset | Memset (Device) (launcher not recorded) |  | 1 | 0.5 | – | 0.001 "
+            "| nvjet_sm90_gemm ×1 |") in text
     assert fill_lines([{"label": "cpu", "profile": {**profile, "device": "cpu"}}], micro_batches=2) == []
 
 

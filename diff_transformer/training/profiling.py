@@ -237,10 +237,18 @@ def _memset_bytes(event) -> Optional[int]:
 
 def device_fills(events: Iterable, launchers: Optional[Launchers] = None) -> List[Dict[str, Any]]:
     """The memsets and fill kernels on the device by kind and ``call_site`` of the operator that launched each:
-    count, bytes (memsets whose trace records them), milliseconds of device time; most first. Where no launcher is
-    recorded the site says so, with the kernel's name."""
+    count, bytes (memsets whose trace records them), milliseconds of device time, and the device work that most
+    often came next on the same stream (what a fill prepares: a library's memset precedes its kernel); most first.
+    Where no launcher is recorded the site says so, with the kernel's name."""
     events = list(events)
     launchers = launchers or Launchers(events)
+    following: Dict[int, str] = {}
+    streams: Dict[Any, List[Any]] = {}
+    for event in sorted((e for e in events if _is_device_work(e)), key=lambda e: e.time_range.start):
+        streams.setdefault(getattr(event, "device_resource_id", None), []).append(event)
+    for work in streams.values():
+        for event, after in zip(work, work[1:]):
+            following[id(event)] = after.name[:80]
     sites: Dict[Tuple[str, str, str], Dict[str, Any]] = {}
     for event in events:
         kind = _fill_kind(event.name) if _is_device_work(event) else None
@@ -249,10 +257,15 @@ def device_fills(events: Iterable, launchers: Optional[Launchers] = None) -> Lis
         op = launchers.launcher(event)
         where, chain = call_site(op) if op is not None else (f"{event.name[:80]} (launcher not recorded)", "")
         row = sites.setdefault((kind, where, chain), {"kind": kind, "site": where, "chain": chain, "count": 0,
-                                                     "bytes": 0, "ms": 0.0})
+                                                     "bytes": 0, "ms": 0.0, "next": {}})
         row["count"] += 1
         row["bytes"] += _memset_bytes(event) or 0
         row["ms"] += (event.time_range.end - event.time_range.start) * 1e-3
+        after = following.get(id(event), "(none)")
+        row["next"][after] = row["next"].get(after, 0) + 1
+    for row in sites.values():  # the most frequent next work, with how many of the row's fills it followed
+        name, count = max(row["next"].items(), key=lambda x: x[1])
+        row["next"] = {"name": name, "count": count}
     return sorted(sites.values(), key=lambda r: (-r["count"], -r["ms"]))
 
 
