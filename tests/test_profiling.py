@@ -96,11 +96,11 @@ def test_the_throughput_report_says_where_the_gpu_waited():
 
 
 def fill_trace():
-    """A backward step's memsets and a fill kernel, each launcher found in another way: a memset the profiler linked to
+    """A backward step's memsets and fill kernels, each launcher found in another way: a memset the profiler linked to
     aten::zero_ (inside aten::zeros in the embedding's backward node); one linked to nothing whose cudaMemsetAsync (of
     the same CUPTI correlation id, which repeats an operator's id) lies under cuDNN's attention backward; one whose
     runtime call has no parent (another thread's id) but lies in the time span of aten::full; a FillFunctor<int>
-    linked to aten::fill_; a memset with no runtime call recorded."""
+    and an inductor kernel that only fills, linked to aten::fill_; a memset with no runtime call recorded."""
     node = cpu_op(1, "autograd::engine::evaluate_function: EmbeddingBackward0", 0, 100)
     zeros = cpu_op(2, "aten::zeros", 10, 40, cpu_op(9, "aten::embedding_dense_backward", 5, 90, node))
     zero_ = cpu_op(3, "aten::zero_", 20, 30, zeros)
@@ -121,6 +121,8 @@ def fill_trace():
                correlation=4004),
         kernel("Memset (Device)", 350, 351, 0, correlation=4005),  # launched where the profiler saw nothing
         kernel("nvjet_sm90_gemm", 360, 400, 0, correlation=4006),  # ... before a GEMM on its stream
+        kernel("triton_poi_fused_zeros_0", 410, 412, 6, correlation=4007),  # inductor's kernel that only fills
+        kernel("triton_poi_fused_add_zeros_1", 420, 430, 6, correlation=4008),  # a fill fused into other work
     ]
     return events
 
@@ -135,12 +137,12 @@ def test_memsets_and_fills_are_counted_on_the_operator_that_launched_them():
                   "aten::_cudnn_attention_backward")]
     assert (cudnn["count"], cudnn["bytes"]) == (1, 512)
     assert rows[("memset", "aten::full", "aten::full > aten::fill_")]["count"] == 1  # the span's innermost operator
-    assert rows[("fill", "aten::full", "aten::full > aten::fill_")]["ms"] == pytest.approx(0.004)
+    assert rows[("fill", "aten::full", "aten::full > aten::fill_")]["ms"] == pytest.approx(0.004 + 0.002)
     assert rows[("memset", "Memset (Device) (launcher not recorded)", "")]["next"] == {"name": "nvjet_sm90_gemm",
                                                                                     "count": 1}
     assert embedding["next"] == {"name": "Memset (Device)", "count": 1}
     assert len(rows) == 5  # the GEMM is neither
-    assert launchers.how == {"linked": 2, "runtime call": 1, "time span": 1, "not recorded": 1}
+    assert launchers.how == {"linked": 3, "runtime call": 1, "time span": 1, "not recorded": 1}
     assert launchers.misses == [{"name": "Memset (Device)", "id": 4005, "linked_correlation_id": 0,
                                  "runtime_call": None}]
     # the gaps find the same launchers: before the cuDNN memset (10 us), after the last memset (9 us, none recorded)

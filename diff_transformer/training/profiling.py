@@ -53,6 +53,8 @@ _RUNTIME_CALL = re.compile(r"^cu(da)?[A-Z]")
 FILL_OPS = ("aten::zero_", "aten::fill_")
 # frames that only pass a call on: compat's CPU stand-in for megatron-core's CUDA tensor factories
 _PASS_THROUGH = {("diff_transformer/compat.py", "_on_cpu")}
+# an inductor kernel that does nothing but fill (triton_poi_fused_zeros_0), not one with a fill fused into other work
+_INDUCTOR_FILL = re.compile(r"^triton_[a-z]+_fused_(zeros|zeros_like|new_zeros|full|full_like|fill|ones)_\d+$")
 # a Python frame of a profile recorded with_stack: "path(line): function"
 _FRAME = re.compile(r"^(?P<path>[^<(][^(]*\.py)\(\d+\): ")
 
@@ -215,10 +217,11 @@ def _forward_frames(events: Sequence) -> Dict[int, str]:
 
 
 def _fill_kind(name: str) -> Optional[str]:
+    """"memset", "fill" (torch's fill kernel, or an inductor kernel that only fills), or None."""
     lowered = name.lower()
     if "memset" in lowered:
         return "memset"
-    if "fillfunctor" in lowered:
+    if "fillfunctor" in lowered or _INDUCTOR_FILL.match(name):
         return "fill"
     return None
 
