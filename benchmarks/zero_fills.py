@@ -16,8 +16,8 @@ torch.profiler with stacks and shapes. A fill is an ``aten::zero_`` or ``aten::f
 backward node without Python frames, the frame of its forward).
 
 On a GPU each such fill is one device operation, a zero-fill (``zero_``: a FillFunctor kernel on torch 2.11, whose
-H100 profile of 2026-11-27 shows three ``FillFunctor<int>`` a step: the three int zeros of megatron-core below; a
-memset on a torch that zeroes with ``cudaMemsetAsync``) or a fill kernel, except the fills a CPU kernel makes of its
+H100 profile of 2026-11-27 shows three ``FillFunctor<int>`` a step, as many as the int zeros of megatron-core this
+audit finds; a memset on a torch that zeroes with ``cudaMemsetAsync``) or a fill kernel, except the fills a CPU kernel makes of its
 own output (its reductions', its dot product's, the CPU attention backward's): the column "on a GPU" says which.
 What a CPU cannot show: the memsets inside cuDNN and cuBLAS, and the buffers inductor zeroes inside its generated
 Triton code (on a CPU inductor writes C++ loops; no fill of the compiled layers reaches the host's operators).
