@@ -17,8 +17,8 @@ backward node without Python frames, the frame of its forward).
 
 On a GPU each such fill is one device operation, a zero-fill (``zero_``: a FillFunctor kernel on torch 2.11, whose
 H100 profile of 2026-11-27 shows three ``FillFunctor<int>`` a step, as many as the int zeros of megatron-core this
-audit finds; a memset on a torch that zeroes with ``cudaMemsetAsync``) or a fill kernel, except the fills a CPU kernel makes of its
-own output (its reductions', its dot product's, the CPU attention backward's): the column "on a GPU" says which.
+audit finds; a memset on a torch that zeroes with ``cudaMemsetAsync``) or a fill kernel, except the fills a CPU
+kernel makes of its own output (its reductions', its dot product's, the CPU attention backward's): the column "on a GPU" says which.
 What a CPU cannot show: the memsets inside cuDNN and cuBLAS, and the buffers inductor zeroes inside its generated
 Triton code (on a CPU inductor writes C++ loops; no fill of the compiled layers reaches the host's operators).
 """
@@ -108,7 +108,8 @@ def render(results: dict, micro_batches: int, command: str) -> str:
     for (kind, compiled), rows in results.items():
         for row in rows:
             lines.append(f"| {kind} | {'on' if compiled else 'off'} | {table_cell(row['site'])} | {row['chain']} "
-                         f"| {row['count']} | {row['count'] / micro_batches:g} | {row['elements']:,} | {on_a_gpu(row)} |")
+                         f"| {row['count']} | {row['count'] / micro_batches:g} | {row['elements']:,} "
+                         f"| {on_a_gpu(row)} |")
         total = sum(r["count"] for r in rows if not on_a_gpu(r).startswith("no"))
         lines.append(f"| {kind} | {'on' if compiled else 'off'} | **all that a GPU would run** | | **{total}** | "
                      f"{total / micro_batches:g} | | |")
