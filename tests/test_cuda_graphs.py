@@ -85,6 +85,32 @@ def test_the_linear_layers_stay_in_the_graph_once_their_fused_accumulation_is_of
     assert results[True] == (8, 1, 0), results  # 4 linear layers a layer, 2 layers: one graph, no break
 
 
+def test_inductors_skip_warnings_are_collected_and_reported():
+    """The reasons come from torch's own warning (its logger in the installed torch), the stack trace left out of the
+    line; a GPU run's report says how many graphs were recorded against the expected two a layer, and why any was
+    skipped."""
+    from torch._inductor import cudagraph_utils
+
+    from diff_transformer.training.cuda_graphs import SkipReasons, report, skipped_graphs
+
+    skips, before = SkipReasons().attach(), skipped_graphs()
+    try:
+        cudagraph_utils.log_cudagraph_skip_and_bump_counter(
+            "skipping cudagraphs due to mutated inputs (1 instances). Found from : \n  File x.py, line 3")
+    finally:
+        skips.detach()
+    cudagraph_utils.log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to cpu device (arg0)")  # detached
+    assert skips.reasons == ["skipping cudagraphs due to mutated inputs (1 instances)"]
+    assert len(skips.messages) == 1 and "x.py" in skips.messages[0] and skipped_graphs() == before + 2
+
+    line = report(24, 1, skips.reasons * 3, 3, 45, on_cuda=True)
+    assert line == ("45 CUDA graphs recorded by step 1 (expected 48: each of the 24 compiled layers' forward and "
+                    "backward); 3 compiled graphs skipped: skipping cudagraphs due to mutated inputs (1 instances)")
+    assert REPORT.search(f"trainer.cuda_graphs=layers: {report(2, 1, [], 0, 4, on_cuda=True)}").groups() == ("4", "4")
+    assert report(2, 1, [], 5, None, on_cuda=False).startswith("no CUDA graph on a CPU")
+    assert report(0, 1, [], 0, None, on_cuda=True).startswith("no CUDA graph: TorchDynamo is off")
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["trainer.compile=false"], r"it needs trainer.compile=true"),
     (["parallel.tp=2"], r"runs with parallel.tp=1, pp=1 and cp=1 \(got tp=2, pp=1, cp=1\)"),

@@ -16,6 +16,7 @@ reads once its backward is done. On a CPU inductor compiles the same kernels and
 from __future__ import annotations
 
 import logging
+import re
 from typing import List, Optional
 
 import torch
@@ -55,13 +56,16 @@ class SkipReasons(logging.Handler):
 
     def __init__(self):
         super().__init__(logging.WARNING)
-        self.reasons: List[str] = []
+        self.reasons: List[str] = []  # each warning's reason, without the stack trace torch appends
+        self.messages: List[str] = []  # each distinct warning whole
         self._loggers: List[logging.Logger] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage().strip()
-        if message.startswith("skipping cudagraphs"):
-            self.reasons.append(message.splitlines()[0])
+        if message.startswith("skipping cudagraph"):
+            self.reasons.append(re.split(r"\.?\s*Found from\s*:", message.splitlines()[0])[0].strip())
+            if message not in self.messages:
+                self.messages.append(message)
 
     def attach(self) -> "SkipReasons":
         from torch._inductor import cudagraph_utils
@@ -109,7 +113,8 @@ def recorded_graphs() -> Optional[int]:
         return None
 
 
-def report(compiled_layers: int, steps: int, reasons: List[str], skipped: int, recorded: Optional[int]) -> str:
+def report(compiled_layers: int, steps: int, reasons: List[str], skipped: int, recorded: Optional[int],
+           on_cuda: bool) -> str:
     """One line of what happened by the end of step ``steps``: how many CUDA graphs were recorded against the
     expected two a compiled layer (forward and backward), and why inductor skipped any."""
     if not compiled_layers:
@@ -118,7 +123,7 @@ def report(compiled_layers: int, steps: int, reasons: List[str], skipped: int, r
     distinct = list(dict.fromkeys(reasons))
     why = "; ".join(distinct[:MOST_REASONS]) + (f"; and {len(distinct) - MOST_REASONS} more" if len(distinct) >
                                                 MOST_REASONS else "")
-    if not torch.cuda.is_available():
+    if not on_cuda:
         return (f"no CUDA graph on a CPU: inductor records them on CUDA only ({skipped} compiled graph"
                 f"{'s' if skipped != 1 else ''} skipped); the layers run compiled")
     expected = 2 * compiled_layers
