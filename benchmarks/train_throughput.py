@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -140,7 +141,13 @@ def _percent(value) -> str:
 
 
 def _compile_cell(row) -> str:
-    return ("on" if row["compile"] else "off") + (", CUDA graphs" if row.get("cuda_graphs_on") else "")
+    """on/off, and under trainer.cuda_graphs the graphs recorded against those expected (the log's report)."""
+    cell = "on" if row["compile"] else "off"
+    if not row.get("cuda_graphs_on"):
+        return cell
+    found = re.match(r"(\d+) CUDA graphs recorded by step \d+ \(expected (\d+)", row.get("cuda_graphs") or "")
+    graphs = f"{found.group(1)}/{found.group(2)}" if found else "none" if row.get("cuda_graphs") else "?"
+    return f"{cell}, CUDA graphs {graphs}"
 
 
 def _seconds(value) -> str:

@@ -133,6 +133,7 @@ class Trainer:
         self.unfused_linears = 0  # ... whose linear layers then leave the weight-gradient accumulation to DDP's hook
         self._graph_skips: Optional[cuda_graphs.SkipReasons] = None  # inductor's skip warnings, collected
         self._graph_reported: Optional[int] = None  # ... of which the log has told this many (None: not reported yet)
+        self._graphs_at_report: Optional[int] = None  # CUDA graphs recorded when the log last said
 
     # -- setup -------------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -458,24 +459,28 @@ class Trainer:
 
     def _report_cuda_graphs(self) -> None:
         """trainer.cuda_graphs: once they are recorded (step 1 with two micro-batches or more, else step 2, or the last
-        step), one line of what torch recorded and skipped, with inductor's reasons; later, any new skip (a layer
-        re-recorded too often) in a line of its own."""
+        step), one line of what torch recorded and skipped, with inductor's warnings; later, any new warning (a layer
+        re-recorded too often) in a line of its own, and at the last step the line again if the count changed."""
         skips = self._graph_skips
         if skips is None or self.rank != 0:
             return
-        if self._graph_reported is not None:
-            for message in skips.messages[self._graph_reported:]:
-                logger.warning("warning: trainer.cuda_graphs: at step %d inductor said: %s", self.step, message)
-            self._graph_reported = len(skips.messages)
+        last = self.step == self.cfg.trainer.max_steps
+        first = self._graph_reported is None
+        new = skips.messages[self._graph_reported or 0:] if not first else []
+        for message in new:
+            logger.warning("warning: trainer.cuda_graphs: at step %d inductor said: %s", self.step, message)
+        if first and not (self.step >= (1 if self.num_microbatches >= 2 else 2) or last):
             return
-        if not (self.step >= (1 if self.num_microbatches >= 2 else 2) or self.step == self.cfg.trainer.max_steps):
-            return
-        line = cuda_graphs.report(self.compiled_layers, self.step, skips.reasons, cuda_graphs.skipped_graphs(),
-                                  cuda_graphs.recorded_graphs(), on_cuda=torch.cuda.is_available())
-        logger.info("trainer.cuda_graphs=%s: %s", self.cfg.trainer.cuda_graphs, line)
-        for message in skips.messages[:cuda_graphs.MOST_REASONS]:  # whole, with the stack trace torch gives
-            logger.info("trainer.cuda_graphs: inductor said: %s", message)
         self._graph_reported = len(skips.messages)
+        recorded = cuda_graphs.recorded_graphs()
+        if not first and not (last and recorded != self._graphs_at_report):
+            return
+        self._graphs_at_report = recorded
+        logger.info("trainer.cuda_graphs=%s: %s", self.cfg.trainer.cuda_graphs,
+                    cuda_graphs.report(self.compiled_layers, self.step, skips.reasons, cuda_graphs.skipped_graphs(),
+                                       recorded, on_cuda=torch.cuda.is_available()))
+        for message in skips.messages[:cuda_graphs.MOST_REASONS] if first else []:  # whole, with torch's stack trace
+            logger.info("trainer.cuda_graphs: inductor said: %s", message)
 
     def _log_epochs(self) -> None:
         """How many passes over each blend entry's train split the planned steps make; a warning above a few."""
