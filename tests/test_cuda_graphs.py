@@ -144,14 +144,16 @@ def test_train_py_refuses_the_graphs_without_compile_in_one_line(tmp_path):
 
 @pytest.mark.gpu
 def test_the_graphs_are_recorded_on_a_gpu_and_give_the_losses_of_the_switch_off(tmp_path):
-    """bf16 on one CUDA device, 4 steps of 2 micro-batches: step 1 records each layer's forward and backward (2 x 2
-    graphs, none skipped), and every step's loss is the switch off's within GPU_LOSS_TOLERANCE."""
+    """bf16 on one CUDA device, sdpa (the 830m benchmark's backend), 4 steps of 2 micro-batches: step 1 records each
+    layer's forward and backward (2 x 2 graphs, none skipped), and every step's loss is the switch off's within
+    GPU_LOSS_TOLERANCE."""
     env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
     env.update(WANDB_MODE="disabled", PYTHONWARNINGS="ignore")
     losses, logs = {}, {}
     for mode in ("off", "layers"):
         run_dir = tmp_path / mode
-        proc = subprocess.run(train_command(run_dir, [*RUN, "trainer.max_steps=4", f"trainer.cuda_graphs={mode}"]),
+        overrides = [*RUN, "trainer.max_steps=4", "model.attention_backend=sdpa", f"trainer.cuda_graphs={mode}"]
+        proc = subprocess.run(train_command(run_dir, overrides),
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
         assert proc.returncode == 0, f"train.py exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
         losses[mode] = [r["loss"] for r in read_metrics(run_dir)]
