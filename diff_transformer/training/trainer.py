@@ -444,10 +444,11 @@ class Trainer:
             return
         layers = f"{self.compiled_layers} layer{'s' if self.compiled_layers != 1 else ''}"
         if self.cuda_graphs:
-            fusion = (f"; their {self.unfused_linears} linear layers leave the weight gradients to DDP's hook (the fused "
-                      "accumulation's main_grad write would break each graph)" if self.unfused_linears else "")
-            logger.info("trainer.cuda_graphs=%s: the compiled layers as CUDA graphs (torch.compile mode %s), recorded "
-                        "at the second micro-batch%s", self.cfg.trainer.cuda_graphs, cuda_graphs.CUDA_GRAPH_MODE, fusion)
+            fusion = (f"; their {self.unfused_linears} linear layers leave the weight gradients to DDP's hook "
+                      "(the fused accumulation's main_grad write would break each graph)" if self.unfused_linears else "")
+            logger.info("trainer.cuda_graphs=%s: the compiled layers as CUDA graphs (torch.compile mode %s), "
+                        "recorded at the second micro-batch%s", self.cfg.trainer.cuda_graphs,
+                        cuda_graphs.CUDA_GRAPH_MODE, fusion)
         if self.attention_in_graph == self.compiled_layers:
             where = "the core attention in the graph"
         elif self.attention_in_graph == 0:
@@ -983,9 +984,9 @@ class Trainer:
                 profiler.synchronize()
             step_time = time.perf_counter() - start
         if self.compiled_layers and not self._first_step_done and self.rank == 0:
+            recorded = " and recorded their CUDA graphs" if self.cuda_graphs and torch.cuda.is_available() else ""
             logger.info("trainer.compile: the first step of this process (step %d), which compiled the layers%s, took "
-                        "%.1f s", self.step, " and recorded their CUDA graphs" if self.cuda_graphs and torch.cuda.is_available() else "",
-                        step_time)
+                        "%.1f s", self.step, recorded, step_time)
         self._first_step_done = True
         self._report_cuda_graphs()
         if profiled and self.rank == 0:
