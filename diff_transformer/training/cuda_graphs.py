@@ -3,9 +3,10 @@
 
 Each layer's forward and backward is one inductor graph (its core attention in it), so each is one CUDA graph: the
 host launches a layer each way with one call instead of its kernels one by one. Parameters keep their addresses
-(static inputs, not copied); the layer's input and RoPE table are copied into the graph's buffers. What stays outside
-the graphs: the embedding, the output layer and loss, megatron-core DDP's gradient hooks (they add each weight
-gradient, a graph output, into the fp32 ``main_grad`` after the layer's backward graph) and the optimizer.
+(static inputs, not copied); the first layer's input and the RoPE table are copied into the graphs' buffers, each
+later layer reads its predecessor's output in place. Outside the graphs: the embedding, the output layer and loss,
+megatron-core DDP's gradient hooks (they add each weight gradient, a graph output, into the fp32 ``main_grad`` after
+the layer's backward graph) and the optimizer.
 
 The graph trees warm each layer up once (the first micro-batch), record it at the second and replay it from then on:
 with two micro-batches or more, step 1 pays the compile and the capture. Every micro-batch starts a new generation
