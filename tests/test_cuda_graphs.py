@@ -62,7 +62,7 @@ def test_the_linear_layers_stay_in_the_graph_once_their_fused_accumulation_is_of
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from diff_transformer.models.gpt import build_model_chunk, compile_layers
-    from diff_transformer.training.cuda_graphs import unfuse_weight_gradients
+    from diff_transformer.models.weight_gradient import unfuse_weight_gradients
 
     monkeypatch.setattr(TransformerLayer, "compile",
                         lambda self, **kwargs: torch.nn.Module.compile(self, backend="eager", dynamic=False))

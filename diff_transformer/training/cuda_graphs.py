@@ -30,22 +30,6 @@ def cuda_graphs_on(cfg) -> bool:
     return getattr(cfg.trainer, "cuda_graphs", "off") != "off"
 
 
-def unfuse_weight_gradients(chunk: torch.nn.Module) -> int:
-    """The linear layers inside ``chunk``'s TransformerLayers without megatron-core's gradient_accumulation_fusion:
-    its autograd function writes ``main_grad`` in its backward, a side effect that breaks the compiled layer's graph
-    at every linear layer (dynamo: "HOP: Unsafe side effect"); without it the weight gradients are the graph's
-    outputs, added into ``main_grad`` by DDP's hook. The output layer keeps the fusion. Returns how many changed."""
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    changed = 0
-    for layer in (m for m in chunk.modules() if isinstance(m, TransformerLayer)):
-        for module in layer.modules():
-            if getattr(module, "gradient_accumulation_fusion", False) is True:
-                module.gradient_accumulation_fusion = False
-                changed += 1
-    return changed
-
-
 def new_micro_batch() -> None:
     """A new generation of the CUDA graph trees: this micro-batch's graphs may overwrite the previous one's outputs."""
     torch.compiler.cudagraph_mark_step_begin()

@@ -41,6 +41,7 @@ from diff_transformer.models.gpt import (
     set_dex_anneal,
     v2_baseline,
 )
+from diff_transformer.models.weight_gradient import unfuse_weight_gradients
 from diff_transformer.models.attention.diff_v2 import record_lambda, recorded_lambda_sums
 from diff_transformer.figure_style import variant_name
 from diff_transformer.models.layer_specs import variant_label
@@ -271,16 +272,16 @@ class Trainer:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         p = self.cfg.parallel
-        chunk = build_model_chunk(
-            self.cfg, self.padded_vocab, self.dtype,
-            grad_accumulation_fusion=gradient_accumulation_fusion_enabled(self.cfg),
-        )
+        fused = gradient_accumulation_fusion_enabled(self.cfg)
+        chunk = build_model_chunk(self.cfg, self.padded_vocab, self.dtype, grad_accumulation_fusion=fused)
         if self.cfg.model.attention == "dex" and not self.cfg.model.dex.train_base:
             freeze_all_but_dex(chunk)  # before DDP and the optimizer, which then hold only the trainable ones
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
-        if self.cuda_graphs:  # the fused accumulation's main_grad write would break each layer's graph
-            self.unfused_linears = cuda_graphs.unfuse_weight_gradients(chunk)
+        # the fused accumulation's main_grad write would break a compiled layer's graph at each linear layer: each
+        # layer stays one graph (decided by the config, so a run without TorchDynamo computes as one with it)
+        if fused and self.cfg.trainer.compile:
+            self.unfused_linears = unfuse_weight_gradients(chunk)
         if self.cfg.trainer.compile:  # before DDP, whose hooks then see the compiled layers as any module
             self.compiled_layers = compile_layers(chunk, document_mask=self.cfg.data.document_mask,
                                                   mode=cuda_graphs.CUDA_GRAPH_MODE if self.cuda_graphs else None)
@@ -444,11 +445,12 @@ class Trainer:
             return
         layers = f"{self.compiled_layers} layer{'s' if self.compiled_layers != 1 else ''}"
         if self.cuda_graphs:
-            fusion = (f"; their {self.unfused_linears} linear layers leave the weight gradients to DDP's hook "
-                      "(the fused accumulation's main_grad write would break each graph)" if self.unfused_linears else "")
             logger.info("trainer.cuda_graphs=%s: the compiled layers as CUDA graphs (torch.compile mode %s), "
-                        "recorded at the second micro-batch%s", self.cfg.trainer.cuda_graphs,
-                        cuda_graphs.CUDA_GRAPH_MODE, fusion)
+                        "recorded at the second micro-batch", self.cfg.trainer.cuda_graphs, cuda_graphs.CUDA_GRAPH_MODE)
+        if self.unfused_linears:
+            logger.info("trainer.compile: the compiled layers' %d linear layers leave their weight gradients to DDP's "
+                        "hook (the fused accumulation's main_grad write would break each graph at them); the output "
+                        "layer keeps the fusion", self.unfused_linears)
         if self.attention_in_graph == self.compiled_layers:
             where = "the core attention in the graph"
         elif self.attention_in_graph == 0:
