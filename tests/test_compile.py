@@ -175,8 +175,8 @@ def _one_graph_for_three_layers(kind, backend, learnable, monkeypatch):
 def test_train_py_logs_the_compiling_first_step(tmp_path):
     """The trainer compiles the layers before DDP, logs the first step's time once, and its evaluation and attention
     diagnostics run (eagerly); with trainer.grad_accumulation_fusion on (auto's choice on a GPU) the compiled layers'
-    linear layers leave their weight gradients to DDP's hook, which keeps each layer one graph
-    (test_cuda_graphs.py counts the graphs), and the output layer keeps the fusion."""
+    linear layers accumulate into main_grad through an operator that keeps each layer one graph
+    (test_weight_gradient.py counts the graphs)."""
     run_dir = tmp_path / "run"
     run_train(run_dir, ["experiment=smoke", "trainer.max_steps=3", "optim.warmup_steps=1", "trainer.eval_interval=3",
                         "trainer.eval_iters=1", "trainer.attention_diagnostics=on", "trainer.compile=true",
@@ -184,7 +184,8 @@ def test_train_py_logs_the_compiling_first_step(tmp_path):
     log = (run_dir / "train.log").read_text()
     assert "trainer.compile: 2 layers of this rank under torch.compile" in log
     assert log.count("trainer.compile: the first step of this process (step 1), which compiled the layers, took") == 1
-    assert "trainer.compile: the compiled layers' 8 linear layers leave their weight gradients to DDP's hook" in log
+    assert "trainer.compile: the compiled layers' 8 linear layers accumulate their weight gradients into main_grad " \
+        "inside the graph" in log
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in records)
     assert len(records[-1]["attn/entropy"]) == 2 and math.isfinite(records[-1]["val_loss"])

@@ -15,6 +15,7 @@ output is added (two calls, said once in the log).
 
 from __future__ import annotations
 
+import functools
 import logging
 from types import SimpleNamespace
 
@@ -62,12 +63,91 @@ APEX_COMPATIBLE = SimpleNamespace(wgrad_gemm_accum_fp32=accumulate_weight_gradie
                                   wgrad_gemm_accum_fp16=accumulate_weight_gradient)
 
 
+@torch.library.custom_op("diff_transformer::accumulate_weight_gradient", mutates_args=("main_grad",))
+def accumulate_weight_gradient_op(main_grad: torch.Tensor, grad_output: torch.Tensor, total_input: torch.Tensor
+                                  ) -> None:
+    """:func:`accumulate_weight_gradient` as a torch operator that declares its write to ``main_grad``: dynamo records
+    it in a compiled layer's backward graph as one opaque call, where the same write from Python is a side effect
+    that breaks the graph."""
+    accumulate_weight_gradient(total_input, grad_output, main_grad)
+
+
+@accumulate_weight_gradient_op.register_fake
+def _(main_grad, grad_output, total_input):
+    return None
+
+
+class GraphLinear(torch.autograd.Function):
+    """megatron-core's linear layer at one tensor-parallel rank (``linear_with_grad_accumulation_and_async_allreduce``
+    without communication) with its weight gradient accumulated into ``main_grad`` through
+    :func:`accumulate_weight_gradient_op`, so that a compiled layer keeps it in its graph. The weight's own gradient
+    is megatron's dummy (an uninitialised tensor: no memset), which DDP's hook drops once ``grad_added_to_main_grad``
+    says the gradient is in ``main_grad`` already (:func:`fuse_weight_gradients_in_graphs` sets it)."""
+
+    @staticmethod
+    def forward(ctx, total_input, weight, bias, main_grad):
+        ctx.save_for_backward(total_input, weight)
+        # not saved: it is a view of DDP's gradient buffer, whose every write (another layer's) bumps the version
+        # counter that saved tensors are checked against
+        ctx.main_grad = main_grad
+        ctx.use_bias = bias is not None
+        output = torch.matmul(total_input, weight.t())
+        return output + bias if bias is not None else output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        total_input, weight = ctx.saved_tensors
+        main_grad = ctx.main_grad
+        grad_input = grad_output.matmul(weight)
+        grad_output = grad_output.reshape(-1, grad_output.shape[-1])
+        accumulate_weight_gradient_op(main_grad, grad_output, total_input.reshape(-1, total_input.shape[-1]))
+        grad_weight = torch.empty(weight.shape, dtype=total_input.dtype, device=weight.device)
+        return grad_input, grad_weight, grad_output.sum(dim=0) if ctx.use_bias else None, None
+
+
+def _graph_linear(module, input, weight, bias=None, gradient_accumulation_fusion=True, allreduce_dgrad=False,
+                  sequence_parallel=False, **unused):
+    """A linear module's ``_forward_impl`` (megatron's keyword arguments) at one tensor-parallel rank."""
+    if not weight.requires_grad:  # a frozen weight (DEX's base): megatron's own path
+        return type(module)._forward_impl(module, input, weight, bias=bias,
+                                          gradient_accumulation_fusion=gradient_accumulation_fusion,
+                                          allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
+                                          **unused)
+    if allreduce_dgrad or sequence_parallel:
+        raise RuntimeError("GraphLinear runs at tensor-parallel size 1 only (no gradient all-reduce or sequence "
+                           "parallelism); unfuse_weight_gradients serves larger sizes")
+    return GraphLinear.apply(input, weight, bias, weight.main_grad)
+
+
+def fuse_weight_gradients_in_graphs(chunk: torch.nn.Module) -> int:
+    """The linear layers inside ``chunk``'s TransformerLayers keep megatron-core's gradient_accumulation_fusion in a
+    compiled layer's graph: each computes through :class:`GraphLinear` (tensor-parallel size 1), and a forward
+    pre-hook of ``chunk`` tells DDP's hook, before each micro-batch, that their gradients are in ``main_grad`` (its
+    ``zero_grad_buffer`` clears the flag every step). Call before DDP wraps ``chunk``. Returns how many changed."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    modules = [module for layer in chunk.modules() if isinstance(layer, TransformerLayer)
+               for module in layer.modules() if getattr(module, "gradient_accumulation_fusion", False) is True]
+    for module in modules:
+        module._forward_impl = functools.partial(_graph_linear, module)
+    weights = [module.weight for module in modules if getattr(module, "weight", None) is not None]
+
+    def in_main_grad(_module, _args):
+        for weight in weights:
+            weight.grad_added_to_main_grad = True
+
+    if modules:
+        chunk.register_forward_pre_hook(in_main_grad)
+    return len(modules)
+
+
 def unfuse_weight_gradients(chunk: torch.nn.Module) -> int:
     """The linear layers inside ``chunk``'s TransformerLayers without megatron-core's gradient_accumulation_fusion:
     its autograd function writes ``main_grad`` in its backward, a side effect that breaks the compiled layer's graph
     at every linear layer (dynamo: "HOP: Unsafe side effect"); without it the weight gradients are the graph's
     outputs, added into ``main_grad`` by DDP's hook. The output layer keeps the fusion. Returns how many changed.
-    The trainer calls it under ``trainer.compile``: the fusion then serves the linear layers outside the graphs."""
+    The trainer calls it under ``trainer.cuda_graphs`` and under ``trainer.compile`` at tensor-parallel sizes above 1
+    (else :func:`fuse_weight_gradients_in_graphs`)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     changed = 0

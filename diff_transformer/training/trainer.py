@@ -41,7 +41,7 @@ from diff_transformer.models.gpt import (
     set_dex_anneal,
     v2_baseline,
 )
-from diff_transformer.models.weight_gradient import unfuse_weight_gradients
+from diff_transformer.models.weight_gradient import fuse_weight_gradients_in_graphs, unfuse_weight_gradients
 from diff_transformer.models.attention.diff_v2 import record_lambda, recorded_lambda_sums
 from diff_transformer.figure_style import variant_name
 from diff_transformer.models.layer_specs import variant_label
@@ -131,6 +131,7 @@ class Trainer:
         self.attention_in_graph = 0  # of them, those whose core attention is in the layer's graph
         self._first_step_done = False  # the first step of this process (which compiles them) has been logged
         self.cuda_graphs = cuda_graphs.cuda_graphs_on(cfg)  # trainer.cuda_graphs: the compiled layers as CUDA graphs
+        self.graph_fused_linears = 0  # ... whose linear layers accumulate into main_grad inside the graph
         self.unfused_linears = 0  # ... whose linear layers then leave the weight-gradient accumulation to DDP's hook
         self._graph_skips: Optional[cuda_graphs.SkipReasons] = None  # inductor's skip warnings, collected
         self._graph_reported: Optional[int] = None  # ... of which the log has told this many (None: not reported yet)
@@ -278,10 +279,14 @@ class Trainer:
             freeze_all_but_dex(chunk)  # before DDP and the optimizer, which then hold only the trainable ones
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
-        # the fused accumulation's main_grad write would break a compiled layer's graph at each linear layer: each
-        # layer stays one graph (decided by the config, so a run without TorchDynamo computes as one with it)
+        # megatron's fused accumulation writes main_grad from Python, which would break a compiled layer's graph at
+        # each linear layer: at TP=1 it goes through a torch operator that declares the write, else it is left to
+        # DDP's hook (decided by the config, so a run without TorchDynamo computes as one with it)
         if fused and self.cfg.trainer.compile:
-            self.unfused_linears = unfuse_weight_gradients(chunk)
+            if self.cuda_graphs or p.tp > 1:
+                self.unfused_linears = unfuse_weight_gradients(chunk)
+            else:
+                self.graph_fused_linears = fuse_weight_gradients_in_graphs(chunk)
         if self.cfg.trainer.compile:  # before DDP, whose hooks then see the compiled layers as any module
             self.compiled_layers = compile_layers(chunk, document_mask=self.cfg.data.document_mask,
                                                   mode=cuda_graphs.CUDA_GRAPH_MODE if self.cuda_graphs else None)
@@ -447,6 +452,9 @@ class Trainer:
         if self.cuda_graphs:
             logger.info("trainer.cuda_graphs=%s: the compiled layers as CUDA graphs (torch.compile mode %s), "
                         "recorded at the second micro-batch", self.cfg.trainer.cuda_graphs, cuda_graphs.CUDA_GRAPH_MODE)
+        if self.graph_fused_linears:
+            logger.info("trainer.compile: the compiled layers' %d linear layers accumulate their weight gradients into "
+                        "main_grad inside the graph (trainer.grad_accumulation_fusion)", self.graph_fused_linears)
         if self.unfused_linears:
             logger.info("trainer.compile: the compiled layers' %d linear layers leave their weight gradients to DDP's "
                         "hook (the fused accumulation's main_grad write would break each graph at them); the output "
