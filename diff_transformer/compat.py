@@ -54,6 +54,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _APPLIED = False
+_GRAD_NORM_ON_DEVICE = False  # keep_grad_norm_on_device has patched (once: a test may put megatron-core's back)
 # The release every workaround below was written against (and constraints.txt pins).
 MEGATRON_CORE_VERSION = "0.16.1"
 
@@ -578,7 +579,6 @@ def _grad_norm_on_device(original):
         torch.distributed.all_reduce(total_norm, op=torch.distributed.ReduceOp.SUM, group=grad_stats_parallel_group)
         return total_norm.double().sqrt().reshape(())
 
-    get_grad_norm_fp32.keeps_norm_on_device = True
     return get_grad_norm_fp32
 
 
@@ -605,7 +605,6 @@ def _clip_on_device(original):
         scale = torch.where(clip_coeff < 1.0, clip_coeff, torch.ones_like(clip_coeff)).float()
         torch._foreach_mul_(grads, scale)
 
-    clip_grad_by_total_norm_fp32.keeps_norm_on_device = True
     return clip_grad_by_total_norm_fp32
 
 
@@ -615,11 +614,13 @@ def keep_grad_norm_on_device() -> bool:
     place (clip_grads.py and the names optimizer.py:50 imports) the norm stays a float64 device tensor, which the
     optimizers' ``step`` return, and the clipping coefficient is applied on the device, bit for bit the same. The
     trainer reads the norm when it logs. Any device; idempotent; returns whether it patched."""
+    global _GRAD_NORM_ON_DEVICE
     check_megatron_core_version()
     from megatron.core.optimizer import clip_grads, optimizer
 
-    if getattr(clip_grads.get_grad_norm_fp32, "keeps_norm_on_device", False):
+    if _GRAD_NORM_ON_DEVICE:
         return False
+    _GRAD_NORM_ON_DEVICE = True
     norm = _grad_norm_on_device(clip_grads.get_grad_norm_fp32)
     clip = _clip_on_device(clip_grads.clip_grad_by_total_norm_fp32)
     for module in (clip_grads, optimizer):

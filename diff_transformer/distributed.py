@@ -148,7 +148,7 @@ def all_reduce_values(
     """Reduce Python numbers over ``group`` (``op``: sum or max) and return them as Python numbers on every rank (a
     group of one: no device tensor, so no host sync)."""
     if _is_trivial(group):
-        return torch.tensor(list(values), dtype=dtype).tolist()
+        return [float(v) if dtype.is_floating_point else int(v) for v in values]
     tensor = torch.tensor(list(values), dtype=dtype, device=collective_device(group))
     torch.distributed.all_reduce(tensor, op=_REDUCE_OPS[op], group=group)
     return tensor.cpu().tolist()
@@ -163,7 +163,7 @@ def broadcast_values(values: Sequence[float], src: int, group: Optional[Any] = N
     """Rank ``src``'s numbers (global rank) on every rank of ``group``; other ranks pass placeholders of the same
     length."""
     if _is_trivial(group):
-        return torch.tensor(list(values), dtype=torch.float64).tolist()
+        return [float(v) for v in values]
     tensor = torch.tensor(list(values), dtype=torch.float64, device=collective_device(group))
     torch.distributed.broadcast(tensor, src=src, group=group)
     return tensor.cpu().tolist()

@@ -693,7 +693,8 @@ class Trainer:
         dp_group = parallel_state.get_data_parallel_group()
         if self.is_last_stage:
             local = torch.stack([x["lm loss"].detach().double() for x in losses]).mean()
-            loss = distributed.all_reduce_tensor(local.to(distributed.collective_device(dp_group)), dp_group)
+            where = distributed.collective_device(dp_group)
+            loss = distributed.all_reduce_tensor(local if local.device == where else local.to(where), dp_group)
             loss = loss / self.dp_size
         else:
             loss = torch.zeros((), dtype=torch.float64, device=distributed.collective_device(dp_group))
