@@ -54,7 +54,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _APPLIED = False
-_GRAD_NORM_ON_DEVICE = False  # keep_grad_norm_on_device has patched (once: a test may put megatron-core's back)
+# megatron-core's (get_grad_norm_fp32, clip_grad_by_total_norm_fp32) once keep_grad_norm_on_device has replaced them
+# (once: grad_norm_read_on_the_host puts them back for a while)
+_HOST_GRAD_NORM: Optional[tuple] = None
 # The release every workaround below was written against (and constraints.txt pins).
 MEGATRON_CORE_VERSION = "0.16.1"
 
@@ -549,7 +551,7 @@ def _device_of(tensors) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _grad_norm_on_device(original):
+def _grad_norm_on_device(original, all_reduce):
     """megatron-core's ``get_grad_norm_fp32`` (clip_grads.py:51-135) for the 2-norm, ending in a float64 device tensor
     instead of ``total_norm.item() ** (1.0 / norm_type)`` (clip_grads.py:133, a host sync every step): the same fp32
     sum of squares, reduced over the same groups, then its square root in float64 (the host's double arithmetic, on the
@@ -575,8 +577,8 @@ def _grad_norm_on_device(original):
             grad_norm = torch.zeros(1, dtype=torch.float, device=device)
         total_norm = grad_norm ** 2.0
         if data_parallel_group:
-            torch.distributed.all_reduce(total_norm, op=torch.distributed.ReduceOp.SUM, group=data_parallel_group)
-        torch.distributed.all_reduce(total_norm, op=torch.distributed.ReduceOp.SUM, group=grad_stats_parallel_group)
+            all_reduce(total_norm, data_parallel_group)
+        all_reduce(total_norm, grad_stats_parallel_group)
         return total_norm.double().sqrt().reshape(())
 
     return get_grad_norm_fp32
@@ -608,20 +610,21 @@ def _clip_on_device(original):
     return clip_grad_by_total_norm_fp32
 
 
-def keep_grad_norm_on_device() -> bool:
+def keep_grad_norm_on_device(all_reduce) -> bool:
     """The gradient norm and its clipping without a host sync: megatron-core reads the norm to the host
     (clip_grads.py:133, ``.item()``) and decides clipping there (clip_grads.py:174, ``if clip_coeff < 1.0``); in their
     place (clip_grads.py and the names optimizer.py:50 imports) the norm stays a float64 device tensor, which the
     optimizers' ``step`` return, and the clipping coefficient is applied on the device, bit for bit the same. The
-    trainer reads the norm when it logs. Any device; idempotent; returns whether it patched."""
-    global _GRAD_NORM_ON_DEVICE
+    trainer reads the norm when it logs. ``all_reduce(tensor, group)`` sums in place (``distributed.all_reduce_tensor``).
+    Any device; idempotent; returns whether it patched."""
+    global _HOST_GRAD_NORM
     check_megatron_core_version()
     from megatron.core.optimizer import clip_grads, optimizer
 
-    if _GRAD_NORM_ON_DEVICE:
+    if _HOST_GRAD_NORM is not None:
         return False
-    _GRAD_NORM_ON_DEVICE = True
-    norm = _grad_norm_on_device(clip_grads.get_grad_norm_fp32)
+    _HOST_GRAD_NORM = clip_grads.get_grad_norm_fp32, clip_grads.clip_grad_by_total_norm_fp32
+    norm = _grad_norm_on_device(clip_grads.get_grad_norm_fp32, all_reduce)
     clip = _clip_on_device(clip_grads.clip_grad_by_total_norm_fp32)
     for module in (clip_grads, optimizer):
         module.get_grad_norm_fp32, module.clip_grad_by_total_norm_fp32 = norm, clip
@@ -635,8 +638,9 @@ def grad_norm_read_on_the_host():
     from megatron.core.optimizer import clip_grads, optimizer
 
     saved = [(m, m.get_grad_norm_fp32, m.clip_grad_by_total_norm_fp32) for m in (clip_grads, optimizer)]
-    for module, norm, clip in saved:
-        module.get_grad_norm_fp32, module.clip_grad_by_total_norm_fp32 = norm.__wrapped__, clip.__wrapped__
+    if _HOST_GRAD_NORM is not None:
+        for module, *_ in saved:
+            module.get_grad_norm_fp32, module.clip_grad_by_total_norm_fp32 = _HOST_GRAD_NORM
     try:
         yield
     finally:

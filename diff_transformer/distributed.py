@@ -62,7 +62,7 @@ def init_distributed(backend: str, tp: int = 1, pp: int = 1, seed: int = 0, cp: 
     (megatron's order tp-cp-ep-dp-pp: the ranks of a TP group are adjacent, then those of a CP group)."""
     compat.apply_cpu_patches()
     compat.apply_grad_norm_patches()
-    compat.keep_grad_norm_on_device()
+    compat.keep_grad_norm_on_device(all_reduce_tensor)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
