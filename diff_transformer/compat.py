@@ -554,8 +554,9 @@ def _device_of(tensors) -> torch.device:
 def _grad_norm_on_device(original, all_reduce):
     """megatron-core's ``get_grad_norm_fp32`` (clip_grads.py:51-135) for the 2-norm, ending in a float64 device tensor
     instead of ``total_norm.item() ** (1.0 / norm_type)`` (clip_grads.py:133, a host sync every step): the same fp32
-    sum of squares, reduced over the same groups, then its square root in float64 (the host's double arithmetic, on the
-    device). Other norms go to ``original``."""
+    sum of squares, reduced over the same groups, then its square root in float64, correctly rounded (the host's
+    ``pow(x, 0.5)`` is one ulp off for about 0.07% of x; the fp32 clipping coefficient almost never sees it). Other
+    norms go to ``original``."""
     from megatron.core.optimizer import clip_grads
     from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
 
@@ -585,7 +586,7 @@ def _grad_norm_on_device(original, all_reduce):
 
 
 def _clip_on_device(original):
-    """megatron-core's ``clip_grad_by_total_norm_fp32`` (clip_grads.py:138-178) for a device ``total_norm``: the same
+    """megatron-core's ``clip_grad_by_total_norm_fp32`` (clip_grads.py:138-177) for a device ``total_norm``: the same
     ``clip_coeff = max_norm / (total_norm + 1.0e-6)`` in float64, applied where it is below 1 (as the host's
     ``if clip_coeff < 1.0``, a NaN coefficient included), by one foreach multiply with its fp32 rounding (as the scale
     kernel takes it); above 1 the multiply is by 1.0, which changes no gradient. A float ``total_norm`` goes to
@@ -612,9 +613,9 @@ def _clip_on_device(original):
 
 def keep_grad_norm_on_device(all_reduce) -> bool:
     """The gradient norm and its clipping without a host sync: megatron-core reads the norm to the host
-    (clip_grads.py:133, ``.item()``) and decides clipping there (clip_grads.py:174, ``if clip_coeff < 1.0``); in their
+    (clip_grads.py:133, ``.item()``) and decides clipping there (clip_grads.py:173, ``if clip_coeff < 1.0``); in their
     place (clip_grads.py and the names optimizer.py:50 imports) the norm stays a float64 device tensor, which the
-    optimizers' ``step`` return, and the clipping coefficient is applied on the device, bit for bit the same. The
+    optimizers' ``step`` return, and the clipping coefficient is applied on the device, the same arithmetic. The
     trainer reads the norm when it logs. ``all_reduce(tensor, group)`` sums in place (``distributed.all_reduce_tensor``).
     Any device; idempotent; returns whether it patched."""
     global _HOST_GRAD_NORM

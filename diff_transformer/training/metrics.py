@@ -161,7 +161,8 @@ class MetricsWriter:
         if not self.enabled:
             return
         step_time = record.get("step_time") or 0.0
-        self._window.append((time.time() if wall_time is None else wall_time, record["step"], record.get("tokens_per_s", 0.0) * step_time, step_time))
+        ended = time.time() if wall_time is None else wall_time
+        self._window.append((ended, record["step"], record.get("tokens_per_s", 0.0) * step_time, step_time))
         line = memoryview((json.dumps(record) + "\n").encode("utf-8"))
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

@@ -896,7 +896,6 @@ class Trainer:
                 self._write_records()
                 if self.cfg.checkpoint.save_at_end:
                     self.checkpoints.save(reason="end")
-            self._write_records()
             self.checkpoints.wait()
         except RunLogFailed as err:
             raise RunLogFailed(f"{err}: the run stops at step {self.step}; free space there and "
