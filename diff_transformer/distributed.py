@@ -148,7 +148,9 @@ def all_reduce_values(
     """Reduce Python numbers over ``group`` (``op``: sum or max) and return them as Python numbers on every rank (a
     group of one: no device tensor, so no host sync)."""
     if _is_trivial(group):
-        return [float(v) if dtype.is_floating_point else int(v) for v in values]
+        if dtype == torch.float64 or not dtype.is_floating_point:
+            return [float(v) if dtype.is_floating_point else int(v) for v in values]
+        return torch.tensor(list(values), dtype=dtype).tolist()  # rounded to dtype, as a reduction would
     tensor = torch.tensor(list(values), dtype=dtype, device=collective_device(group))
     torch.distributed.all_reduce(tensor, op=_REDUCE_OPS[op], group=group)
     return tensor.cpu().tolist()
