@@ -616,8 +616,8 @@ def keep_grad_norm_on_device(all_reduce) -> bool:
     (clip_grads.py:133, ``.item()``) and decides clipping there (clip_grads.py:173, ``if clip_coeff < 1.0``); in their
     place (clip_grads.py and the names optimizer.py:50 imports) the norm stays a float64 device tensor, which the
     optimizers' ``step`` return, and the clipping coefficient is applied on the device, the same arithmetic. The
-    trainer reads the norm when it logs. ``all_reduce(tensor, group)`` sums in place (``distributed.all_reduce_tensor``).
-    Any device; idempotent; returns whether it patched."""
+    trainer reads the norm when it logs. ``all_reduce(tensor, group)`` sums in place
+    (``distributed.all_reduce_tensor``). Any device; idempotent; returns whether it patched."""
     global _HOST_GRAD_NORM
     check_megatron_core_version()
     from megatron.core.optimizer import clip_grads, optimizer

@@ -6,8 +6,8 @@ queue.
 reads (``item``, ``tolist``, ``numpy``, ``bool``/``float``/``int``/``index`` of a tensor, a blocking ``cpu()`` or
 ``to("cpu")``), ``torch.tensor`` of host numbers on a named device (a blocking copy to a GPU), and the operators that
 read values inside torch or a library (``_local_scalar_dense``, operators whose output shape depends on the values,
-such as ``nonzero`` or indexing with a boolean mask). On a CPU nothing waits, but the same code makes the same reads, so a CPU test can count a GPU
-step's syncs.
+such as ``nonzero`` or indexing with a boolean mask). On a CPU nothing waits, but the same code makes the same reads,
+so a CPU test can count a GPU step's syncs.
 """
 
 from __future__ import annotations
