@@ -14,7 +14,6 @@ from hydra import compose, initialize_config_dir
 
 from diff_transformer.config import register_configs, to_object
 from diff_transformer.training.host_reads import HOST_SIDE, HostReads
-from diff_transformer.training.trainer import Trainer
 from tests.train_runs import REPO
 
 register_configs()
@@ -75,6 +74,7 @@ PER_STEP = ("_train_and_measure", "_log_step", "_stop_if_diverged", "_save_on_in
 def train_watched(run_dir):
     """Train RUN in this process; returns (the trainer, its records, {step: the host reads of its loop iteration})."""
     from diff_transformer.training.failures import PreemptionSignals
+    from diff_transformer.training.trainer import Trainer
 
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         cfg = to_object(compose("config", overrides=RUN))
@@ -99,7 +99,9 @@ def train_watched(run_dir):
         records = trainer.fit()
     finally:
         PreemptionSignals.agreed = agreed
-        logging.getLogger("diff_transformer").handlers.clear()  # the run's train.log, closed with its directory
+        for handler in list(logging.getLogger().handlers):  # the run's console and train.log, which setup added
+            logging.getLogger().removeHandler(handler)
+            handler.close()
     return trainer, records, reads
 
 
@@ -129,6 +131,8 @@ def runs(tmp_path_factory, megatron_single_process):
 def test_a_step_that_does_not_log_reads_only_its_loss(runs):
     """Each step's one host read is its loss, read by train_step for the bad-step guard; on logging steps the records
     kept since the last are written with the gradient norms read in one go."""
+    from diff_transformer.training.trainer import Trainer
+
     (records, reads, _), _ = runs
     assert sorted(reads) == list(range(1, STEPS + 1))
     lines, first = inspect.getsourcelines(Trainer.train_step)
