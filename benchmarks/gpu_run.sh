@@ -201,6 +201,10 @@ plan_first() {
   core_attention core_attention_d128 150 70 --heads 8 --head-dim 128 --seq-len 4096 --batch 4
   core_attention core_attention_d96 120 65 --heads 8 --head-dim 96 --seq-len 2048 --batch 4
   throughput throughput_830m 300 125 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 --steps 8
+  # the compiled step again with its layers as CUDA graphs (first step: compiling and recording; the log says how many
+  # graphs were recorded and why any was skipped)
+  throughput throughput_830m_compile_graphs 300 125 --model 830m --seq-length 2048 --micro-batch-size 4 \
+    --micro-batches 8 --compile on --steps 8 model.attention_backend=sdpa trainer.cuda_graphs=layers
 }
 
 plan_second() {

@@ -14,7 +14,7 @@ from tests.train_runs import REPO
 PLANS = ("first", "second", "long", "fa4")
 STEPS = {
     "first": ["throughput_830m_compile", "fusions", "host_overhead", "kernel_tests", "core_attention_d128",
-              "core_attention_d96", "throughput_830m"],
+              "core_attention_d96", "throughput_830m", "throughput_830m_compile_graphs"],
     "second": ["throughput_3b", "kernel_sweep", "document_mask_tests", "document_mask", "eval_analyze"],
     "long": ["kernel_long", "niah_long"],
     "fa4": ["fa4_install", "throughput_830m_fa4_compile", "fa4_tests", "core_attention_fa4_d128",
