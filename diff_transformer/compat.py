@@ -10,12 +10,13 @@ Two kinds:
 - **DeepSpeed on a CPU** (:func:`apply_deepspeed_cpu_patches`, engine=deepspeed): DeepSpeed's CPU accelerator
   compiles a shared-memory all-reduce op when its communication backend starts; gloo reduces the same tensors. Like
   the CPU patches, applied only without CUDA.
-- **Speed workarounds** (:func:`apply_grad_norm_patches`, :func:`fuse_torch_adamw`, :func:`install_fused_rope`,
-  :func:`install_fused_cross_entropy`, :func:`install_weight_gradient_accumulation`,
+- **Speed workarounds** (:func:`apply_grad_norm_patches`, :func:`keep_grad_norm_on_device`, :func:`fuse_torch_adamw`,
+  :func:`install_fused_rope`, :func:`install_fused_cross_entropy`, :func:`install_weight_gradient_accumulation`,
   :func:`skip_tied_embedding_dummy_gradient`): where megatron-core without TransformerEngine or Apex falls back to
   slow paths (a host sync per parameter tensor in the gradient norm, torch's foreach AdamW, no fused RoPE, a native
   fused cross-entropy that keeps an fp32 softmax and rounds an fp32 model's gradient to bf16, a separate add of each
-  weight gradient into the fp32 main gradient, a zero-filled dummy gradient of the tied embedding), on any device.
+  weight gradient into the fp32 main gradient, a zero-filled dummy gradient of the tied embedding), and where it reads
+  the gradient norm to the host every step, on any device.
 - **Compiled layers** (:func:`call_core_attention_eagerly`, :func:`resolve_default_tp_group_quietly`,
   ``trainer.compile``, any device): where megatron-core's TransformerLayer forward stops torch.compile from keeping one
   graph on each side of the core attention.
@@ -54,6 +55,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _APPLIED = False
+# megatron-core's (get_grad_norm_fp32, clip_grad_by_total_norm_fp32) once keep_grad_norm_on_device has replaced them
+# (once: grad_norm_read_on_the_host puts them back for a while)
+_HOST_GRAD_NORM: Optional[tuple] = None
 # The release every workaround below was written against (and constraints.txt pins).
 MEGATRON_CORE_VERSION = "0.16.1"
 
@@ -174,6 +178,15 @@ PATCH_SITES = (
     PatchSite("grad norm", "megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", "l2_norm_impl,"),
     PatchSite("grad norm", "megatron.core.optimizer.optimizer", "multi_tensor_scale_impl"),
     PatchSite("grad norm", "megatron.core.utils", "local_multi_tensor_l2_norm", "torch.tensor(l2)"),
+    PatchSite("grad norm on the device", "megatron.core.optimizer.clip_grads", "get_grad_norm_fp32",
+              "total_norm = total_norm.item() ** (1.0 / norm_type)"),
+    PatchSite("grad norm on the device", "megatron.core.optimizer.clip_grads", "get_grad_norm_fp32",
+              "total_norm = grad_norm**norm_type"),
+    PatchSite("grad norm on the device", "megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
+              "clip_coeff = max_norm / (total_norm + 1.0e-6)"),
+    PatchSite("grad norm on the device", "megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
+              "if clip_coeff < 1.0:"),
+    PatchSite("grad norm on the device", "megatron.core.optimizer.optimizer", "get_grad_norm_fp32"),
     PatchSite("fused adamw", "megatron.core.optimizer", "_get_megatron_optimizer_based_on_param_groups",
               "adam_cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam"),
     PatchSite("fused rope", "megatron.core.models.common.embeddings.rope_utils", "fused_apply_rotary_pos_emb"),
@@ -527,8 +540,8 @@ def apply_grad_norm_patches() -> bool:
     host, one sync each, then ``float()`` of the total; and gradients are scaled one tensor at a time
     (``local_multi_tensor_scale``, utils.py:1212-1215). clip_grads.py:42-43 and optimizer.py:37 pick these at import
     as ``l2_norm_impl`` and ``multi_tensor_scale_impl``; put one norm of the stacked per-tensor norms (on the device;
-    ``get_grad_norm_fp32``'s ``.item()`` at clip_grads.py:133 stays the step's one sync) and foreach scaling in
-    their place. Same contracts, same math. Any device; idempotent; returns whether it patched."""
+    :func:`keep_grad_norm_on_device` removes ``get_grad_norm_fp32``'s ``.item()`` at clip_grads.py:133) and foreach
+    scaling in their place. Same contracts, same math. Any device; idempotent; returns whether it patched."""
     check_megatron_core_version()
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads, optimizer
@@ -542,6 +555,110 @@ def apply_grad_norm_patches() -> bool:
             module.multi_tensor_scale_impl = _multi_tensor_scale
             patched = True
     return patched
+
+
+def _device_of(tensors) -> torch.device:
+    if tensors:
+        return tensors[0].device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _grad_norm_on_device(original, all_reduce):
+    """megatron-core's ``get_grad_norm_fp32`` (clip_grads.py:51-135) for the 2-norm, ending in a float64 device tensor
+    instead of ``total_norm.item() ** (1.0 / norm_type)`` (clip_grads.py:133, a host sync every step): the same fp32
+    sum of squares, reduced over the same groups, then its square root in float64, correctly rounded (the host's
+    ``pow(x, 0.5)`` is one ulp off for about 0.07% of x; the fp32 clipping coefficient almost never sees it). Other
+    norms go to ``original``."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
+
+    @functools.wraps(original)
+    def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
+        if float(norm_type) != 2.0:
+            return original(grads_for_norm, norm_type, grad_stats_parallel_group)
+        if isinstance(grads_for_norm, torch.Tensor):
+            grads_for_norm = [grads_for_norm]
+        data_parallel_group = None
+        for grad in grads_for_norm:
+            data_parallel_group = get_data_parallel_group_if_dtensor(grad, data_parallel_group)
+        grads_for_norm = [to_local_if_dtensor(grad) for grad in grads_for_norm]
+        device = _device_of(grads_for_norm)
+        if grads_for_norm:
+            overflow = torch.zeros(1, dtype=torch.int, device=device)
+            grad_norm, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, overflow, [grads_for_norm], False)
+        else:
+            grad_norm = torch.zeros(1, dtype=torch.float, device=device)
+        total_norm = grad_norm ** 2.0
+        if data_parallel_group:
+            all_reduce(total_norm, data_parallel_group)
+        all_reduce(total_norm, grad_stats_parallel_group)
+        return total_norm.double().sqrt().reshape(())
+
+    return get_grad_norm_fp32
+
+
+def _clip_on_device(original):
+    """megatron-core's ``clip_grad_by_total_norm_fp32`` (clip_grads.py:138-177) for a device ``total_norm``: the same
+    ``clip_coeff = max_norm / (total_norm + 1.0e-6)`` in float64, applied where it is below 1 (as the host's
+    ``if clip_coeff < 1.0``, a NaN coefficient included), by one foreach multiply with its fp32 rounding (as the scale
+    kernel takes it); above 1 the multiply is by 1.0, which changes no gradient. A float ``total_norm`` goes to
+    ``original``."""
+    from megatron.core.utils import to_local_if_dtensor
+
+    @functools.wraps(original)
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        if not torch.is_tensor(total_norm):
+            return original(parameters, max_norm, total_norm, use_decoupled_grad)
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        name = "decoupled_grad" if use_decoupled_grad else "grad"
+        grads = [to_local_if_dtensor(getattr(p, name)).detach() for p in parameters
+                 if getattr(p, name, None) is not None]
+        if not grads:
+            return
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        scale = torch.where(clip_coeff < 1.0, clip_coeff, torch.ones_like(clip_coeff)).float()
+        torch._foreach_mul_(grads, scale)
+
+    return clip_grad_by_total_norm_fp32
+
+
+def keep_grad_norm_on_device(all_reduce) -> bool:
+    """The gradient norm and its clipping without a host sync: megatron-core reads the norm to the host
+    (clip_grads.py:133, ``.item()``) and decides clipping there (clip_grads.py:173, ``if clip_coeff < 1.0``); in their
+    place (clip_grads.py and the names optimizer.py:50 imports) the norm stays a float64 device tensor, which the
+    optimizers' ``step`` return, and the clipping coefficient is applied on the device, the same arithmetic. The
+    trainer reads the norm when it logs. ``all_reduce(tensor, group)`` sums in place
+    (``distributed.all_reduce_tensor``). Any device; idempotent; returns whether it patched."""
+    global _HOST_GRAD_NORM
+    check_megatron_core_version()
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    if _HOST_GRAD_NORM is not None:
+        return False
+    _HOST_GRAD_NORM = clip_grads.get_grad_norm_fp32, clip_grads.clip_grad_by_total_norm_fp32
+    norm = _grad_norm_on_device(clip_grads.get_grad_norm_fp32, all_reduce)
+    clip = _clip_on_device(clip_grads.clip_grad_by_total_norm_fp32)
+    for module in (clip_grads, optimizer):
+        module.get_grad_norm_fp32, module.clip_grad_by_total_norm_fp32 = norm, clip
+    return True
+
+
+@contextlib.contextmanager
+def grad_norm_read_on_the_host():
+    """megatron-core's own gradient norm and clipping (the host reads the norm) while entered: the reference the
+    device-side ones are tested against."""
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    saved = [(m, m.get_grad_norm_fp32, m.clip_grad_by_total_norm_fp32) for m in (clip_grads, optimizer)]
+    if _HOST_GRAD_NORM is not None:
+        for module, *_ in saved:
+            module.get_grad_norm_fp32, module.clip_grad_by_total_norm_fp32 = _HOST_GRAD_NORM
+    try:
+        yield
+    finally:
+        for module, norm, clip in saved:
+            module.get_grad_norm_fp32, module.clip_grad_by_total_norm_fp32 = norm, clip
 
 
 def fuse_torch_adamw(optimizer, device_type: str = "cuda") -> int:

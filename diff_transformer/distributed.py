@@ -62,6 +62,7 @@ def init_distributed(backend: str, tp: int = 1, pp: int = 1, seed: int = 0, cp: 
     (megatron's order tp-cp-ep-dp-pp: the ranks of a TP group are adjacent, then those of a CP group)."""
     compat.apply_cpu_patches()
     compat.apply_grad_norm_patches()
+    compat.keep_grad_norm_on_device(all_reduce_tensor)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -144,10 +145,14 @@ def _is_trivial(group: Optional[Any]) -> bool:
 def all_reduce_values(
     values: Sequence[float], group: Optional[Any] = None, op: str = "sum", dtype: torch.dtype = torch.float64
 ) -> List[float]:
-    """Reduce Python numbers over ``group`` (``op``: sum or max) and return them as Python numbers on every rank."""
+    """Reduce Python numbers over ``group`` (``op``: sum or max) and return them as Python numbers on every rank (a
+    group of one: no device tensor, so no host sync)."""
+    if _is_trivial(group):
+        if dtype == torch.float64 or not dtype.is_floating_point:
+            return [float(v) if dtype.is_floating_point else int(v) for v in values]
+        return torch.tensor(list(values), dtype=dtype).tolist()  # rounded to dtype, as a reduction would
     tensor = torch.tensor(list(values), dtype=dtype, device=collective_device(group))
-    if not _is_trivial(group):
-        torch.distributed.all_reduce(tensor, op=_REDUCE_OPS[op], group=group)
+    torch.distributed.all_reduce(tensor, op=_REDUCE_OPS[op], group=group)
     return tensor.cpu().tolist()
 
 
@@ -159,10 +164,21 @@ def any_rank(flag: bool, group: Optional[Any] = None) -> bool:
 def broadcast_values(values: Sequence[float], src: int, group: Optional[Any] = None) -> List[float]:
     """Rank ``src``'s numbers (global rank) on every rank of ``group``; other ranks pass placeholders of the same
     length."""
+    if _is_trivial(group):
+        return [float(v) for v in values]
     tensor = torch.tensor(list(values), dtype=torch.float64, device=collective_device(group))
-    if not _is_trivial(group):
-        torch.distributed.broadcast(tensor, src=src, group=group)
+    torch.distributed.broadcast(tensor, src=src, group=group)
     return tensor.cpu().tolist()
+
+
+def broadcast_tensor(tensor: torch.Tensor, src: int, group: Optional[Any] = None) -> torch.Tensor:
+    """Rank ``src``'s ``tensor`` (global rank) in place on every rank of ``group`` (the others pass one of the same
+    shape and dtype), without leaving the device."""
+    if _is_trivial(group):
+        return tensor
+    _check_device(tensor, group, "broadcast_tensor", "broadcast over")
+    torch.distributed.broadcast(tensor, src=src, group=group)
+    return tensor
 
 
 def broadcast_object(obj: Any, src: int = 0, group: Optional[Any] = None) -> Any:

@@ -156,11 +156,13 @@ class MetricsWriter:
         if enabled and resume_step is not None:
             truncate_metrics(self.path, resume_step)
 
-    def log(self, record: Dict[str, Any]) -> None:
+    def log(self, record: Dict[str, Any], wall_time: Optional[float] = None) -> None:
+        """Append ``record``; ``wall_time``: when its step ended (the progress line's rate), if not now."""
         if not self.enabled:
             return
         step_time = record.get("step_time") or 0.0
-        self._window.append((time.time(), record["step"], record.get("tokens_per_s", 0.0) * step_time, step_time))
+        ended = time.time() if wall_time is None else wall_time
+        self._window.append((ended, record["step"], record.get("tokens_per_s", 0.0) * step_time, step_time))
         line = memoryview((json.dumps(record) + "\n").encode("utf-8"))
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

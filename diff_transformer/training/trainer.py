@@ -130,6 +130,10 @@ class Trainer:
         self.compiled_layers = 0  # trainer.compile: this rank's layers under torch.compile
         self.attention_in_graph = 0  # of them, those whose core attention is in the layer's graph
         self._first_step_done = False  # the first step of this process (which compiles them) has been logged
+        self._metrics: Optional[MetricsWriter] = None  # fit's metrics.jsonl writer
+        # (record, wall time) of the steps since the last logging step: written, their device values read in one go,
+        # at the next logging step, before a checkpoint, and at the end (_write_records)
+        self._unwritten: List[Any] = []
         self.cuda_graphs = cuda_graphs.cuda_graphs_on(cfg)  # trainer.cuda_graphs: the compiled layers as CUDA graphs
         self.graph_fused_linears = 0  # ... whose linear layers accumulate into main_grad inside the graph
         self.unfused_linears = 0  # ... whose linear layers then leave the weight-gradient accumulation to DDP's hook
@@ -729,7 +733,7 @@ class Trainer:
         return workers
 
     # -- steps -------------------------------------------------------------------------------------------------------
-    def _forward_backward(self, data_iter: Iterator, forward_only: bool) -> Optional[float]:
+    def _forward_backward(self, data_iter: Iterator, forward_only: bool) -> torch.Tensor:
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -743,34 +747,36 @@ class Trainer:
             micro_batch_size=self.cfg.trainer.micro_batch_size,
             forward_only=forward_only,
         )
-        # mean over micro-batches, then over data-parallel ranks; lives on the last pipeline stage
-        loss = 0.0
+        # mean over micro-batches, then over data-parallel ranks (float64, on the device: no host read); computed on
+        # the last pipeline stage
+        dp_group = parallel_state.get_data_parallel_group()
         if self.is_last_stage:
             local = torch.stack([x["lm loss"].detach().double() for x in losses]).mean()
-            (total,) = distributed.all_reduce_values([float(local)], group=parallel_state.get_data_parallel_group())
-            loss = total / self.dp_size
+            where = distributed.collective_device(dp_group)
+            loss = distributed.all_reduce_tensor(local if local.device == where else local.to(where), dp_group)
+            loss = loss / self.dp_size
+        else:
+            loss = torch.zeros((), dtype=torch.float64, device=distributed.collective_device(dp_group))
         return self._from_last_stage(loss)
 
-    def _from_last_stage(self, value: float) -> float:
-        """A value computed on the last pipeline stage, on every rank of the pipeline group."""
+    def _from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        """A tensor computed on the last pipeline stage, on every rank of the pipeline group."""
         from megatron.core import parallel_state
 
         if parallel_state.get_pipeline_model_parallel_world_size() == 1:
             return value
-        (value,) = distributed.broadcast_values(
-            [value],
-            src=parallel_state.get_pipeline_model_parallel_last_rank(),
-            group=parallel_state.get_pipeline_model_parallel_group(),
-        )
-        return value
+        return distributed.broadcast_tensor(value, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                            group=parallel_state.get_pipeline_model_parallel_group())
 
     def train_step(self, data_iter: Iterator) -> Dict[str, Any]:
-        """One optimizer step; a bad loss (NaN/Inf, or a spike) skips the update but consumes the batch."""
+        """One optimizer step; a bad loss (NaN/Inf, or a spike) skips the update but consumes the batch. Its one host
+        read is the loss, which the bad-step guard needs before the optimizer and the LR schedule run; the gradient
+        norm stays on the device until the step's record is written (``_write_records``)."""
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._set_dex_anneal()
-        loss = self._forward_backward(data_iter, forward_only=False)
+        loss = float(self._forward_backward(data_iter, forward_only=False))
         if self.step + 1 in self.cfg.failures.inject_nan_at_steps:
             loss = float("nan")
             poison_gradients(self.model)
@@ -786,7 +792,7 @@ class Trainer:
         self.consumed_samples += self.cfg.trainer.global_batch_size
         return {
             "loss": loss,
-            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "grad_norm": grad_norm,  # a device tensor (or None, or megatron-core's 0.0 without clipping)
             "skipped": bad_reason,
         }
 
@@ -804,7 +810,7 @@ class Trainer:
         losses = [self._forward_backward(it, forward_only=True) for _ in range(self.cfg.trainer.eval_iters)]
         for chunk in self.model:
             chunk.train()
-        return float(sum(losses) / len(losses))
+        return float(sum(losses) / len(losses))  # one host read for the evaluation
 
     def finish_param_sync(self) -> None:
         """With parallel.overlap_param_gather the distributed optimizer's updated parameters reach the other
@@ -928,7 +934,7 @@ class Trainer:
         self._flops_per_token = model_flops_per_token(self.cfg, self.num_non_embedding_parameters, self.padded_vocab,
                                                       self._masked_attention_keys())
         self.write_run_info()
-        writer = self._open_metrics()
+        writer = self._metrics = self._open_metrics()
         signals = PreemptionSignals(self.cfg.failures.signals, grace_period_seconds(self.cfg.failures),
                                     self.checkpoint_root).install()
         train_iter = self._loader(self.train_ds, self.consumed_samples)
@@ -946,6 +952,7 @@ class Trainer:
                     break
                 self._save_on_interval()
             else:
+                self._write_records()
                 if self.cfg.checkpoint.save_at_end:
                     self.checkpoints.save(reason="end")
             self.checkpoints.wait()
@@ -1054,14 +1061,28 @@ class Trainer:
         return self.step % t.log_interval == 0 or self.step == t.max_steps
 
     def _log_step(self, writer: MetricsWriter, record: Dict[str, Any]) -> None:
-        t = self.cfg.trainer
-        writer.log(record)
-        if self.rank == 0 and (self.step % t.log_interval == 0 or self.step == t.max_steps):
-            logger.info(writer.progress_line(record))
+        """Keep the step's record; on logging steps write the records kept and the progress line."""
+        self._unwritten.append((record, time.time()))
+        if self._logs_this_step():
+            self._write_records()
+            if self.rank == 0:
+                logger.info(writer.progress_line(record))
+
+    def _write_records(self) -> None:
+        """Write the records kept since the last logging step to metrics.jsonl (and W&B), their gradient norms read
+        from the device in one go: the only host read of them, so steps that do not log wait for nothing."""
+        kept, self._unwritten = self._unwritten, []
+        on_device = [record for record, _ in kept if torch.is_tensor(record["grad_norm"])]
+        if on_device:
+            for record, norm in zip(on_device, torch.stack([r["grad_norm"] for r in on_device]).tolist()):
+                record["grad_norm"] = norm
+        for record, wall_time in kept:
+            self._metrics.log(record, wall_time=wall_time)
 
     def _stop_if_diverged(self) -> None:
         if not self.bad_steps.exhausted:
             return
+        self._write_records()
         self.checkpoints.save(reason="diverged")
         self.checkpoints.wait()
         raise TrainingDiverged(
@@ -1073,6 +1094,7 @@ class Trainer:
     def _save_on_interval(self) -> None:
         interval = self.cfg.checkpoint.interval
         if interval and self.step % interval == 0:
+            self._write_records()
             self.checkpoints.save(reason="interval")
         self.checkpoints.poll()
 
@@ -1081,6 +1103,7 @@ class Trainer:
         received = signals.received or "a signal on another rank"
         if self.rank == 0:
             logger.warning("%s: saving step %d before exiting", received, self.step)
+        self._write_records()
         self.checkpoints.save(reason=received)
         self.checkpoints.wait()
         signals.saved()
