@@ -350,7 +350,8 @@ def measure(args, tp: int, spec: str, compile_mode: str, overrides: list[str], f
     if fit is not None:
         fitted, recompute, estimate = fit
         overrides = overrides + fitted
-        print(f"{kind}: recompute {recompute} ({' '.join(fitted)}) fits {args.budget_what}, {args.budget_gib:.1f} GiB "
+        how = "" if recompute == "none" else f" ({' '.join(fitted)})"
+        print(f"{kind}: recompute {recompute}{how} fits {args.budget_what}, {args.budget_gib:.1f} GiB "
               f"(plan {estimate:.1f} GiB of the 90% usable, {0.9 * args.budget_gib:.1f})", flush=True)
     try:
         kernels = sdpa_kernels(overrides)
@@ -431,7 +432,7 @@ def main() -> int:
                                 fits[tp, spec, compile_mode], Path(tmp)))
             r = rows[-1]
             write_report(report(args, rows), args.out, name, quiet=True)  # so far
-            where = f"{r['label']} tp={tp} micro-batches {args.micro_batches}x{args.micro_batch_size}"
+            where = f"{r['label']} tp={tp} micro-batch {args.micro_batch_size} ({args.micro_batches} a step)"
             if r["recompute"]:
                 where += f" recompute {r['recompute']}"
             if "failed" in r:
