@@ -196,6 +196,10 @@ plan_first() {
   # DIFF, 46.4 for the baseline; --fit-gib auto recomputes only where the card lacks room); need an estimate
   throughput throughput_830m_mb8_compile 300 130 --model 830m --seq-length 2048 --micro-batch-size 8 \
     --micro-batches 4 --compile on --steps 8 --fit-gib auto model.attention_backend=sdpa
+  # the compiled step again with its layers as CUDA graphs (first step: compiling and recording; the log says how many
+  # graphs were recorded and why any was skipped)
+  throughput throughput_830m_compile_graphs 300 125 --model 830m --seq-length 2048 --micro-batch-size 4 \
+    --micro-batches 8 --compile on --steps 8 model.attention_backend=sdpa trainer.cuda_graphs=layers
 }
 
 plan_kernels() {

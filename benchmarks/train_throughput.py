@@ -32,6 +32,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -166,11 +167,31 @@ def run(overrides, tp: int, run_dir: Path) -> dict:
         "choice": json.loads(choice_path.read_text()) if choice_path.exists() else None,
         "first_step_s": first["step_time"] if first["step"] == 1 else None,
         "first_loss": first["loss"], "last_loss": records[-1]["loss"], "profile": profile,
+        "cuda_graphs": cuda_graphs_report(run_dir),
     }
+
+
+def cuda_graphs_report(run_dir: Path):
+    """trainer.cuda_graphs' line of the run's log: what torch recorded or skipped, and why (None without it)."""
+    log = run_dir / "train.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    found = [line.split("trainer.cuda_graphs=", 1)[1] for line in lines
+             if "trainer.cuda_graphs=" in line and ("recorded by step" in line or "no CUDA graph" in line)]
+    return found[-1].split(": ", 1)[-1] if found else None
 
 
 def _percent(value) -> str:
     return "" if value is None else f"{100 * value:.1f}%"
+
+
+def _compile_cell(row) -> str:
+    """on/off, and under trainer.cuda_graphs the graphs recorded against those expected (the log's report)."""
+    cell = "on" if row["compile"] else "off"
+    if not row.get("cuda_graphs_on"):
+        return cell
+    found = re.match(r"(\d+) CUDA graphs recorded by step \d+ \(expected (\d+)", row.get("cuda_graphs") or "")
+    graphs = f"{found.group(1)}/{found.group(2)}" if found else "none" if row.get("cuda_graphs") else "?"
+    return f"{cell}, CUDA graphs {graphs}"
 
 
 def _seconds(value) -> str:
@@ -234,6 +255,34 @@ def idle_lines(profiled) -> list[str]:
     return lines + [""]
 
 
+def fill_lines(profiled, micro_batches: int, top: int = 12) -> list[str]:
+    """The profiled step's memsets and fill kernels (GPU profiles only) by the operator that launched them, its
+    module or backward node and Python frame, and the chain of operators from its call to the fill; per micro-batch
+    too, the work that most often came next on its stream, and how each launcher was found."""
+    profiled = [r for r in profiled if r["profile"]["device"] == "cuda" and "fills" in r["profile"]]
+    if not profiled:
+        return []
+    lines = ["Memsets and fill kernels of the profiled step by launcher (the operator that launched each, with its "
+             "module or backward node; operators: from its call to the fill; MB where the trace records a memset's "
+             "bytes; most often next: the device work that followed on the same stream, which a library's memset "
+             "prepares):", ""]
+    for r in profiled:
+        totals, how = r["profile"]["fill_totals"], r["profile"]["fill_launchers"]["how"]
+        lines.append(f"- {r['label']}: {totals['memset']['count']} memsets ({totals['memset']['ms']:.2f} ms) and "
+                     f"{totals['fill']['count']} fill kernels ({totals['fill']['ms']:.2f} ms) in the profiled step; "
+                     f"launchers: {how['linked']} linked by the profiler, {how['runtime call']} by the runtime call, "
+                     f"{how['time span']} by time span, {how['not recorded']} not recorded")
+    lines += ["", "| run | kind | launched by | operators | count | per micro-batch | MB | ms | most often next |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in profiled:
+        for f in r["profile"]["fills"][:top]:
+            megabytes = f"{f['bytes'] / 1e6:.3f}" if f["bytes"] else "–"  # bytes the trace did not record
+            lines.append(f"| {r['label']} | {f['kind']} | {f['site'][:120]} | {f['chain'][:90]} | {f['count']} "
+                         f"| {f['count'] / micro_batches:.1f} | {megabytes} | {f['ms']:.3f} "
+                         f"| {f['next']['name'][:60]} ×{f['next']['count']} |")
+    return lines + [""]
+
+
 def report(args, rows) -> str:
     """The markdown report of the runs so far (rewritten after each, so that a run cut off keeps what it measured)."""
     failed = [r for r in rows if "failed" in r]
@@ -250,17 +299,18 @@ def report(args, rows) -> str:
         "",
         f"Command: `{command}` ({args.micro_batches} micro-batches of {args.micro_batch_size} per step and "
         f"data-parallel rank; bf16 on a GPU, fp32 on a CPU; median step time after the warm-up, without the profiled "
-        f"step; first step: step 1's time, which with compile on includes compiling the layers). Machine: "
+        f"step; first step: step 1's time, which with compile on includes compiling the layers, and with CUDA "
+        f"graphs recording them). Machine: "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}.",
         "",
         "| attention (backend) | TP | recompute | compile | ms/step | first step s | tokens/s | MFU | peak GiB "
         "| plan GiB | plan / peak | first loss | last loss |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        *[f"| {r['label']} | {r['tp']} | {r['recompute'] or 'none'} | {'on' if r['compile'] else 'off'} "
+        *[f"| {r['label']} | {r['tp']} | {r['recompute'] or 'none'} | {_compile_cell(r)} "
           f"| {r['step_time_s'] * 1e3:.1f} | {_seconds(r['first_step_s'])} | {r['tokens_per_s']:,.0f} "
           f"| {_percent(r['mfu'])} | {r['memory_gib']:.2f} | {r['estimate_gib']:.2f} | {r['estimate_gib'] / r['memory_gib']:.2f} "
           f"| {r['first_loss']:.3f} | {r['last_loss']:.3f} |" for r in rows],
-        *[f"| {r['label']} | {r['tp']} | | {'on' if r['compile'] else 'off'} | failed: {r['failed']} | | | | | | | | |"
+        *[f"| {r['label']} | {r['tp']} | | {_compile_cell(r)} | failed: {r['failed']} | | | | | | | | |"
           for r in failed],
         "",
     ]
@@ -290,6 +340,10 @@ def report(args, rows) -> str:
     for (tp, compiled), ab in sorted(getattr(args, "paired", {}).items()):
         lines.append(f"- **interleaved in one process at TP={tp}{', compiled' if compiled else ''}: "
                      f"{ab.describe('DIFF', 'Transformer')}**")
+    graphs = [r for r in rows if r.get("cuda_graphs_on")]
+    if graphs:
+        lines += ["", "CUDA graphs per run (trainer.cuda_graphs, from the run's log):", ""]
+        lines += [f"- {r['label']}: {r.get('cuda_graphs') or 'no report in the log'}" for r in graphs]
     lines += ["", "Attention backend and kernels per run:", ""]
     for r in rows:
         choice = r.get("choice") or {}
@@ -299,7 +353,7 @@ def report(args, rows) -> str:
                      f"{'; one layer fwd+bwd: ' + timings if timings else ''}); SDPA kernels of one layer's sdpa "
                      f"path{'' if r['backend'] == 'sdpa' else ' (not the backend this run trained on)'}: "
                      f"{'; '.join(r['kernels']) or 'none'}")
-    lines += ["", *profile_table(rows)]
+    lines += ["", *profile_table(rows), *fill_lines([r for r in rows if r.get("profile")], args.micro_batches)]
     return "\n".join(lines) + "\n"
 
 
@@ -345,7 +399,8 @@ def measure(args, tp: int, spec: str, compile_mode: str, overrides: list[str], f
     """One configuration's row: ``overrides`` (:func:`run_overrides`) and ``fit``, the recomputation that
     ``--fit-gib`` chose (:func:`fitting_recompute`) or None."""
     kind, _, backend = spec.partition(":")
-    compiled = compose(overrides).trainer.compile  # what the run does, whichever option or override set it
+    composed = compose(overrides).trainer  # what the run does, whichever option or override set it
+    compiled, graphs = composed.compile, composed.cuda_graphs != "off"
     recompute = None
     if fit is not None:
         fitted, recompute, estimate = fit
@@ -369,8 +424,10 @@ def measure(args, tp: int, spec: str, compile_mode: str, overrides: list[str], f
     label = f"{variant_name(name)} ({result.get('backend') or backend or 'auto'})"
     if compiled:  # under TORCHDYNAMO_DISABLE=1 (gpu_run.sh --dry-run) train.py runs the layers eagerly
         label += " compiled" if not dynamo_disabled() else " compile (TorchDynamo off: eager)"
+    if graphs:
+        label += ", CUDA graphs"
     return {"kind": kind, "label": label, "tp": tp, "recompute": recompute, "compile": compiled, "kernels": kernels,
-            "run_dir": run_dir, **result}
+            "cuda_graphs_on": graphs, "run_dir": run_dir, **result}
 
 
 def report_name(args) -> str:
@@ -381,8 +438,9 @@ def report_name(args) -> str:
     backends = sorted({spec.split(":", 1)[1] for spec in args.kinds if ":" in spec})
     micro_batch = [] if args.micro_batch_size == 4 else [f"mb{args.micro_batch_size}"]
     compile_modes = [] if args.compile == ["off"] else ["compile-" + "-".join(args.compile)]
+    graphs = ["cuda-graphs"] if compose([f"model={args.model}", *args.overrides]).trainer.cuda_graphs != "off" else []
     return "_".join(["train_throughput", args.model, *(["-".join(kinds)] if kinds else []), *backends, *micro_batch,
-                     *compile_modes])
+                     *compile_modes, *graphs])
 
 
 def main() -> int:
@@ -443,6 +501,8 @@ def main() -> int:
                   f"first step {_seconds(r['first_step_s'])} s  peak {r['memory_gib']:.2f} GiB "
                   f"(plan {r['estimate_gib']:.2f})  loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}",
                   flush=True)
+            if r.get("cuda_graphs_on"):
+                print(f"{where}: CUDA graphs: {r.get('cuda_graphs') or 'no report in the log'}", flush=True)
         args.paired = paired_ratios(rows, args.ab_rounds)
     write_report(report(args, rows), args.out, name)
     return 1 if any("failed" in r for r in rows) else 0

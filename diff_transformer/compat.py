@@ -11,10 +11,11 @@ Two kinds:
   compiles a shared-memory all-reduce op when its communication backend starts; gloo reduces the same tensors. Like
   the CPU patches, applied only without CUDA.
 - **Speed workarounds** (:func:`apply_grad_norm_patches`, :func:`fuse_torch_adamw`, :func:`install_fused_rope`,
-  :func:`install_fused_cross_entropy`, :func:`install_weight_gradient_accumulation`): where megatron-core without
-  TransformerEngine or Apex falls back to slow paths (a host sync per parameter tensor in the gradient norm, torch's
-  foreach AdamW, no fused RoPE, a native fused cross-entropy that keeps an fp32 softmax and rounds an fp32 model's
-  gradient to bf16, a separate add of each weight gradient into the fp32 main gradient), on any device.
+  :func:`install_fused_cross_entropy`, :func:`install_weight_gradient_accumulation`,
+  :func:`skip_tied_embedding_dummy_gradient`): where megatron-core without TransformerEngine or Apex falls back to
+  slow paths (a host sync per parameter tensor in the gradient norm, torch's foreach AdamW, no fused RoPE, a native
+  fused cross-entropy that keeps an fp32 softmax and rounds an fp32 model's gradient to bf16, a separate add of each
+  weight gradient into the fp32 main gradient, a zero-filled dummy gradient of the tied embedding), on any device.
 - **Compiled layers** (:func:`call_core_attention_eagerly`, :func:`resolve_default_tp_group_quietly`,
   ``trainer.compile``, any device): where megatron-core's TransformerLayer forward stops torch.compile from keeping one
   graph on each side of the core attention.
@@ -190,6 +191,17 @@ PATCH_SITES = (
               "                            total_input, grad_output, weight.main_grad"),
     PatchSite("weight gradient accumulation", "megatron.core.tensor_parallel.layers", "ColumnParallelLinear.__init__",
               "if config.gradient_accumulation_fusion and not _grad_accum_fusion_available:"),
+    PatchSite("tied embedding dummy gradient", "megatron.core.tensor_parallel.layers",
+              "LinearWithGradAccumulationAndAsyncCommunication.backward",
+              'if getattr(weight, "zero_out_wgrad", False):'),
+    PatchSite("tied embedding dummy gradient", "megatron.core.tensor_parallel.layers",
+              "LinearWithGradAccumulationAndAsyncCommunication.backward",
+              'if hasattr(weight, "grad_added_to_main_grad"):'),
+    PatchSite("tied embedding dummy gradient", "megatron.core.tensor_parallel.layers",
+              "LinearWithGradAccumulationAndAsyncCommunication.backward", "grad_weight = None"),
+    PatchSite("tied embedding dummy gradient", "megatron.core.distributed.distributed_data_parallel",
+              "DistributedDataParallel._make_backward_post_hook",
+              "not param.grad_added_to_main_grad or getattr(param, 'zero_out_wgrad', False)"),
     PatchSite("compiled layers", "megatron.core.transformer.attention", "Attention.forward",
               "if self.checkpoint_core_attention and self.training:"),
     PatchSite("compiled layers", "megatron.core.transformer.attention", "Attention.forward", "with off_interface("),
@@ -583,6 +595,41 @@ def install_weight_gradient_accumulation(apex_compatible) -> bool:
         layers.fused_weight_gradient_mlp_cuda = apex_compatible
         layers._grad_accum_fusion_available = True
     return getattr(layers, "fused_weight_gradient_mlp_cuda", None) is apex_compatible
+
+
+def skip_tied_embedding_dummy_gradient() -> bool:
+    """With ``gradient_accumulation_fusion`` a linear layer's backward adds its weight gradient to ``main_grad`` and
+    returns a dummy in its place (tensor_parallel/layers.py:581-610). For the embedding the output layer shares on one
+    pipeline stage (``zero_out_wgrad``, models/common/language_module/language_module.py:201) the dummy is
+    ``torch.zeros`` of the whole vocabulary × hidden table (layers.py:586-599, without TransformerEngine): a memset,
+    then autograd's add of it to the embedding's own gradient, every micro-batch, before DDP's hook adds that sum to
+    ``main_grad`` (distributed/distributed_data_parallel.py:437-440). Take layers.py's ``grad_weight = None`` branch
+    (line 612) for that weight instead: ``grad_added_to_main_grad`` hidden for the call, set again after, as megatron
+    sets it; the embedding's gradient reaches the hook alone (the same sum: x + 0 = x). Any device; idempotent;
+    returns whether it patched now."""
+    check_megatron_core_version()
+    from megatron.core.tensor_parallel import layers
+
+    function = layers.LinearWithGradAccumulationAndAsyncCommunication
+    if getattr(function.backward, "skips_tied_dummy", False):
+        return False
+    megatron_backward = function.backward
+
+    @functools.wraps(megatron_backward)
+    def backward(ctx, grad_output):
+        weight = ctx.saved_tensors[1]
+        if not (ctx.gradient_accumulation_fusion and getattr(weight, "zero_out_wgrad", False)
+                and hasattr(weight, "grad_added_to_main_grad")):
+            return megatron_backward(ctx, grad_output)
+        del weight.grad_added_to_main_grad
+        try:
+            return megatron_backward(ctx, grad_output)
+        finally:
+            weight.grad_added_to_main_grad = True
+
+    backward.skips_tied_dummy = True
+    function.backward = staticmethod(backward)
+    return True
 
 
 def install_fused_cross_entropy(cross_entropy_fn) -> None:

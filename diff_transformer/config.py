@@ -123,6 +123,9 @@ class TrainerConfig:
     # attention on sdpa and combined (outside CP, selective recomputation, document masking), eager on the others;
     # the first step pays the compilation; evaluation runs eagerly
     compile: bool = False
+    # the compiled layers replayed as CUDA graphs (inductor's graph trees: torch.compile's reduce-overhead), one launch
+    # per layer each way: off | layers (needs trainer.compile; tp=pp=cp=1, no recomputation, no document masking)
+    cuda_graphs: str = "off"
     profile_step: Optional[int] = None  # write profile_step_<N>.json: step N's time by kind of work (torch.profiler)
     # draw the initial weights on the GPU (seconds instead of minutes for billions of parameters); they then depend
     # on the TP layout, unlike the default CPU initialisation (and a resume or weights-only start loads them anyway)
@@ -345,6 +348,7 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 ATTENTION_DIAGNOSTICS_MODES = ("auto", "on", "off")
 FUSION_MODES = ("auto", "on", "off")
+CUDA_GRAPH_MODES = ("off", "layers")
 
 
 def _divisors(n: int) -> str:
@@ -378,6 +382,8 @@ def validate_settings(cfg: Any) -> None:
     if t.grad_accumulation_fusion not in FUSION_MODES:
         raise ValueError(f"trainer.grad_accumulation_fusion={t.grad_accumulation_fusion!r} is unknown; use one of "
                          f"{', '.join(FUSION_MODES)}")
+    if t.cuda_graphs not in CUDA_GRAPH_MODES:
+        raise ValueError(f"trainer.cuda_graphs={t.cuda_graphs!r} is unknown; use one of {', '.join(CUDA_GRAPH_MODES)}")
     if t.profile_step is not None and not 1 <= t.profile_step <= t.max_steps:
         raise ValueError(f"trainer.profile_step={t.profile_step} must be a step of the run, 1..{t.max_steps} (or null)")
     if o.decay not in DECAYS:
@@ -527,6 +533,7 @@ def validate(cfg: Any, world_size: int) -> None:
             f"model.attention_backend={m.attention_backend!r} is unknown; use one of {', '.join(backend_choices)}"
         )
     validate_attention_kind(m)
+    validate_cuda_graphs(cfg)
     fused_epilogues = tuple(e for e in EPILOGUE_IMPLS if e != "unfused")
     if t.diff_epilogue not in fused_epilogues:
         raise ValueError(f"trainer.diff_epilogue={t.diff_epilogue!r} is unknown; use one of {', '.join(fused_epilogues)}")
@@ -698,6 +705,46 @@ def validate_compile(cfg: Any) -> None:
             "trainer.compile=true does not run with parallel.overlap_param_gather=true: the parameter all-gather waits "
             "in forward pre-hooks on every module, which torch.compile traces once and does not follow when "
             "megatron-core turns them off and on; set one of them false"
+        )
+
+
+def validate_cuda_graphs(cfg: Any) -> None:
+    """``trainer.cuda_graphs=layers`` (training.cuda_graphs): each compiled layer one graph each way, of static shapes,
+    with nothing that leaves it (the trainer checks the core attention again once ``auto`` has chosen its backend)."""
+    from diff_transformer.models.attention.base import TRACEABLE_BACKENDS
+    from diff_transformer.models.layer_specs import core_attention_class
+
+    t, p, m = cfg.trainer, cfg.parallel, cfg.model
+    if t.cuda_graphs == "off":
+        return
+    setting = f"trainer.cuda_graphs={t.cuda_graphs}"
+    if not t.compile:
+        raise ValueError(f"{setting} records the compiled layers as CUDA graphs: it needs trainer.compile=true "
+                         "(or set trainer.cuda_graphs=off)")
+    if p.tp != 1 or p.pp != 1 or (p.cp or 1) != 1:
+        raise ValueError(
+            f"{setting} runs with parallel.tp=1, pp=1 and cp=1 (got tp={p.tp}, pp={p.pp}, cp={_shown(p.cp)}): the "
+            "pipeline runs several forwards before their backwards, tensor and context parallelism call collectives "
+            "inside the layers; set trainer.cuda_graphs=off for this layout"
+        )
+    if t.recompute != "none":
+        raise ValueError(
+            f"{setting} does not run with trainer.recompute={t.recompute}: recomputation reruns parts of the layers "
+            "outside their graphs; set trainer.recompute=none (or trainer.cuda_graphs=off)"
+        )
+    if cfg.data.document_mask:
+        raise ValueError(
+            f"{setting} does not run with data.document_mask=true: the variable-length kernel takes the longest "
+            "document as a host integer, a shape that changes every batch; set one of them off"
+        )
+    if not getattr(core_attention_class(m, m.attention), "traceable", False):
+        raise ValueError(f"{setting} does not run with model.attention={m.attention}: its core attention runs "
+                         "eagerly, outside the compiled layer's graph; set trainer.cuda_graphs=off")
+    if m.attention_backend != "auto" and m.attention_backend not in TRACEABLE_BACKENDS:
+        raise ValueError(
+            f"{setting} does not run with model.attention_backend={m.attention_backend}: its core attention runs "
+            f"eagerly, outside the compiled layer's graph; use one of "
+            f"{', '.join(b for b in TRACEABLE_BACKENDS if b != 'eager')} or auto"
         )
 
 

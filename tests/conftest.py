@@ -20,7 +20,7 @@ LONGEST_FILES = {
     "test_deepspeed.py": 200, "test_gpu_run.py": 120, "test_memory_switches.py": 145, "test_parallel_kinds.py": 120,
     "test_context_parallel.py": 105, "test_resume.py": 95, "test_parallel.py": 80, "test_hf.py": 80,
     "test_evaluate.py": 55, "test_slurm.py": 55, "test_checkpoint_faults.py": 90, "test_compile.py": 60,
-    "test_sweep.py": 60, "test_crash_safety.py": 60,
+    "test_sweep.py": 60, "test_crash_safety.py": 60, "test_cuda_graphs.py": 70,
 }
 
 

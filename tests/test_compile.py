@@ -174,9 +174,9 @@ def _one_graph_for_three_layers(kind, backend, learnable, monkeypatch):
 
 def test_train_py_logs_the_compiling_first_step(tmp_path):
     """The trainer compiles the layers before DDP, logs the first step's time once, and its evaluation and attention
-    diagnostics run (eagerly); the weight gradients go into DDP's main gradients from inside the compiled layers'
-    backward (trainer.grad_accumulation_fusion, on by default on a GPU: on a CPU, 3 steps of this run gave the same
-    losses bit for bit with it off)."""
+    diagnostics run (eagerly); with trainer.grad_accumulation_fusion on (auto's choice on a GPU) the compiled layers'
+    linear layers leave their weight gradients to DDP's hook, which keeps each layer one graph
+    (test_cuda_graphs.py counts the graphs), and the output layer keeps the fusion."""
     run_dir = tmp_path / "run"
     run_train(run_dir, ["experiment=smoke", "trainer.max_steps=3", "optim.warmup_steps=1", "trainer.eval_interval=3",
                         "trainer.eval_iters=1", "trainer.attention_diagnostics=on", "trainer.compile=true",
@@ -184,6 +184,7 @@ def test_train_py_logs_the_compiling_first_step(tmp_path):
     log = (run_dir / "train.log").read_text()
     assert "trainer.compile: 2 layers of this rank under torch.compile" in log
     assert log.count("trainer.compile: the first step of this process (step 1), which compiled the layers, took") == 1
+    assert "trainer.compile: the compiled layers' 8 linear layers leave their weight gradients to DDP's hook" in log
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in records)
     assert len(records[-1]["attn/entropy"]) == 2 and math.isfinite(records[-1]["val_loss"])

@@ -14,7 +14,8 @@ from tests.train_runs import REPO
 PLANS = ("fa4", "first", "second", "kernels", "long")  # the window's order: gpu_run.sh's without a plan named
 STEPS = {
     "fa4": ["fa4_install", "throughput_830m_fa4_compile"],
-    "first": ["throughput_830m_compile", "throughput_830m_v2_compile", "throughput_830m_mb8_compile"],
+    "first": ["throughput_830m_compile", "throughput_830m_v2_compile", "throughput_830m_mb8_compile",
+              "throughput_830m_compile_graphs"],
     "second": ["throughput_3b", "kernel_sweep", "document_mask_tests", "document_mask", "eval_analyze"],
     "kernels": ["fusions", "host_overhead", "kernel_tests", "core_attention_d128", "core_attention_d96", "fa4_tests",
                 "core_attention_fa4_d128", "core_attention_fa4_d96", "throughput_830m"],

@@ -1,4 +1,4 @@
-"""benchmarks/host_overhead.py (and benchmarks/fusions.py) refuses bad arguments with one error line and status 2, before any work and without
+"""benchmarks/host_overhead.py (and benchmarks/fusions.py, benchmarks/zero_fills.py) refuses bad arguments with one error line and status 2, before any work and without
 touching what is there (its end-to-end run on the CPU is a step of gpu_run.sh's dry run, tests/test_gpu_run.py)."""
 
 import os
@@ -17,9 +17,11 @@ from tests.train_runs import REPO
     ("fusions.py", ["--vocab", "0"], "argument --vocab: '0': give a whole number of at least 1"),
     ("fusions.py", ["--head-dim", "15"], "--head-dim 15: RoPE rotates pairs of features; expected an even number"),
     ("fusions.py", ["--out", "{file}"], "--out {file}: a file, not a directory for the report"),
+    ("zero_fills.py", ["--micro-batches", "0"], "argument --micro-batches: '0': give a whole number of at least 1"),
+    ("zero_fills.py", ["--out", "{file}"], "--out {file}: a file, not a directory for the report"),
 ])
 def test_bad_arguments_are_refused(tmp_path, script, args, message):
-    """benchmarks/host_overhead.py and benchmarks/fusions.py alike."""
+    """benchmarks/host_overhead.py, benchmarks/fusions.py and benchmarks/zero_fills.py alike."""
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine")
     args = [a.format(file=a_file) for a in args]

@@ -17,8 +17,8 @@ from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from diff_transformer.training.profiling import (OUTSIDE_OPERATORS, StepProfiler, breakdown, host_syncs, idle_gaps,
-                                                 launch_site)
+from diff_transformer.training.profiling import (OUTSIDE_OPERATORS, Launchers, StepProfiler, breakdown, device_fills,
+                                                 host_syncs, idle_gaps, launch_site, zero_fills)
 
 
 def cpu_op(id, name, start, end, parent=None, linked=0):
@@ -28,9 +28,10 @@ def cpu_op(id, name, start, end, parent=None, linked=0):
     return event
 
 
-def kernel(name, start, end, launcher, annotation=False):
-    return FunctionEvent(id=1000 + start, name=name, thread=7, start_us=start, end_us=end, device_type=DeviceType.CUDA,
-                         linked_correlation_id=launcher, is_user_annotation=annotation)
+def kernel(name, start, end, launcher, annotation=False, correlation=None, metadata=None):
+    return FunctionEvent(id=correlation or 1000 + start, name=name, thread=7, start_us=start, end_us=end,
+                         device_type=DeviceType.CUDA, linked_correlation_id=launcher, is_user_annotation=annotation,
+                         metadata_json=metadata)
 
 
 def trace():
@@ -94,6 +95,103 @@ def test_the_throughput_report_says_where_the_gpu_waited():
     assert idle_lines([{"label": "cpu", "step_time_s": 1.0, "profile": {**profile, "device": "cpu"}}]) == []
 
 
+def fill_trace():
+    """A backward step's memsets and fill kernels, each launcher found in another way: a memset the profiler linked to
+    aten::zero_ (inside aten::zeros in the embedding's backward node); one linked to nothing whose cudaMemsetAsync (of
+    the same CUPTI correlation id, which repeats an operator's id) lies under cuDNN's attention backward; one whose
+    runtime call has no parent (another thread's id) but lies in the time span of aten::full; a FillFunctor<int>
+    and an inductor kernel that only fills, linked to aten::fill_; a memset with no runtime call recorded."""
+    node = cpu_op(1, "autograd::engine::evaluate_function: EmbeddingBackward0", 0, 100)
+    zeros = cpu_op(2, "aten::zeros", 10, 40, cpu_op(9, "aten::embedding_dense_backward", 5, 90, node))
+    zero_ = cpu_op(3, "aten::zero_", 20, 30, zeros)
+    cudnn = cpu_op(4, "aten::_cudnn_attention_backward", 110, 200,
+                   cpu_op(10, "autograd::engine::evaluate_function: CudnnAttentionBackward0", 105, 205))
+    full = cpu_op(5, "aten::full", 210, 260)
+    fill = cpu_op(6, "aten::fill_", 220, 250, full)
+    events = [node, zeros, zeros.cpu_parent, zero_, cudnn, cudnn.cpu_parent, full, fill,
+              cpu_op(4001, "cudaMemsetAsync", 21, 22, zero_, linked=3),
+              cpu_op(4, "cudaMemsetAsync", 120, 121, cudnn),      # CUPTI's id 4 is also the cuDNN op's id
+              cpu_op(4003, "cudaMemsetAsync", 230, 231),           # no parent: found by its time span
+              cpu_op(4004, "cudaLaunchKernel", 232, 233, fill, linked=6)]
+    events += [
+        kernel("Memset (Device)", 300, 310, 3, correlation=4001, metadata='"bytes": 4096, "stream": 7'),
+        kernel("Memset (Device)", 320, 322, 0, correlation=4, metadata='"bytes": 512'),
+        kernel("Memset (Device)", 330, 331, 0, correlation=4003),
+        kernel("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>, ...>", 340, 344, 6,
+               correlation=4004),
+        kernel("Memset (Device)", 350, 351, 0, correlation=4005),  # launched where the profiler saw nothing
+        kernel("nvjet_sm90_gemm", 360, 400, 0, correlation=4006),  # ... before a GEMM on its stream
+        kernel("triton_poi_fused_zeros_0", 410, 412, 6, correlation=4007),  # inductor's kernel that only fills
+        kernel("triton_poi_fused_add_zeros_1", 420, 430, 6, correlation=4008),  # a fill fused into other work
+    ]
+    return events
+
+
+def test_memsets_and_fills_are_counted_on_the_operator_that_launched_them():
+    launchers = Launchers(fill_trace())
+    rows = {(r["kind"], r["site"], r["chain"]): r for r in device_fills(fill_trace(), launchers)}
+    embedding = rows[("memset", "aten::embedding_dense_backward in EmbeddingBackward0 (backward)",
+                      "aten::embedding_dense_backward > aten::zeros > aten::zero_")]
+    assert (embedding["count"], embedding["bytes"], embedding["ms"]) == (1, 4096, pytest.approx(0.010))
+    cudnn = rows[("memset", "aten::_cudnn_attention_backward in CudnnAttentionBackward0 (backward)",
+                  "aten::_cudnn_attention_backward")]
+    assert (cudnn["count"], cudnn["bytes"]) == (1, 512)
+    assert rows[("memset", "aten::full", "aten::full > aten::fill_")]["count"] == 1  # the span's innermost operator
+    assert rows[("fill", "aten::full", "aten::full > aten::fill_")]["ms"] == pytest.approx(0.004 + 0.002)
+    assert rows[("memset", "Memset (Device) (launcher not recorded)", "")]["next"] == {"name": "nvjet_sm90_gemm",
+                                                                                    "count": 1}
+    assert embedding["next"] == {"name": "Memset (Device)", "count": 1}
+    assert len(rows) == 5  # the GEMM is neither
+    assert launchers.how == {"linked": 3, "runtime call": 1, "time span": 1, "not recorded": 1}
+    assert launchers.misses == [{"name": "Memset (Device)", "id": 4005, "linked_correlation_id": 0,
+                                 "runtime_call": None}]
+    # the gaps find the same launchers: before the cuDNN memset (10 us), after the last memset (9 us, none recorded)
+    _, gaps = idle_gaps(fill_trace())
+    by_site = {g["site"]: g["seconds"] for g in gaps}
+    assert by_site["aten::_cudnn_attention_backward in CudnnAttentionBackward0 (backward)"] == pytest.approx(10e-6)
+    assert by_site["nvjet_sm90_gemm (launcher not recorded)"] == pytest.approx(9e-6)
+
+
+def test_the_throughput_report_counts_the_memsets_by_launcher():
+    from benchmarks.train_throughput import fill_lines
+
+    fills = device_fills(fill_trace())
+    profile = {"device": "cuda", "fills": fills, "fill_totals": {"memset": {"count": 4, "ms": 0.014},
+                                                                 "fill": {"count": 1, "ms": 0.004}},
+               "fill_launchers": {"how": {"linked": 2, "runtime call": 1, "time span": 1, "not recorded": 1}}}
+    text = "\n".join(fill_lines([{"label": "vanilla (sdpa)", "profile": profile}], micro_batches=2))
+    assert "vanilla (sdpa): 4 memsets (0.01 ms) and 1 fill kernels (0.00 ms) in the profiled step" in text
+    assert ("| vanilla (sdpa) | memset | aten::embedding_dense_backward in EmbeddingBackward0 (backward) | "
+            "aten::embedding_dense_backward > aten::zeros > aten::zero_ | 1 | 0.5 | 0.004 | 0.010 | Memset (Device) ×1 |"
+            ) in text
+    assert "launchers: 2 linked by the profiler, 1 by the runtime call, 1 by time span, 1 not recorded" in text
+    assert ("| vanilla (sdpa) | memset | Memset (Device) (launcher not recorded) |  | 1 | 0.5 | – | 0.001 "
+            "| nvjet_sm90_gemm ×1 |") in text
+    assert fill_lines([{"label": "cpu", "profile": {**profile, "device": "cpu"}}], micro_batches=2) == []
+
+
+def embedding_then_zeros(embedding, tokens):
+    out = embedding(tokens)
+    return out + torch.zeros(out.shape)
+
+
+def test_zero_fills_of_a_cpu_profile_name_the_python_call_and_the_backward_node():
+    """A real CPU profile with stacks: torch.zeros called here, and the dense gradient the embedding's backward
+    zero-fills, named by its node and by the Python line of its forward; fills inside another fill count once."""
+    embedding, tokens = torch.nn.Embedding(50, 8), torch.randint(0, 50, (4, 6))
+    with torch.profiler.profile(with_stack=True, record_shapes=True) as profile:
+        embedding_then_zeros(embedding, tokens).sum().backward()
+    rows = {(r["site"], r["chain"]): r for r in zero_fills(profile.events())}
+    here = f"tests/test_profiling.py({inspect.getsourcelines(embedding_then_zeros)[1]}): embedding_then_zeros"
+    assert rows[(f"aten::zeros ({here})", "aten::zeros > aten::zero_")] == {
+        "site": f"aten::zeros ({here})", "chain": "aten::zeros > aten::zero_", "count": 1, "elements": 4 * 6 * 8}
+    backward = [r for (site, chain), r in rows.items() if "EmbeddingBackward0 (backward)" in site
+                and chain.endswith("aten::embedding_dense_backward > aten::zeros > aten::zero_")]
+    assert len(backward) == 1 and backward[0]["count"] == 1 and backward[0]["elements"] == 50 * 8, rows
+    assert f"(forward at {here})" in backward[0]["site"]
+    assert all(not r["chain"].endswith("aten::zero_ > aten::fill_") for r in rows.values())
+
+
 class FooAttention(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -129,6 +227,8 @@ def test_module_ranges_name_the_place_but_not_the_kind_of_work(tmp_path):
     assert idle_gaps(events) == (0.0, []) and host_syncs(events) == []
     record = json.loads(open(profiler.write(str(tmp_path), 3, 1.0)).read())
     assert record["device"] == "cpu" and record["busy_s"] == 0.0 and record["idle_gaps"] == []
+    assert record["fills"] == [] and record["fill_totals"]["memset"] == {"count": 0, "ms": 0.0}
+    assert all(row["count"] > 0 for row in record["host_fills"])  # the CPU kernels' own fills, by call site
     assert record["sync_sites"] == [{"site": f"tests/test_profiling.py:{sync_line}", "count": 1}]
 
 
@@ -185,13 +285,13 @@ def test_a_layers_forward_and_backward_read_nothing_on_the_host(kind, backend, m
 @pytest.mark.gpu
 def test_a_profiled_gpu_step_finds_its_sync_and_idle(tmp_path):
     """On a GPU: an .item() between matrix products is a host sync, found at its Python line and on its operator,
-    and the device waits after it (a gap, put on a launch site)."""
+    and the device waits after it (a gap, put on a launch site); a torch.zeros's fill is put on it."""
     model = torch.nn.Linear(1024, 1024, device="cuda")
     x = torch.randn(4096, 1024, device="cuda")
     with StepProfiler() as profiler:
         y = model(model(x))
         scale = float(y.abs().max())  # the sync
-        model(y / scale).sum().backward()
+        model(y / scale + torch.zeros(4096, 1024, device="cuda")).sum().backward()  # a zero-fill
         profiler.synchronize()
     path = profiler.write(str(tmp_path), 1, 0.1)
     record = json.loads(open(path).read())
@@ -200,3 +300,6 @@ def test_a_profiled_gpu_step_finds_its_sync_and_idle(tmp_path):
     assert any(s["site"].startswith("tests/test_profiling.py:") for s in record["sync_sites"]), record["sync_sites"]
     assert 0 < record["busy_s"] < record["step_time_s"] and record["idle_gaps"], record
     assert sum(g["seconds"] for g in record["idle_gaps"]) < record["step_time_s"], record["idle_gaps"]
+    # the zero-fill (a memset or a fill kernel, by torch version) is found on the torch.zeros that launched it
+    zeros = [f for f in record["fills"] if f["site"].startswith("aten::zeros (tests/") or f["site"] == "aten::zeros"]
+    assert zeros and zeros[0]["chain"] == "aten::zeros > aten::zero_", (record["fills"], record["fill_launchers"])

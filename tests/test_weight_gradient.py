@@ -3,6 +3,8 @@ each linear layer's weight gradient accumulated into its fp32 main gradient in o
 (the GEMM, then DDP's separate add) and an fp64 reference. The TP=2 and PP=2 runs of tests/test_parallel.py train
 with it on against single-process references with it off."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -108,3 +110,81 @@ def test_the_switch_is_on_with_cuda_off_on_a_cpu_and_checked():
     assert not gradient_accumulation_fusion_enabled(compose_cfg("trainer.grad_accumulation_fusion=off"), "cuda")
     with pytest.raises(ValueError, match=r"trainer.grad_accumulation_fusion='fast' is unknown; use one of auto, on, off"):
         validate(compose_cfg("trainer.grad_accumulation_fusion=fast"), world_size=1)
+
+
+def tied_training(cfg, steps=3, micro_batches=2, overlap=False):
+    """A DDP-wrapped model with tied embeddings and the fusion on: ``steps`` steps of ``micro_batches`` micro-batches
+    accumulated into the fp32 main gradients (``overlap``: reduced bucket by bucket in the last micro-batch's
+    backward, as parallel.overlap_grad_reduce), then a plain SGD update; the losses and main gradients of every
+    step."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from diff_transformer.models.gpt import build_model_chunk
+
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    chunk = build_model_chunk(cfg, 128, grad_accumulation_fusion=True)
+    model = DistributedDataParallel(config=chunk.config, ddp_config=DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap), module=chunk)
+    tied = chunk.shared_embedding_or_output_weight()
+    assert tied.zero_out_wgrad and chunk.config.gradient_accumulation_fusion  # the path the patch answers
+    g = torch.Generator().manual_seed(1)
+    positions = torch.arange(32).expand(2, 32)
+    losses, grads = [], []
+    for _ in range(steps):
+        model.zero_grad_buffer()
+        for micro_batch in range(micro_batches):
+            tokens = torch.randint(0, 128, (2, 32), generator=g)
+            with model.no_sync() if micro_batch < micro_batches - 1 else contextlib.nullcontext():
+                loss = model(tokens, positions, None, labels=tokens).mean()
+                loss.backward()
+            losses.append(loss.detach())
+        model.finish_grad_sync()
+        grads.append([p.main_grad.clone() for p in model.parameters()])
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.5 * p.main_grad)
+    return model, losses, grads
+
+
+def test_the_tied_embedding_gets_no_zero_filled_dummy_gradient(monkeypatch, megatron_single_process):
+    """compat.skip_tied_embedding_dummy_gradient: the output layer returns no gradient for the embedding it shares
+    (megatron's is a torch.zeros of vocabulary × hidden each micro-batch): losses and main gradients bitwise equal to
+    megatron's path over 3 steps of 2 micro-batches, and the audit finds no zero-fill at that call site."""
+    from megatron.core.tensor_parallel import layers
+    from omegaconf import OmegaConf
+
+    from diff_transformer import compat
+    from diff_transformer.config import Config
+    from diff_transformer.training.profiling import zero_fills
+
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), {
+        "model": {"name": "debug", "attention": "diff", "num_layers": 2, "hidden_size": 64, "num_heads": 2,
+                  "ffn_hidden_size": 176, "seq_length": 32, "vocab_size": 128},
+        "trainer": {"max_steps": 3, "global_batch_size": 4, "micro_batch_size": 2}}))
+    dummy_site = "LinearWithGradAccumulationAndAsyncCommunicationBackward (backward)"
+
+    def dummy_fills(model):
+        tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(2))
+        with torch.profiler.profile(record_shapes=True) as profile:
+            model(tokens, torch.arange(32).expand(2, 32), None, labels=tokens).mean().backward()
+        return [(r["chain"], r["count"], r["elements"]) for r in zero_fills(profile.events()) if dummy_site in r["site"]]
+
+    model, losses, grads = tied_training(cfg)  # the build installs the patch
+    assert layers.LinearWithGradAccumulationAndAsyncCommunication.backward.skips_tied_dummy
+    assert dummy_fills(model) == []
+    with monkeypatch.context() as megatron_path:
+        function = layers.LinearWithGradAccumulationAndAsyncCommunication
+        megatron_path.setattr(function, "backward", staticmethod(function.backward.__wrapped__))
+        megatron_path.setattr(compat, "skip_tied_embedding_dummy_gradient", lambda: False)  # the build's install
+        reference, reference_losses, reference_grads = tied_training(cfg)
+        assert dummy_fills(reference) == [("aten::zeros > aten::zero_", 1, 128 * 64)]  # the detector sees it
+    assert all(torch.equal(a, b) for a, b in zip(losses, reference_losses))
+    for step, (got, want) in enumerate(zip(grads, reference_grads)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+    # with the reduction overlapped, DDP's hooks still see the embedding's gradient (megatron asserts one is there)
+    _, overlapped_losses, overlapped_grads = tied_training(cfg, overlap=True)
+    assert all(torch.equal(a, b) for a, b in zip(overlapped_losses, reference_losses))
+    assert all(torch.equal(a, b) for got, want in zip(overlapped_grads, reference_grads) for a, b in zip(got, want))
+    assert grads[0][0].abs().sum() > 0 and len(grads[0]) == len(list(model.parameters()))

@@ -125,6 +125,7 @@ def transformer_config(
     fused = fusions_enabled(cfg)
     if grad_accumulation_fusion:
         compat.install_weight_gradient_accumulation(weight_gradient.APEX_COMPATIBLE)
+        compat.skip_tied_embedding_dummy_gradient()  # the fusion's zero-filled dummy for the tied embedding
     if fused:
         compat.install_fused_rope(fused_apply_rotary_pos_emb)
         compat.install_fused_cross_entropy(vocab_parallel_cross_entropy)
@@ -230,7 +231,7 @@ def core_attention_traceable(attention: torch.nn.Module, document_mask: bool) ->
             and getattr(core, "ring", None) is None and not attention.checkpoint_core_attention and not document_mask)
 
 
-def compile_layers(chunk: torch.nn.Module, document_mask: bool = False) -> int:
+def compile_layers(chunk: torch.nn.Module, document_mask: bool = False, mode: Optional[str] = None) -> int:
     """``trainer.compile``: each TransformerLayer of ``chunk`` under ``torch.compile`` in place (regional compilation,
     torchtitan's approach: identical layers share one compiled graph, so compiling costs one layer's worth), so that
     inductor fuses the norms, RoPE, SwiGLU and the residual adds around the projections' matmuls. The core attention
@@ -246,7 +247,8 @@ def compile_layers(chunk: torch.nn.Module, document_mask: bool = False) -> int:
     mode) run the layer eagerly: dynamo does not guard on module hooks (``torch._dynamo.config.
     skip_nnmodule_hook_guards``), so a capture hook registered after compilation would be skipped without a word,
     and the core attention's eager call is wired into the training branch of megatron's forward. Call before DDP
-    wraps the chunk. Compiles nothing (returns 0) when TorchDynamo is off for the process."""
+    wraps the chunk. Compiles nothing (returns 0) when TorchDynamo is off for the process. ``mode``: torch.compile's
+    (``reduce-overhead`` for ``trainer.cuda_graphs``, training.cuda_graphs)."""
     if dynamo_disabled():
         return 0
     compat.resolve_default_tp_group_quietly()
@@ -254,7 +256,8 @@ def compile_layers(chunk: torch.nn.Module, document_mask: bool = False) -> int:
     for layer in layers:
         if not core_attention_traceable(layer.self_attention, document_mask):
             compat.call_core_attention_eagerly(layer.self_attention)
-        layer.compile(dynamic=False)  # sets the module's _compiled_call_impl, which nn.Module.__call__ runs
+        # sets the module's _compiled_call_impl, which nn.Module.__call__ runs
+        layer.compile(dynamic=False, **({"mode": mode} if mode else {}))
         layer._compiled_call_impl = functools.partial(_compiled_when_training, layer, layer._compiled_call_impl)
     return len(layers)
 

@@ -60,3 +60,20 @@ def accumulate_weight_gradient(total_input: torch.Tensor, grad_output: torch.Ten
 # what megatron-core's tensor_parallel/layers.py calls as ``fused_weight_gradient_mlp_cuda``
 APEX_COMPATIBLE = SimpleNamespace(wgrad_gemm_accum_fp32=accumulate_weight_gradient,
                                   wgrad_gemm_accum_fp16=accumulate_weight_gradient)
+
+
+def unfuse_weight_gradients(chunk: torch.nn.Module) -> int:
+    """The linear layers inside ``chunk``'s TransformerLayers without megatron-core's gradient_accumulation_fusion:
+    its autograd function writes ``main_grad`` in its backward, a side effect that breaks the compiled layer's graph
+    at every linear layer (dynamo: "HOP: Unsafe side effect"); without it the weight gradients are the graph's
+    outputs, added into ``main_grad`` by DDP's hook. The output layer keeps the fusion. Returns how many changed.
+    The trainer calls it under ``trainer.compile``: the fusion then serves the linear layers outside the graphs."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    changed = 0
+    for layer in (m for m in chunk.modules() if isinstance(m, TransformerLayer)):
+        for module in layer.modules():
+            if getattr(module, "gradient_accumulation_fusion", False) is True:
+                module.gradient_accumulation_fusion = False
+                changed += 1
+    return changed

@@ -6,6 +6,8 @@ On a GPU the profile also says where the idle comes from: every gap in which no 
 operator that launched the kernel after it, with the module it ran in (a profiler range per module call, on the
 profiled step only, when the layers are not compiled) or the backward node; and the host syncs inside the step, counted
 from the CUDA runtime's synchronising calls, with the Python line of each (``torch.cuda.set_sync_debug_mode``).
+Its memsets and fill kernels are counted by the call site of the operator that launched them (``device_fills``);
+the same call sites name the fills of a CPU profile (``zero_fills``, ``benchmarks/zero_fills.py``).
 
 Kinds, tried in this order on the kernel's or operator's name and on the names of the operators and profiler ranges
 around it: DIFF epilogue, attention, communication, optimizer (the whole optimizer step: gradient norm, clipping,
@@ -15,8 +17,10 @@ AdamW), GEMM, norms, other elementwise. The table is written to ``<run dir>/prof
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
+import re
 import warnings
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -43,6 +47,16 @@ _WRAPPERS = ("profilerstep", "[memory]", "train_step", MODULE_RANGE)
 # the CUDA runtime calls that wait for the device (cudaMemcpyAsync to pageable memory is followed by one of these)
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 _BACKWARD_NODE = "autograd::engine::evaluate_function: "
+# a CUDA runtime or driver call on the host (cudaLaunchKernel, cuLaunchKernelEx, cudaMemsetAsync, ...)
+_RUNTIME_CALL = re.compile(r"^cu(da)?[A-Z]")
+# the operators that fill a tensor (torch.zeros, zeros_like, new_zeros, ones, full: an allocation, then one of these)
+FILL_OPS = ("aten::zero_", "aten::fill_")
+# frames that only pass a call on: compat's CPU stand-in for megatron-core's CUDA tensor factories
+_PASS_THROUGH = {("diff_transformer/compat.py", "_on_cpu")}
+# an inductor kernel that does nothing but fill (triton_poi_fused_zeros_0), not one with a fill fused into other work
+_INDUCTOR_FILL = re.compile(r"^triton_[a-z]+_fused_(zeros|zeros_like|new_zeros|full|full_like|fill|ones)_\d+$")
+# a Python frame of a profile recorded with_stack: "path(line): function"
+_FRAME = re.compile(r"^(?P<path>[^<(][^(]*\.py)\(\d+\): ")
 
 
 def categorize(name: str, context: Sequence[str] = ()) -> str:
@@ -93,19 +107,204 @@ def _is_device_work(event) -> bool:
     return _is_device(event) and not getattr(event, "is_user_annotation", False)
 
 
-def idle_gaps(events: Iterable, top: int = 12) -> Tuple[float, List[Dict[str, Any]]]:
+class Launchers:
+    """The host operator that launched each device event of a profile, found in the first way that works: the
+    operator the profiler linked it to (``linked_correlation_id``); else the CUDA runtime call of the same correlation
+    id (``cudaLaunchKernel``, ``cudaMemsetAsync``, ...) and the operator around that call (its ``cpu_parent``, its
+    linked operator, or the innermost operator whose time span holds it). ``how`` counts each way's uses."""
+
+    WAYS = ("linked", "runtime call", "time span", "not recorded")
+
+    def __init__(self, events: Sequence):
+        host = [e for e in events if not _is_device(e)]
+        # operators and runtime calls number their ids apart (the profiler's and CUPTI's correlation ids)
+        self._linked = {e.id: e for e in host if getattr(e, "linked_correlation_id", 0) == 0
+                        and not _RUNTIME_CALL.match(e.name)}
+        self._calls = {e.id: e for e in host if _RUNTIME_CALL.match(e.name)}
+        ops = sorted((e for e in host if not _RUNTIME_CALL.match(e.name) and not getattr(e, "is_async", False)
+                      and not getattr(e, "is_python_function", False)), key=lambda e: e.time_range.start)
+        self._ops, self._starts = ops, [e.time_range.start for e in ops]
+        self.how = {way: 0 for way in self.WAYS}
+        self.misses: List[Dict[str, Any]] = []  # a few device events without a launcher, as the profile had them
+
+    def _around(self, call, horizon: int = 1024):
+        """The innermost operator whose span holds ``call`` (the latest to start among those not yet ended)."""
+        at = call.time_range.start
+        last = bisect.bisect_right(self._starts, at) - 1
+        for i in range(last, max(-1, last - horizon), -1):
+            if self._ops[i].time_range.end >= call.time_range.end:
+                return self._ops[i]
+        return None
+
+    def launcher(self, event):
+        """The launching operator of device event ``event``, or None; counted in ``how``."""
+        op, way = self._linked.get(getattr(event, "linked_correlation_id", 0) or None), "linked"
+        if op is None:
+            call = self._calls.get(event.id)
+            way = "runtime call"
+            op = None if call is None else (call.cpu_parent or self._linked.get(call.linked_correlation_id or None))
+            if op is None and call is not None:
+                op, way = self._around(call), "time span"
+        self.how[way if op is not None else "not recorded"] += 1
+        if op is None and len(self.misses) < 5:
+            self.misses.append({"name": event.name[:80], "id": event.id,
+                                "linked_correlation_id": getattr(event, "linked_correlation_id", 0),
+                                "runtime_call": getattr(self._calls.get(event.id), "name", None)})
+        return op
+
+
+def _python_frame(op, within_node: bool = False) -> Optional[str]:
+    """The innermost Python frame around ``op`` outside torch (profiles recorded with_stack), as the profiler names it:
+    ``path(first line of the function): function``; ``within_node``: only below the backward node around ``op``
+    (a Python backward's own frames; above the node is the caller of ``backward()``)."""
+    parent = op
+    while parent is not None:
+        if within_node and parent.name.startswith(_BACKWARD_NODE):
+            return None
+        match = _FRAME.match(parent.name)
+        if (match and not match["path"].startswith("torch/")
+                and (match["path"], parent.name.rsplit(": ", 1)[-1]) not in _PASS_THROUGH):
+            return parent.name
+        parent = parent.cpu_parent
+    return None
+
+
+def call_site(op, forward_frames: Optional[Dict[int, str]] = None) -> Tuple[str, str]:
+    """(where, chain) of a host operator: ``launch_site`` of the outermost aten operator around it, with the Python
+    frame that called it (in a backward node without Python frames of its own, the frame of the node's forward
+    operator, from ``forward_frames``: sequence number to frame); and the chain of aten operators from there to
+    ``op``."""
+    chain, outer = [op.name], op
+    while outer.cpu_parent is not None and outer.cpu_parent.name.startswith("aten::"):
+        outer = outer.cpu_parent
+        chain.append(outer.name)
+    where = launch_site(outer)
+    node = next((p for p in _parents(outer) if p.name.startswith(_BACKWARD_NODE)), None)
+    frame = _python_frame(outer, within_node=node is not None)
+    if frame is None and node is not None:
+        forward = (forward_frames or {}).get(node.sequence_nr)
+        frame = f"forward at {forward}" if forward else None
+    return (f"{where} ({frame})" if frame else where), " > ".join(reversed(chain))
+
+
+def _parents(event):
+    parent = event.cpu_parent
+    while parent is not None:
+        yield parent
+        parent = parent.cpu_parent
+
+
+def _compact(name: str) -> str:
+    return name.removeprefix("aten::").replace("_", "").lower()
+
+
+def _forward_frames(events: Sequence) -> Dict[int, str]:
+    """Sequence number to the Python frame of the forward operator that made the backward node of that number
+    (profiles recorded with_stack): an operator outside any backward node whose name begins the node's name
+    (``aten::embedding`` for ``EmbeddingBackward0``; other operators record the same number)."""
+    nodes = {e.sequence_nr: _compact(e.name[len(_BACKWARD_NODE):]) for e in events
+             if e.name.startswith(_BACKWARD_NODE) and getattr(e, "sequence_nr", -1) >= 0}
+    frames: Dict[int, str] = {}
+    for event in events:
+        node = nodes.get(getattr(event, "sequence_nr", -1))
+        if node is None or event.sequence_nr in frames or not node.startswith(_compact(event.name)):
+            continue
+        if not any(p.name.startswith(_BACKWARD_NODE) for p in _parents(event)):
+            frame = _python_frame(event)
+            if frame:
+                frames[event.sequence_nr] = frame
+    return frames
+
+
+def _fill_kind(name: str) -> Optional[str]:
+    """"memset", "fill" (torch's fill kernel, or an inductor kernel that only fills), or None."""
+    lowered = name.lower()
+    if "memset" in lowered:
+        return "memset"
+    if "fillfunctor" in lowered or _INDUCTOR_FILL.match(name):
+        return "fill"
+    return None
+
+
+def _memset_bytes(event) -> Optional[int]:
+    """The bytes a memset wrote, where the profile records them (torch ≥ 2.12: ``event_metadata``; before: the
+    activity's metadata JSON)."""
+    metadata = getattr(event, "event_metadata", None)
+    if getattr(metadata, "bytes", None) is not None:
+        return metadata.bytes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch ≥ 2.12 deprecates metadata_json
+        match = re.search(r'"bytes":\s*(\d+)', getattr(event, "metadata_json", None) or "")
+    return int(match.group(1)) if match else None
+
+
+def device_fills(events: Iterable, launchers: Optional[Launchers] = None) -> List[Dict[str, Any]]:
+    """The memsets and fill kernels on the device by kind and ``call_site`` of the operator that launched each:
+    count, bytes (memsets whose trace records them), milliseconds of device time, and the device work that most
+    often came next on the same stream (what a fill prepares: a library's memset precedes its kernel); most first.
+    Where no launcher is recorded the site says so, with the kernel's name."""
+    events = list(events)
+    launchers = launchers or Launchers(events)
+    following: Dict[int, str] = {}
+    streams: Dict[Any, List[Any]] = {}
+    for event in sorted((e for e in events if _is_device_work(e)), key=lambda e: e.time_range.start):
+        streams.setdefault(getattr(event, "device_resource_id", None), []).append(event)
+    for work in streams.values():
+        for event, after in zip(work, work[1:]):
+            following[id(event)] = after.name[:80]
+    sites: Dict[Tuple[str, str, str], Dict[str, Any]] = {}
+    for event in events:
+        kind = _fill_kind(event.name) if _is_device_work(event) else None
+        if kind is None:
+            continue
+        op = launchers.launcher(event)
+        where, chain = call_site(op) if op is not None else (f"{event.name[:80]} (launcher not recorded)", "")
+        row = sites.setdefault((kind, where, chain), {"kind": kind, "site": where, "chain": chain, "count": 0,
+                                                     "bytes": 0, "ms": 0.0, "next": {}})
+        row["count"] += 1
+        row["bytes"] += _memset_bytes(event) or 0
+        row["ms"] += (event.time_range.end - event.time_range.start) * 1e-3
+        after = following.get(id(event), "(none)")
+        row["next"][after] = row["next"].get(after, 0) + 1
+    for row in sites.values():  # the most frequent next work, with how many of the row's fills it followed
+        name, count = max(row["next"].items(), key=lambda x: x[1])
+        row["next"] = {"name": name, "count": count}
+    return sorted(sites.values(), key=lambda r: (-r["count"], -r["ms"]))
+
+
+def zero_fills(events: Iterable) -> List[Dict[str, Any]]:
+    """The fills a host profile records (a CPU step; on a GPU the host side of each memset and fill kernel): every
+    ``FILL_OPS`` operator not inside another, by ``call_site`` (with its Python frame when recorded with_stack) and
+    the operator it was called as; count and elements filled (None unless recorded with shapes); most first."""
+    events = [e for e in events if not _is_device(e)]
+    frames = _forward_frames(events)
+    sites: Dict[Tuple[str, str], Dict[str, Any]] = {}
+    for event in events:
+        if event.name not in FILL_OPS or any(p.name in FILL_OPS for p in _parents(event)):
+            continue
+        where, chain = call_site(event, frames)
+        row = sites.setdefault((where, chain), {"site": where, "chain": chain, "count": 0, "elements": None})
+        row["count"] += 1
+        shapes = getattr(event, "input_shapes", None)  # recorded with shapes: the filled tensor's first
+        if shapes:
+            row["elements"] = (row["elements"] or 0) + int(torch.Size(shapes[0]).numel())
+    return sorted(sites.values(), key=lambda r: (-r["count"], r["site"]))
+
+
+def idle_gaps(events: Iterable, top: int = 12, launchers: Optional[Launchers] = None
+              ) -> Tuple[float, List[Dict[str, Any]]]:
     """(seconds the device was busy, the gaps between its work by where they end): every interval in which no
     kernel or copy ran, from the first device event of the step to its last, put on the launch site of the event that
     ends it (``launch_site`` of the operator that launched it), largest total first."""
     events = list(events)
-    launchers = {e.id: e for e in events if not _is_device(e) and getattr(e, "linked_correlation_id", 0) == 0}
+    launchers = launchers or Launchers(events)
     device = sorted((e for e in events if _is_device_work(e)), key=lambda e: e.time_range.start)
     busy, gaps = 0.0, {}
     end = None
     for event in device:
         start, stop = event.time_range.start, event.time_range.end
         if end is not None and start > end:
-            launcher = launchers.get(getattr(event, "linked_correlation_id", None))
+            launcher = launchers.launcher(event)
             site = launch_site(launcher) if launcher is not None else f"{event.name} (launcher not recorded)"
             gap = gaps.setdefault(site, {"site": site, "seconds": 0.0, "count": 0, "largest_ms": 0.0})
             gap["seconds"] += (start - end) * 1e-6
@@ -120,6 +319,7 @@ def idle_gaps(events: Iterable, top: int = 12) -> Tuple[float, List[Dict[str, An
     return busy, sorted(gaps.values(), key=lambda g: -g["seconds"])[:top]
 
 
+FILL_SITES = 40  # the call sites of fills a profile keeps, most first
 OUTSIDE_OPERATORS = "(outside any operator: torch.cuda.synchronize, the profiler's own)"
 
 
@@ -270,8 +470,16 @@ class StepProfiler:
             "top": [{"name": n, "kind": k, "seconds": t} for n, k, t in top],
         }
         # on a CPU there is no device work: nothing busy, no gaps, no syncs (the same code, so CI runs it)
-        busy, gaps = idle_gaps(events)
+        launchers = Launchers(events)
+        busy, gaps = idle_gaps(events, launchers=launchers)
+        launchers.how, launchers.misses = dict.fromkeys(Launchers.WAYS, 0), []  # from here, the fills' launchers
+        fills = device_fills(events, launchers)
         record.update(busy_s=busy, idle_gaps=gaps, host_syncs=host_syncs(events),
+                      fills=fills[:FILL_SITES], host_fills=zero_fills(events)[:FILL_SITES],
+                      fill_totals={kind: {"count": sum(f["count"] for f in fills if f["kind"] == kind),
+                                          "ms": sum(f["ms"] for f in fills if f["kind"] == kind)}
+                                   for kind in ("memset", "fill")},
+                      fill_launchers={"how": launchers.how, "not_recorded_examples": launchers.misses},
                       sync_sites=[{"site": site, "count": n} for site, n in
                                   sorted(self._sync_sites.sites.items(), key=lambda x: -x[1])])
         path = os.path.join(run_dir, f"profile_step_{step}.json")

@@ -11,6 +11,7 @@ import torch
 from diff_transformer.distributed import all_reduce_tensor
 from diff_transformer.models.documents import packed_documents
 from diff_transformer.models.ring_attention import context_parallel_chunks
+from diff_transformer.training.cuda_graphs import new_micro_batch
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 # per token too, split like the others under context parallelism; present with data.document_mask
@@ -60,9 +61,14 @@ def model_inputs(batch: dict, device, reset_position_ids: bool = False, cp: int 
     return tokens, position_ids, documents
 
 
-def forward_step(data_iterator: Iterator, model: torch.nn.Module, reset_position_ids: bool = False):
-    """megatron-core's forward step (``functools.partial`` binds ``reset_position_ids``, data.reset_position_ids)."""
+def forward_step(data_iterator: Iterator, model: torch.nn.Module, reset_position_ids: bool = False,
+                 new_graph_generation: bool = False):
+    """megatron-core's forward step (``functools.partial`` binds ``reset_position_ids``, data.reset_position_ids, and
+    ``new_graph_generation``: trainer.cuda_graphs' training micro-batches, each a new generation of the graph trees)."""
     from megatron.core import parallel_state
+
+    if new_graph_generation:
+        new_micro_batch()
 
     batch, cp_group = context_parallel_batch(next(data_iterator))
     device = next(model.parameters()).device

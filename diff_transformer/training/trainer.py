@@ -41,6 +41,7 @@ from diff_transformer.models.gpt import (
     set_dex_anneal,
     v2_baseline,
 )
+from diff_transformer.models.weight_gradient import unfuse_weight_gradients
 from diff_transformer.models.attention.diff_v2 import record_lambda, recorded_lambda_sums
 from diff_transformer.figure_style import variant_name
 from diff_transformer.models.layer_specs import variant_label
@@ -78,6 +79,7 @@ from diff_transformer.training.checkpoint import (
     select_resume_checkpoint,
 )
 from diff_transformer.distributed import world_size_from_env
+from diff_transformer.training import cuda_graphs
 from diff_transformer.training.branching import BranchSource, resolve_branch
 from diff_transformer.training.diagnostics import AttentionDiagnostics, diagnostics_enabled, estimated_cost_fraction
 from diff_transformer.training.failures import (
@@ -128,6 +130,11 @@ class Trainer:
         self.compiled_layers = 0  # trainer.compile: this rank's layers under torch.compile
         self.attention_in_graph = 0  # of them, those whose core attention is in the layer's graph
         self._first_step_done = False  # the first step of this process (which compiles them) has been logged
+        self.cuda_graphs = cuda_graphs.cuda_graphs_on(cfg)  # trainer.cuda_graphs: the compiled layers as CUDA graphs
+        self.unfused_linears = 0  # ... whose linear layers then leave the weight-gradient accumulation to DDP's hook
+        self._graph_skips: Optional[cuda_graphs.SkipReasons] = None  # inductor's skip warnings, collected
+        self._graph_reported: Optional[int] = None  # ... of which the log has told this many (None: not reported yet)
+        self._graphs_at_report: Optional[int] = None  # CUDA graphs recorded when the log last said
 
     # -- setup -------------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -265,17 +272,28 @@ class Trainer:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         p = self.cfg.parallel
-        chunk = build_model_chunk(
-            self.cfg, self.padded_vocab, self.dtype,
-            grad_accumulation_fusion=gradient_accumulation_fusion_enabled(self.cfg),
-        )
+        fused = gradient_accumulation_fusion_enabled(self.cfg)
+        chunk = build_model_chunk(self.cfg, self.padded_vocab, self.dtype, grad_accumulation_fusion=fused)
         if self.cfg.model.attention == "dex" and not self.cfg.model.dex.train_base:
             freeze_all_but_dex(chunk)  # before DDP and the optimizer, which then hold only the trainable ones
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
+        # the fused accumulation's main_grad write would break a compiled layer's graph at each linear layer: each
+        # layer stays one graph (decided by the config, so a run without TorchDynamo computes as one with it)
+        if fused and self.cfg.trainer.compile:
+            self.unfused_linears = unfuse_weight_gradients(chunk)
         if self.cfg.trainer.compile:  # before DDP, whose hooks then see the compiled layers as any module
-            self.compiled_layers = compile_layers(chunk, document_mask=self.cfg.data.document_mask)
+            self.compiled_layers = compile_layers(chunk, document_mask=self.cfg.data.document_mask,
+                                                  mode=cuda_graphs.CUDA_GRAPH_MODE if self.cuda_graphs else None)
             self.attention_in_graph = core_attention_in_graph(chunk)
+            if self.cuda_graphs and self.attention_in_graph != self.compiled_layers:
+                raise ValueError(
+                    f"trainer.cuda_graphs={self.cfg.trainer.cuda_graphs} needs each compiled layer's core attention "
+                    f"in its graph, but model.attention_backend={self.cfg.model.attention_backend} runs it eagerly in "
+                    f"{self.compiled_layers - self.attention_in_graph} of {self.compiled_layers} layers; use "
+                    "model.attention_backend=sdpa or set trainer.cuda_graphs=off")
+        if self.cuda_graphs:
+            self._graph_skips = cuda_graphs.SkipReasons().attach()
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=p.overlap_grad_reduce,
@@ -426,6 +444,13 @@ class Trainer:
                            "(TORCHDYNAMO_DISABLE=1 or TORCH_COMPILE_DISABLE=1): the layers run eagerly")
             return
         layers = f"{self.compiled_layers} layer{'s' if self.compiled_layers != 1 else ''}"
+        if self.cuda_graphs:
+            logger.info("trainer.cuda_graphs=%s: the compiled layers as CUDA graphs (torch.compile mode %s), "
+                        "recorded at the second micro-batch", self.cfg.trainer.cuda_graphs, cuda_graphs.CUDA_GRAPH_MODE)
+        if self.unfused_linears:
+            logger.info("trainer.compile: the compiled layers' %d linear layers leave their weight gradients to DDP's "
+                        "hook (the fused accumulation's main_grad write would break each graph at them); the output "
+                        "layer keeps the fusion", self.unfused_linears)
         if self.attention_in_graph == self.compiled_layers:
             where = "the core attention in the graph"
         elif self.attention_in_graph == 0:
@@ -434,6 +459,31 @@ class Trainer:
             where = f"the core attention in the graph in {self.attention_in_graph} of them, eager in the others"
         logger.info("trainer.compile: %s of this rank under torch.compile (%s; evaluation eager); the first step "
                     "compiles them", layers, where)
+
+    def _report_cuda_graphs(self) -> None:
+        """trainer.cuda_graphs: once they are recorded (step 1 with two micro-batches or more, else step 2, or the last
+        step), one line of what torch recorded and skipped, with inductor's warnings; later, any new warning (a layer
+        re-recorded too often) in a line of its own, and at the last step the line again if the count changed."""
+        skips = self._graph_skips
+        if skips is None or self.rank != 0:
+            return
+        last = self.step == self.cfg.trainer.max_steps
+        first = self._graph_reported is None
+        new = skips.messages[self._graph_reported or 0:] if not first else []
+        for message in new:
+            logger.warning("warning: trainer.cuda_graphs: at step %d inductor said: %s", self.step, message)
+        if first and not (self.step >= (1 if self.num_microbatches >= 2 else 2) or last):
+            return
+        self._graph_reported = len(skips.messages)
+        recorded = cuda_graphs.recorded_graphs()
+        if not first and not (last and recorded != self._graphs_at_report):
+            return
+        self._graphs_at_report = recorded
+        logger.info("trainer.cuda_graphs=%s: %s", self.cfg.trainer.cuda_graphs,
+                    cuda_graphs.report(self.compiled_layers, self.step, skips.reasons, cuda_graphs.skipped_graphs(),
+                                       recorded, on_cuda=torch.cuda.is_available()))
+        for message in skips.messages[:cuda_graphs.MOST_REASONS] if first else []:  # whole, with torch's stack trace
+            logger.info("trainer.cuda_graphs: inductor said: %s", message)
 
     def _log_epochs(self) -> None:
         """How many passes over each blend entry's train split the planned steps make; a warning above a few."""
@@ -676,7 +726,8 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         losses = get_forward_backward_func()(
-            forward_step_func=partial(forward_step, reset_position_ids=self.cfg.data.reset_position_ids),
+            forward_step_func=partial(forward_step, reset_position_ids=self.cfg.data.reset_position_ids,
+                                      new_graph_generation=self.cuda_graphs and not forward_only),
             data_iterator=data_iter,
             model=self.model,
             num_microbatches=self.num_microbatches,
@@ -935,9 +986,11 @@ class Trainer:
                 profiler.synchronize()
             step_time = time.perf_counter() - start
         if self.compiled_layers and not self._first_step_done and self.rank == 0:
-            logger.info("trainer.compile: the first step of this process (step %d), which compiled the layers, took "
-                        "%.1f s", self.step, step_time)
+            recorded = " and recorded their CUDA graphs" if self.cuda_graphs and torch.cuda.is_available() else ""
+            logger.info("trainer.compile: the first step of this process (step %d), which compiled the layers%s, took "
+                        "%.1f s", self.step, recorded, step_time)
         self._first_step_done = True
+        self._report_cuda_graphs()
         if profiled and self.rank == 0:
             path = profiler.write(self.run_dir, self.step, step_time)
             logger.info("step %d profiled: %s", self.step, path)
