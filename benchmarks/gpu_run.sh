@@ -3,30 +3,34 @@
 # recipe). Every result line goes to $OUT as soon as it exists: a step cut off by its limit, or a command cut off by
 # the machine's, keeps what it measured.
 #
-#   bash benchmarks/gpu_run.sh first [second long fa4] [--deadline 570] [--wheels .whl]   # on the GPU machine
-#   bash benchmarks/gpu_run.sh --dry-run first second long fa4                            # on a CPU: what CI runs
+#   bash benchmarks/gpu_run.sh [PLAN...] [--deadline 570] [--wheels .whl]   # on the GPU machine (no plan: the window's)
+#   bash benchmarks/gpu_run.sh --dry-run first                            # on a CPU: what CI runs, one plan a test
 #
 # Plans (steps in order; each step has a limit, its cold-start time on one H100/H200 with room, cut to what is left of
 # the deadline, and a need, the least time it can finish in (measured on an H100 where it has run, with a little
-# room): a step with less than its need left is skipped and says so, rather than spend the window on a run that the
-# deadline cuts off):
-#   first   830m throughput (DIFF and the baseline, sequence 2048) with one step's profile under trainer.compile on
-#           sdpa (every throughput step with trainer.fusions and trainer.grad_accumulation_fusion on); trainer.fusions'
-#           compiled RoPE and cross-entropy against what they replace (benchmarks/fusions.py);
-#           the host's time a core-attention call and a Triton launch (benchmarks/host_overhead.py); the GPU tests
-#           of the kernels, the epilogue, RoPE, the attention backends and the CUDA ring; core attention at d=128
-#           (N=4096) and d=96 (the 830m shape), the fused kernel's row first; 830m eagerly with auto's choice
-#   second  3b throughput at sequence 4096 under trainer.compile; the fused kernel's config sweep
-#           (benchmarks/kernel_tuning.py); document masking's gpu tests and core attention at 4K and 32K
-#           (benchmarks/document_mask.py); evaluate and analyze on a run trained with the attention diagnostics
-#   long    long context: the fused kernel and the baselines at N = 8K-64K; evaluate (NIAH, perplexity) at 32K
+# room; an estimate where it has not): a step with less than its need left is skipped and says so, rather than spend
+# the window on a run that the deadline cuts off). Without a plan named: fa4 first second kernels long, the window's
+# order (what nobody has measured, then 3b, then the kernel rows); fa4 is skipped at once where its second half has
+# not come yet, so that the same command line serves both of a window's commands (benchmarks/README.md):
 #   fa4     flash-attn-4 (two carried halves, benchmarks/gpu_wheels.sh --fa4): installed, then 830m throughput under
-#           trainer.compile with it in the layers' graphs, its gpu tests, core attention at d=128 and d=96 with the
-#           baseline and DIFF V1 on it against sdpa
+#           trainer.compile with it in the layers' graphs
+#   first   830m at sequence 2048 under trainer.compile on sdpa, each with one step's profile (every throughput step
+#           with trainer.fusions and trainer.grad_accumulation_fusion on): DIFF and the baseline; DIFF V2 and its
+#           mirrored baseline; DIFF and the baseline in 4 micro-batches of 8 (the same 32 sequences a step)
+#   second  3b throughput at sequence 4096 under trainer.compile with the least recomputation whose memory plan fits
+#           the card (--fit-gib auto); the fused kernel's config sweep (benchmarks/kernel_tuning.py); document
+#           masking's gpu tests and core attention at 4K and 32K (benchmarks/document_mask.py); evaluate and analyze on
+#           a run trained with the attention diagnostics
+#   kernels trainer.fusions' compiled RoPE and cross-entropy against what they replace (benchmarks/fusions.py); the
+#           host's time a core-attention call and a Triton launch (benchmarks/host_overhead.py); the GPU tests of the
+#           kernels, the epilogue, RoPE, the attention backends and the CUDA ring; core attention at d=128 (N=4096) and
+#           d=96 (the 830m shape), the fused kernel's row first; where flash-attn-4 is installed, its gpu tests and
+#           the baseline and DIFF V1 on it against sdpa at both head dims; 830m eagerly with auto's choice
+#   long    long context: the fused kernel and the baselines at N = 8K-64K; evaluate (NIAH, perplexity) at 32K
 # A step already measured on this card by this code (the ledger, $GPU_RUN_LEDGER or .gpu_run/ledger.tsv: card, code
 # hash, step, exit status) is skipped; the ledger stays on the machine between commands, and gpu_run.md says what each step did.
 #
-# Files in $OUT (flat, at most 8 for all three plans): gpu_run.md (one line per step: status, seconds, the headline
+# Files in $OUT (flat; a command sends back at most 8): gpu_run.md (one line per step: status, seconds, the headline
 # numbers), gpu_run.log (every step's output: evaluate's and analyze's tables too), step_running.log while a step
 # runs, and the benchmarks' reports (core_attention_*.md, train_throughput_*.md, kernel_tuning_*.md, attention_*.md).
 #
@@ -39,13 +43,14 @@ dry_run=0
 deadline=""
 wheels=".whl"
 plans=()
+default_plans=(fa4 first second kernels long)  # the window's order
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry_run=1 ;;
     --deadline) deadline="$2"; shift ;;
     --wheels) wheels="$2"; shift ;;
-    first|second|long|fa4) plans+=("$1") ;;
-    *) echo "error: gpu_run.sh: unknown argument '$1'; expected plans (first, second, long, fa4), --dry-run," \
+    fa4|first|second|kernels|long) plans+=("$1") ;;
+    *) echo "error: gpu_run.sh: unknown argument '$1'; expected plans (${default_plans[*]}), --dry-run," \
          "--deadline S, --wheels DIR" >&2
        exit 2 ;;
   esac
@@ -54,10 +59,7 @@ done
 # the GPU's deadline fits one 600 s command; a CPU's dry run (toy sizes, interpreted kernels, a CI machine that may be
 # busy) gets an hour and three times each step's limit, so that it never skips a step for want of time
 [ -n "$deadline" ] || deadline=$([ $dry_run -eq 1 ] && echo 3600 || echo 570)
-if [ ${#plans[@]} -eq 0 ]; then
-  echo "error: gpu_run.sh: no plan given; name one or more of first, second, long, fa4" >&2
-  exit 2
-fi
+[ ${#plans[@]} -gt 0 ] || plans=("${default_plans[@]}")
 started=$SECONDS
 out="${OUT:-outputs/gpu_run}"
 ledger="${GPU_RUN_LEDGER:-.gpu_run/ledger.tsv}"
@@ -179,15 +181,30 @@ gpu_tests() {  # name, limit, need, pytest arguments
 }
 
 plan_first() {
-  # in priority order: the 830m targets under trainer.compile (the faster way on 2026-11-27: DIFF/baseline 0.866
-  # against 0.794 eagerly; regional compilation keeps sdpa's core attention in the layer's graph), the host's time a
-  # call (and a Triton launch's), the gpu tests of this code, the core attention's kernels, then 830m eagerly (measured
-  # on 2026-11-27 on code whose eager path is today's).
-  # The dry run's TORCHDYNAMO_DISABLE=1 runs the compiled steps eagerly, labelled so. --compile takes one value or
-  # more, so an option follows it: throughput() appends overrides after a step's arguments (the dry run too)
+  # the 830m measurements nobody has made, under trainer.compile (the faster way on 2026-11-27: DIFF/baseline 0.866
+  # against 0.794 eagerly; regional compilation keeps sdpa's core attention in the layer's graph), each with the
+  # profile. The dry run's TORCHDYNAMO_DISABLE=1 runs the compiled steps eagerly, labelled so. --compile takes one
+  # value or more, so an option follows it: throughput() appends overrides after a step's arguments (the dry run too).
+  # DIFF and the baseline with today's RoPE, cross-entropy and fused gradient accumulation
   throughput throughput_830m_compile 300 125 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 \
     --compile on --steps 8 model.attention_backend=sdpa
-  # trainer.fusions' compiled RoPE and cross-entropy against what they replace (830m shapes; the report into the log)
+  # DIFF V2 against its mirrored baseline (the Transformer with V2's 2H query heads and Hkv KV heads, gpt.v2_baseline:
+  # model.num_kv_heads=4 at 830m); never measured: its need is an estimate (two compiled 830m runs took 128 s)
+  throughput throughput_830m_v2_compile 300 130 --model 830m --seq-length 2048 --micro-batch-size 4 \
+    --micro-batches 8 --kinds diff_v2 v2_baseline --compile on --steps 8 model.attention_backend=sdpa
+  # the same 32 sequences a step in 4 micro-batches of 8, beside the step above's 8 of 4 (the plan: 50.9 GiB for
+  # DIFF, 46.4 for the baseline; --fit-gib auto recomputes only where the card lacks room); need an estimate
+  throughput throughput_830m_mb8_compile 300 130 --model 830m --seq-length 2048 --micro-batch-size 8 \
+    --micro-batches 4 --compile on --steps 8 --fit-gib auto model.attention_backend=sdpa
+  # the compiled step again with its layers as CUDA graphs (first step: compiling and recording; the log says how many
+  # graphs were recorded and why any was skipped)
+  throughput throughput_830m_compile_graphs 300 125 --model 830m --seq-length 2048 --micro-batch-size 4 \
+    --micro-batches 8 --compile on --steps 8 model.attention_backend=sdpa trainer.cuda_graphs=layers
+}
+
+plan_kernels() {
+  # the kernel rows, after the targets: trainer.fusions' compiled RoPE and cross-entropy against what they replace
+  # (830m shapes; the report into the log)
   local toy=()
   [ $dry_run -eq 1 ] && toy=(--seq 32 --batch 1 --heads 2 --head-dim 16 --vocab 512 --repeats 2)
   step fusions 150 60 '^headline' "$py" benchmarks/fusions.py --out "$cache/fusions" "${toy[@]}"
@@ -200,18 +217,33 @@ plan_first() {
     tests/test_attention.py tests/test_context_parallel.py tests/test_profiling.py tests/test_weight_gradient.py
   core_attention core_attention_d128 150 70 --heads 8 --head-dim 128 --seq-len 4096 --batch 4
   core_attention core_attention_d96 120 65 --heads 8 --head-dim 96 --seq-len 2048 --batch 4
+  # flash-attn-4 where the fa4 plan installed it: its gpu tests (the custom operators against eager in bf16, and
+  # compiled), the baseline and DIFF V1 on it against sdpa at both head dims (830m eagerly on it: measured on
+  # 2026-11-27, 0.641); their reports stay on the machine ($OUT brings back 8 files), their tables in the log
+  local saved_path="$PYTHONPATH"
+  if fa4_on_path; then
+    gpu_tests fa4_tests 200 90 tests/test_attention.py -k flash_attn4
+    core_attention core_attention_fa4_d128 240 60 --heads 8 --head-dim 128 --seq-len 4096 --batch 4 \
+      --v1-backends flash_attn4 sdpa --epilogues triton --v2-epilogues --out "$cache/fa4"
+    core_attention core_attention_fa4_d96 200 60 --heads 8 --head-dim 96 --seq-len 2048 --batch 4 \
+      --v1-backends flash_attn4 sdpa --epilogues triton --v2-epilogues --out "$cache/fa4"
+  else
+    echo "| fa4 kernel rows | skipped: flash-attn-4 is not importable (the fa4 plan installs it) | | |" >> "$summary"
+    echo "=== fa4 kernel rows: skipped, flash-attn-4 is not importable"
+    status=1
+  fi
+  export PYTHONPATH="$saved_path"
+  # 830m eagerly with auto's choice (measured on 2026-11-27 on code whose eager path is today's)
   throughput throughput_830m 300 125 --model 830m --seq-length 2048 --micro-batch-size 4 --micro-batches 8 --steps 8
-  # the compiled step again with its layers as CUDA graphs (first step: compiling and recording; the log says how many
-  # graphs were recorded and why any was skipped)
-  throughput throughput_830m_compile_graphs 300 125 --model 830m --seq-length 2048 --micro-batch-size 4 \
-    --micro-batches 8 --compile on --steps 8 model.attention_backend=sdpa trainer.cuda_graphs=layers
 }
 
 plan_second() {
-  # 3b under trainer.compile (auto: the backends the compiled graph keeps, timed where more than sdpa is installed);
-  # never measured yet: the need is an estimate (two processes of a 3b model and its compile)
+  # 3b under trainer.compile (auto: the backends the compiled graph keeps, timed where more than sdpa is installed)
+  # with the least recomputation whose memory plan fits the card (--fit-gib auto; on an H100 block recomputation of
+  # 10 of DIFF's 28 layers and 7 of the baseline's, on an H200 none); never measured yet: the need is an estimate (two
+  # processes of a 3b model and its compile)
   throughput throughput_3b 330 200 --model 3b --seq-length 4096 --micro-batch-size 1 --micro-batches 8 \
-    --compile on --steps 5 --fit-gib 75 optim=adamw_3b
+    --compile on --steps 5 --fit-gib auto optim=adamw_3b
   if [ $dry_run -eq 1 ]; then
     step kernel_sweep 300 100 '(^done in|^error)' "$py" benchmarks/kernel_tuning.py --smoke --versions v1 --budget-s 10
   else
@@ -254,23 +286,45 @@ plan_long() {
   fi
 }
 
+fa4_site() {
+  # where flash-attn-4 is: the GPU's install (benchmarks/fa4_install.sh), or the dry run's CPU stand-ins
+  # (tests/stand_ins), put on sys.path by a .pth file as the CuTe DSL's packages are
+  if [ $dry_run -eq 1 ]; then
+    mkdir -p "$cache/fa4_site"
+    echo "import sys; sys.path.insert(0, '$PWD/tests/stand_ins')" > "$cache/fa4_site/stand_ins.pth"
+    echo "$cache/fa4_site"
+  else
+    echo /tmp/gpu_run_site
+  fi
+}
+
+fa4_on_path() {  # flash-attn-4's site on PYTHONPATH (its .pth files' paths too); whether it imports
+  export PYTHONPATH="$(site_path "$(fa4_site)"):$PYTHONPATH"
+  "$py" -c "import flash_attn.cute" > /dev/null 2>&1
+}
+
 plan_fa4() {
   # flash-attn-4 (model.attention_backend=flash_attn4): its wheel set comes in two halves (benchmarks/gpu_wheels.sh
-  # --fa4), .whl_fa4a with one command and .whl_fa4b with the next; the dry run takes the libraries' CPU stand-ins
-  # (tests/stand_ins), so that every step below runs here as on the GPU but for the library
+  # --fa4), .whl_fa4a with one command and .whl_fa4b with the next; where the second has not come yet (a window's
+  # first command) the plan is skipped at once. Its kernel rows are the kernels plan's.
   local saved_path="$PYTHONPATH"
-  local site=/tmp/gpu_run_site
-  if [ $dry_run -eq 1 ]; then  # the stand-ins put on sys.path by a .pth file, as the CuTe DSL's packages are
-    site="$cache/fa4_site"
-    mkdir -p "$site"
-    echo "import sys; sys.path.insert(0, '$PWD/tests/stand_ins')" > "$site/stand_ins.pth"
+  if [ $dry_run -eq 0 ] && ! ls .whl_fa4b/* > /dev/null 2>&1 && ! fa4_on_path; then
+    echo "| fa4 | skipped: .whl_fa4b is not here (flash-attn-4's second half comes with a window's second command)" \
+      "| | |" >> "$summary"
+    echo "=== fa4: skipped, .whl_fa4b is not here"
+    status=1
+    export PYTHONPATH="$saved_path"
+    return 0
+  fi
+  local site
+  site=$(fa4_site)
+  if [ $dry_run -eq 1 ]; then
     step fa4_install 60 30 '(flash-attn-4|error)' "$py" -c "import site, sys; site.addsitedir('$site'); import flash_attn.cute
 print('flash-attn-4: CPU stand-in')"
   else
     step fa4_install 120 30 '(flash-attn-4|error)' bash benchmarks/fa4_install.sh "$py" "$site"
   fi
-  export PYTHONPATH="$(site_path "$site"):$PYTHONPATH"
-  if ! "$py" -c "import flash_attn.cute" > /dev/null 2>&1; then  # its steps would time sdpa alone
+  if ! fa4_on_path; then  # its steps would time sdpa alone
     echo "| fa4 (the rest) | skipped: flash-attn-4 is not importable (fa4_install above) | | |" >> "$summary"
     echo "=== fa4: skipped, flash-attn-4 is not importable"
     status=1
@@ -279,18 +333,9 @@ print('flash-attn-4: CPU stand-in')"
   fi
   # 830m under trainer.compile with flash-attn-4 in the layers' graphs (its custom operators,
   # models/attention/flash_attn4_op.py): DIFF V1's one call over the 2d-wide V, 1.5x the baseline's attention FLOPs
-  # against sdpa's 2x, with the host's work compiled away; the baseline on sdpa (the ratio's first) and on it.
-  # Its report comes back; the other fa4 reports stay on the machine ($OUT brings back 8 files), their tables in the
-  # log
+  # against sdpa's 2x, with the host's work compiled away; the baseline on sdpa (the ratio's first) and on it
   throughput throughput_830m_fa4_compile 360 240 --model 830m --seq-length 2048 --micro-batch-size 4 \
     --micro-batches 8 --kinds diff:flash_attn4 vanilla:sdpa vanilla:flash_attn4 --compile on --steps 8
-  # its gpu tests (the custom operators against eager in bf16, and compiled), the baseline and DIFF V1 on it against
-  # sdpa at both head dims (830m eagerly on it: measured on 2026-11-27, 0.641)
-  gpu_tests fa4_tests 200 90 tests/test_attention.py -k flash_attn4
-  core_attention core_attention_fa4_d128 240 60 --heads 8 --head-dim 128 --seq-len 4096 --batch 4 \
-    --v1-backends flash_attn4 sdpa --epilogues triton --v2-epilogues --out "$cache/fa4"
-  core_attention core_attention_fa4_d96 200 60 --heads 8 --head-dim 96 --seq-len 2048 --batch 4 \
-    --v1-backends flash_attn4 sdpa --epilogues triton --v2-epilogues --out "$cache/fa4"
   export PYTHONPATH="$saved_path"
 }
 

@@ -3,7 +3,8 @@ trainer.fusions on a GPU), with where each step's time goes.
 
     python benchmarks/train_throughput.py [--model tiny] [--steps 12] [--micro-batches 8] [--tp 1]
     python benchmarks/train_throughput.py --model 830m --micro-batch-size 4 --seq-length 2048          # one GPU
-    python benchmarks/train_throughput.py --model 3b --micro-batch-size 1 --seq-length 4096 --fit-gib 80
+    python benchmarks/train_throughput.py --model 3b --micro-batch-size 1 --seq-length 4096 --fit-gib auto
+    python benchmarks/train_throughput.py --model 830m --kinds diff_v2 v2_baseline --compile on   # V2, its baseline
 
 Each configuration is a real ``train.py`` run (megatron-core schedules, DDP, optimizer; no validation, no
 checkpoints) whose steps hold ``--micro-batches`` micro-batches (at least 8, so that per-step fixed costs weigh as
@@ -11,8 +12,11 @@ in real training: the paper's recipe has 32 at micro-batch 4 on one GPU). Per ru
 warm-up (the first 20% of steps, at least 2) without the profiled step, tokens/s, MFU, the peak memory next to the
 memory plan's estimate, the attention backend ``auto`` chose (and its timings), the kernel torch's SDPA dispatcher
 picks for each attention call, and one step's time by kind of work (``trainer.profile_step``: GEMM, attention, DIFF
-epilogue, norms, other elementwise, optimizer, communication, idle). ``--fit-gib`` picks the cheapest
-``trainer.recompute`` (none, selective, full) whose memory plan fits that many GiB. ``--compile off on`` runs each
+epilogue, norms, other elementwise, optimizer, communication, idle). ``--fit-gib GIB`` picks the least recomputation
+(none, selective, block recomputation of N layers, full; fewest recomputed FLOPs) whose memory plan fits that many GiB,
+``--fit-gib auto`` the card's memory (a simulated GPU's in gpu_run.sh's dry run); either way the plan may fill 90% of
+it, the margin train.py's own check keeps. Kind ``v2_baseline`` is DIFF V2's mirrored baseline (``model.attention=
+vanilla`` with V2's KV heads, ``gpt.v2_baseline``); DIFF V2 is compared with it. ``--compile off on`` runs each
 configuration eagerly and with ``trainer.compile=true`` (each layer under torch.compile); every row shows its first
 step's time (which under compile includes compiling) apart from the median. Hydra overrides after the options go to
 every run. Ratios are only meaningful between rows of the same run on the same machine. Runs made one after the
@@ -58,20 +62,60 @@ def compose(overrides):
         return to_object(hydra_compose("config", overrides=list(overrides)))
 
 
-def fitting_recompute(overrides, world: int, budget_gib: float) -> tuple[str, float]:
-    """The cheapest trainer.recompute whose memory plan fits ``budget_gib`` (90% usable, as train.py checks), and its
-    estimate; ``full`` when none does (train.py then refuses, naming what would fit)."""
-    from diff_transformer.config import padded_vocab_size
-    from diff_transformer.training.accounting import USABLE_MEMORY_FRACTION, estimate_memory_per_gpu
+def card_memory(overrides) -> tuple[float, str] | None:
+    """``--fit-gib auto``'s budget: (GiB, what it is) of the memory train.py's plan checks against
+    (``trainer.gpu_memory_gib``, else this GPU's total memory), else, in Triton's interpreter simulating a GPU
+    (gpu_run.sh --dry-run), that GPU's; None without either."""
+    from diff_transformer.training.accounting import device_memory_gib
+    from kernels import gpu_target
 
-    estimate = 0.0
-    for mode in ("none", "selective", "full"):
-        cfg = compose(overrides + [f"trainer.recompute={mode}"])
-        vocab = padded_vocab_size(cfg.model.vocab_size or 4096, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp)
-        estimate = estimate_memory_per_gpu(cfg, torch.bfloat16, world, vocab, "cuda")["total"]
-        if estimate <= USABLE_MEMORY_FRACTION * budget_gib:
-            return mode, estimate
-    return "full", estimate
+    cfg = compose(overrides)
+    gib = device_memory_gib(cfg)
+    if gib is not None:
+        what = "trainer.gpu_memory_gib" if cfg.trainer.gpu_memory_gib is not None else torch.cuda.get_device_name()
+        return gib, what
+    simulated = gpu_target.simulated()
+    if simulated is not None:
+        return simulated.memory / 2**30, f"{simulated.name}, simulated ({gpu_target.SIMULATE_ENV})"
+    return None
+
+
+def fit_budget(text: str):
+    """argparse ``type`` of ``--fit-gib``: ``auto`` or GiB above 0."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give GiB above 0, or auto (the card's memory)")
+    return value
+
+
+def fit_budget_gib(args, overrides) -> tuple[float, str]:
+    """``--fit-gib``'s budget in GiB and what it is. Raises ValueError for ``auto`` without a GPU."""
+    if args.fit_gib != "auto":
+        return args.fit_gib, "--fit-gib"
+    card = card_memory(overrides)
+    if card is None:
+        raise ValueError("--fit-gib auto takes the GPU's memory, and there is no GPU here (nor one simulated: "
+                         "TRITON_INTERPRET=1 DIFF_ATTN_SIMULATE_GPU=sm_90); give --fit-gib GIB")
+    return card
+
+
+def fitting_recompute(overrides, world: int, budget_gib: float) -> tuple[list[str], str, float]:
+    """The least recomputation whose memory plan fits ``budget_gib`` (90% usable, as train.py checks; see
+    ``accounting.least_recomputation``): its overrides, its table label and its estimate (GiB). Raises ValueError
+    naming what would fit when none does."""
+    from diff_transformer.config import padded_vocab_size
+    from diff_transformer.training.accounting import least_recomputation, recompute_label
+
+    cfg = compose(overrides)
+    vocab = padded_vocab_size(cfg.model.vocab_size or 4096, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp)
+    changes, estimate = least_recomputation(cfg, torch.bfloat16, world, vocab, budget_gib, "cuda")
+    fitted = [f"{key}={'null' if value is None else value}" for key, value in changes.items()]
+    return fitted, recompute_label(compose(overrides + fitted)), estimate
 
 
 def sdpa_kernels(overrides) -> list[str]:
@@ -249,7 +293,7 @@ def report(args, rows) -> str:
                         *([f"--seq-length {args.seq_length}"] if args.seq_length else []),
                         f"--tp {' '.join(map(str, args.tp))} --kinds {' '.join(args.kinds)}",
                         f"--compile {' '.join(args.compile)}",
-                        *([f"--fit-gib {args.fit_gib:g}"] if args.fit_gib else []), *args.overrides])
+                        *([f"--fit-gib {args.fit_gib}"] if args.fit_gib else []), *args.overrides])
     lines = [
         f"# Training throughput, `{args.model}` at sequence {seq}, {machine_name()}, {datetime.date.today()}",
         "",
@@ -270,6 +314,11 @@ def report(args, rows) -> str:
           for r in failed],
         "",
     ]
+    if getattr(args, "budget_gib", None) is not None:
+        lines += [f"Recomputation: the least (fewest recomputed FLOPs) whose memory plan fits {args.budget_what}, "
+                  f"{args.budget_gib:.1f} GiB (`--fit-gib {args.fit_gib}`), filling at most 90% of it "
+                  f"({0.9 * args.budget_gib:.1f} GiB: the margin train.py's check keeps for the CUDA context, the "
+                  "allocator and transient tensors); its plan is each row's plan GiB.", ""]
     by = {}
     for r in rows:  # the first row of each kind stands for it in the ratios
         by.setdefault((r["kind"], r["tp"], r["compile"]), r)
@@ -280,9 +329,10 @@ def report(args, rows) -> str:
                          f"{r['tokens_per_s'] / eager['tokens_per_s']:.3f}**; first step "
                          f"{_seconds(r['first_step_s'])} s against {_seconds(eager['first_step_s'])} s; peak memory "
                          f"{r['memory_gib'] / eager['memory_gib']:.3f}×")
-    for r in rows:  # against every baseline row of its TP and compile mode (the baseline on each backend run)
-        bases = [b for b in rows if b["kind"] == "vanilla" and (b["tp"], b["compile"]) == (r["tp"], r["compile"])]
-        for base in bases if r["kind"] != "vanilla" else []:
+    for r in rows:  # against every row of its baseline at its TP and compile mode (the baseline on each backend run)
+        baseline = BASELINE_OF.get(r["kind"], "vanilla")
+        bases = [b for b in rows if b["kind"] == baseline and (b["tp"], b["compile"]) == (r["tp"], r["compile"])]
+        for base in bases if r["kind"] not in BASELINE_KINDS else []:
             lines.append(f"- **{r['label']} / {base['label']} tokens/s at TP={r['tp']}: "
                          f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}**; peak memory "
                          f"{r['memory_gib'] / base['memory_gib']:.3f}× (runs one after the other: a neighbour's load on a "
@@ -307,12 +357,31 @@ def report(args, rows) -> str:
     return "\n".join(lines) + "\n"
 
 
-def measure(args, tp: int, spec: str, compile_mode: str, profile_step: int, tmp: Path) -> dict:
-    """One configuration's row: attention kind[:backend] ``spec`` at TP ``tp``, trainer.compile ``compile_mode`` (the
+# DIFF V2 against its mirrored baseline (gpt.v2_baseline), every other kind against the Transformer
+BASELINE_OF = {"diff_v2": "v2_baseline"}
+BASELINE_KINDS = ("vanilla", "v2_baseline")
+
+
+def attention_overrides(args, kind: str) -> list[str]:
+    """``model.attention`` for kind ``kind``; ``v2_baseline``: the Transformer with DIFF V2's query and KV heads at
+    this model (and the user's overrides). Raises ValueError where V2 has no baseline (an odd number of KV heads)."""
+    if kind != "v2_baseline":
+        return [f"model.attention={kind}"]
+    from diff_transformer.models.gpt import v2_baseline
+
+    v2 = compose([f"model={args.model}", *args.overrides, "model.attention=diff_v2"])
+    baseline, overrides = v2_baseline(v2.model)
+    if baseline is None:
+        raise ValueError(f"--kinds v2_baseline: {overrides}")
+    return overrides.split()
+
+
+def run_overrides(args, tp: int, spec: str, compile_mode: str, profile_step: int) -> list[str]:
+    """train.py's overrides for attention kind[:backend] ``spec`` at TP ``tp``, trainer.compile ``compile_mode`` (the
     user's overrides come last and win)."""
     kind, _, backend = spec.partition(":")
-    overrides = [
-        f"model={args.model}", f"model.attention={kind}", f"parallel.tp={tp}",
+    return [
+        f"model={args.model}", *attention_overrides(args, kind), f"parallel.tp={tp}",
         f"trainer.max_steps={args.steps}", f"trainer.micro_batch_size={args.micro_batch_size}",
         f"trainer.global_batch_size={args.micro_batch_size * args.micro_batches}",
         *([f"model.seq_length={args.seq_length}"] if args.seq_length else []),
@@ -324,13 +393,21 @@ def measure(args, tp: int, spec: str, compile_mode: str, profile_step: int, tmp:
         f"trainer.compile={'true' if compile_mode == 'on' else 'false'}",
         *args.overrides,
     ]
+
+
+def measure(args, tp: int, spec: str, compile_mode: str, overrides: list[str], fit, tmp: Path) -> dict:
+    """One configuration's row: ``overrides`` (:func:`run_overrides`) and ``fit``, the recomputation that
+    ``--fit-gib`` chose (:func:`fitting_recompute`) or None."""
+    kind, _, backend = spec.partition(":")
     composed = compose(overrides).trainer  # what the run does, whichever option or override set it
     compiled, graphs = composed.compile, composed.cuda_graphs != "off"
     recompute = None
-    if args.fit_gib:
-        recompute, estimate = fitting_recompute(overrides, tp, args.fit_gib)
-        overrides.append(f"trainer.recompute={recompute}")
-        print(f"{kind}: trainer.recompute={recompute} fits {args.fit_gib:g} GiB (plan {estimate:.1f} GiB)")
+    if fit is not None:
+        fitted, recompute, estimate = fit
+        overrides = overrides + fitted
+        how = "" if recompute == "none" else f" ({' '.join(fitted)})"
+        print(f"{kind}: recompute {recompute}{how} fits {args.budget_what}, {args.budget_gib:.1f} GiB "
+              f"(plan {estimate:.1f} GiB of the 90% usable, {0.9 * args.budget_gib:.1f})", flush=True)
     try:
         kernels = sdpa_kernels(overrides)
     except Exception as err:  # the attention kinds without an sdpa path (none today), or no memory left
@@ -340,7 +417,11 @@ def measure(args, tp: int, spec: str, compile_mode: str, profile_step: int, tmp:
     result = run(overrides, tp, run_dir)
     from diff_transformer.models.gpt import dynamo_disabled
 
-    label = f"{variant_name(kind)} ({result.get('backend') or backend or 'auto'})"
+    from diff_transformer.models.layer_specs import variant_label
+
+    # the Transformer with V2's KV heads named as compare names it ("Transformer num_kv_heads=4")
+    name = variant_label(compose(overrides).model) if kind == "v2_baseline" else kind
+    label = f"{variant_name(name)} ({result.get('backend') or backend or 'auto'})"
     if compiled:  # under TORCHDYNAMO_DISABLE=1 (gpu_run.sh --dry-run) train.py runs the layers eagerly
         label += " compiled" if not dynamo_disabled() else " compile (TorchDynamo off: eager)"
     if graphs:
@@ -350,12 +431,16 @@ def measure(args, tp: int, spec: str, compile_mode: str, profile_step: int, tmp:
 
 
 def report_name(args) -> str:
-    """train_throughput_<model>, with what sets the run apart from the default (auto's backends, compile off), so
-    that two runs of one model into one directory (a GPU run's $OUT) keep both reports."""
+    """train_throughput_<model>, with what sets the run apart from the default (kinds other than DIFF and the
+    Transformer, auto's backends, micro-batches of 4, compile off), so that two runs of one model into one directory
+    (a GPU run's $OUT) keep both reports."""
+    kinds = sorted({spec.split(":", 1)[0] for spec in args.kinds} - {"diff", "vanilla"})
     backends = sorted({spec.split(":", 1)[1] for spec in args.kinds if ":" in spec})
+    micro_batch = [] if args.micro_batch_size == 4 else [f"mb{args.micro_batch_size}"]
     compile_modes = [] if args.compile == ["off"] else ["compile-" + "-".join(args.compile)]
     graphs = ["cuda-graphs"] if compose([f"model={args.model}", *args.overrides]).trainer.cuda_graphs != "off" else []
-    return "_".join(["train_throughput", args.model, *backends, *compile_modes, *graphs])
+    return "_".join(["train_throughput", args.model, *(["-".join(kinds)] if kinds else []), *backends, *micro_batch,
+                     *compile_modes, *graphs])
 
 
 def main() -> int:
@@ -367,9 +452,11 @@ def main() -> int:
     parser.add_argument("--seq-length", type=int, default=None)
     parser.add_argument("--tp", type=int, nargs="+", default=[1])
     parser.add_argument("--kinds", nargs="+", default=["diff", "vanilla"], metavar="KIND[:BACKEND]",
-                        help="attention kinds, each optionally with its backend (default auto: diff:triton, diff:sdpa)")
-    parser.add_argument("--fit-gib", type=float, default=None,
-                        help="pick the cheapest trainer.recompute whose memory plan fits this many GiB per GPU")
+                        help="attention kinds, each optionally with its backend (default auto: diff:triton, "
+                             "diff:sdpa); v2_baseline: DIFF V2's mirrored Transformer")
+    parser.add_argument("--fit-gib", type=fit_budget, default=None, metavar="GIB|auto",
+                        help="pick the least recomputation whose memory plan fits this many GiB per GPU (auto: the "
+                             "card's memory), 90%% of it usable")
     parser.add_argument("--compile", nargs="+", choices=("off", "on"), default=["off"],
                         help="trainer.compile for each configuration: off, on, or both (off on) to compare them")
     parser.add_argument("--profile-step", type=int, default=None, help="step to profile (default: the last but one)")
@@ -379,30 +466,43 @@ def main() -> int:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides")
     args = parser.parse_intermixed_args()  # overrides may follow options (gpu_run.sh appends toy sizes)
-    if args.micro_batches < 8:
-        print(f"note: --micro-batches={args.micro_batches}: below 8, per-step fixed costs weigh more than in training")
+    if args.micro_batches * args.micro_batch_size < 32:
+        print(f"note: {args.micro_batches} micro-batches of {args.micro_batch_size}: fewer than the paper's 32 "
+              "sequences a step, per-step fixed costs weigh more than in training")
 
     profile_step = args.profile_step or max(1, args.steps - 1)
     name = report_name(args)
+    # every configuration's overrides and recomputation before any run: a bad kind or a card too small costs nothing
+    configs = [(tp, spec, mode) for tp in args.tp for spec in args.kinds for mode in args.compile]
+    try:
+        planned = {c: run_overrides(args, *c, profile_step) for c in configs}
+        fits = {c: None for c in configs}
+        if args.fit_gib is not None:
+            args.budget_gib, args.budget_what = fit_budget_gib(args, planned[configs[0]])
+            fits = {c: fitting_recompute(planned[c], c[0], args.budget_gib) for c in configs}
+    except ValueError as err:
+        print(f"error: train_throughput.py: {err}", file=sys.stderr)
+        return 2
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for tp in args.tp:
-            for spec in args.kinds:
-                for compile_mode in args.compile:
-                    rows.append(measure(args, tp, spec, compile_mode, profile_step, Path(tmp)))
-                    r = rows[-1]
-                    write_report(report(args, rows), args.out, name, quiet=True)  # so far
-                    where = f"{r['label']} tp={tp}"
-                    if "failed" in r:
-                        print(f"{where}: FAILED ({r['failed']})", flush=True)
-                        continue
-                    mfu = f"  MFU {_percent(r['mfu'])}" if r["mfu"] is not None else ""
-                    print(f"{where}: {r['step_time_s'] * 1e3:8.1f} ms/step  {r['tokens_per_s']:10,.0f} tok/s{mfu}  "
-                          f"first step {_seconds(r['first_step_s'])} s  peak {r['memory_gib']:.2f} GiB "
-                          f"(plan {r['estimate_gib']:.2f})  loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}",
-                          flush=True)
-                    if r.get("cuda_graphs_on"):
-                        print(f"{where}: CUDA graphs: {r.get('cuda_graphs') or 'no report in the log'}", flush=True)
+        for tp, spec, compile_mode in configs:
+            rows.append(measure(args, tp, spec, compile_mode, planned[tp, spec, compile_mode],
+                                fits[tp, spec, compile_mode], Path(tmp)))
+            r = rows[-1]
+            write_report(report(args, rows), args.out, name, quiet=True)  # so far
+            where = f"{r['label']} tp={tp} micro-batch {args.micro_batch_size} ({args.micro_batches} a step)"
+            if r["recompute"]:
+                where += f" recompute {r['recompute']}"
+            if "failed" in r:
+                print(f"{where}: FAILED ({r['failed']})", flush=True)
+                continue
+            mfu = f"  MFU {_percent(r['mfu'])}" if r["mfu"] is not None else ""
+            print(f"{where}: {r['step_time_s'] * 1e3:8.1f} ms/step  {r['tokens_per_s']:10,.0f} tok/s{mfu}  "
+                  f"first step {_seconds(r['first_step_s'])} s  peak {r['memory_gib']:.2f} GiB "
+                  f"(plan {r['estimate_gib']:.2f})  loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}",
+                  flush=True)
+            if r.get("cuda_graphs_on"):
+                print(f"{where}: CUDA graphs: {r.get('cuda_graphs') or 'no report in the log'}", flush=True)
         args.paired = paired_ratios(rows, args.ab_rounds)
     write_report(report(args, rows), args.out, name)
     return 1 if any("failed" in r for r in rows) else 0

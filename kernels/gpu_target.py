@@ -29,12 +29,14 @@ class GPU:
     capability: tuple[int, int]
     shared_memory: int  # bytes one block may use (the opt-in maximum)
     multiprocessors: int
+    memory: int  # bytes of device memory (total_memory)
 
 
-# The devices the launchers' tables are written for, with their figures as torch reports them.
+# The devices the launchers' tables are written for, with their figures as torch reports them (the H100's memory as
+# nvidia-smi showed it on a lent machine, 81,559 MiB; the A100's its data sheet's 80 GiB).
 SIMULATED_GPUS = {
-    "sm_90": GPU("NVIDIA H100 80GB HBM3", (9, 0), 232448, 132),
-    "sm_80": GPU("NVIDIA A100-SXM4-80GB", (8, 0), 166912, 108),
+    "sm_90": GPU("NVIDIA H100 80GB HBM3", (9, 0), 232448, 132, 81559 * 2**20),
+    "sm_80": GPU("NVIDIA A100-SXM4-80GB", (8, 0), 166912, 108, 80 * 2**30),
 }
 
 
@@ -94,7 +96,7 @@ def device_properties(device: torch.device) -> GPU:
         props = torch.cuda.get_device_properties(index)
         _PROPERTIES[index] = GPU(props.name, (props.major, props.minor),
                                  int(getattr(props, "shared_memory_per_block_optin", 0) or 0),
-                                 props.multi_processor_count)
+                                 props.multi_processor_count, props.total_memory)
     return _PROPERTIES[index]
 
 

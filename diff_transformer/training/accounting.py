@@ -479,6 +479,48 @@ def memory_plan_problem(
     )
 
 
+def least_recomputation(
+    cfg: Any, dtype: torch.dtype, world_size: int, padded_vocab: int, budget_gib: float,
+    device: Optional[str] = None,
+) -> Tuple[Dict[str, Any], float]:
+    """The ``trainer.recompute*`` overrides that recompute the fewest forward FLOPs among those whose estimate fits the
+    usable share of ``budget_gib``, and that estimate (GiB): none, selective (where the backend keeps maps to drop),
+    block recomputation of the first N layers of each stage, full. ``cfg``'s own recompute settings are ignored.
+    Raises ValueError naming the budget and what would fit (:func:`memory_plan_problem` at full recomputation) when
+    none does."""
+    m = cfg.model
+    layers = m.num_layers // cfg.parallel.pp
+    attention = attention_flops_per_token(cfg) / m.num_layers / cfg.parallel.tp  # one layer's, per rank
+    layer = 2 * layer_parameters(m, cfg.parallel.tp) + attention  # one layer's forward FLOPs a token, per rank
+    full = {"trainer.recompute": "full", "trainer.recompute_method": "uniform", "trainer.recompute_layers": None}
+    candidates = [(0.0, {"trainer.recompute": "none", "trainer.recompute_method": "uniform",
+                         "trainer.recompute_layers": None})]
+    if resolved_backend(m) not in FUSED_ATTENTION_BACKENDS:
+        candidates.append((layers * attention, {**candidates[0][1], "trainer.recompute": "selective"}))
+    candidates += [(n * layer, {**full, "trainer.recompute_method": "block", "trainer.recompute_layers": n})
+                   for n in range(1, layers)]
+    candidates.append((layers * layer, full))
+    usable = USABLE_MEMORY_FRACTION * budget_gib
+    for _, changes in sorted(candidates, key=lambda c: c[0]):
+        gib = estimate_memory_per_gpu(_with(cfg, **changes), dtype, world_size, padded_vocab, device)["total"]
+        if gib <= usable:
+            return changes, gib
+    raise ValueError(f"no recomputation fits {budget_gib:g} GiB: "
+                     + memory_plan_problem(_with(cfg, **full), dtype, world_size, padded_vocab, budget_gib, device))
+
+
+def recompute_label(cfg: Any) -> str:
+    """``trainer.recompute`` in a table cell: none, selective, full, or ``block N/L`` (the first N of a stage's L)."""
+    t = cfg.trainer
+    layers = cfg.model.num_layers // cfg.parallel.pp
+    if t.recompute == "full" and t.recompute_method == "block":
+        n = layers if t.recompute_layers is None else t.recompute_layers
+        return f"block {n}/{layers}"
+    if t.recompute == "full" and (t.recompute_layers or 1) > 1:
+        return f"full (groups of {t.recompute_layers})"
+    return t.recompute
+
+
 def choose_context_parallel(
     cfg: Any, dtype: torch.dtype, world_size: int, padded_vocab: int, device: Optional[str] = None,
     budget_gib: Optional[float] = None,
