@@ -43,8 +43,10 @@ def test_ctrl_c_waits_for_the_save_exits_130_and_the_rerun_resumes(tmp_path):
     takes the two as one) once its first run has logged a step: the trainer saves, the quickstart says so in one
     line; the same command then resumes that run (its steps contiguous), trains the other and measures both."""
     out = tmp_path / "quick"
+    # records reach metrics.jsonl at logging steps: every step here, so the interrupt lands early in the first run
     command = [sys.executable, "-m", "diff_transformer.quickstart", "--out", str(out), "--steps", "30",
-               "--ab-rounds", "2", "model=debug", "trainer.eval_iters=1", "logging.wandb.mode=disabled"]
+               "--ab-rounds", "2", "model=debug", "trainer.eval_iters=1", "trainer.log_interval=1",
+               "logging.wandb.mode=disabled"]
     proc = subprocess.Popen(command, cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     metrics = out / "diff" / "metrics.jsonl"
