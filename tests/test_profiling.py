@@ -3,20 +3,17 @@ the kernel after each (with its module and backward node), the host syncs by ope
 place without changing the kinds of work. The GPU analysis runs here on profiler events built as torch builds them
 from a CUDA trace; a GPU test profiles a real step with a sync in it."""
 
-import collections
 import contextlib
 import inspect
 import json
-import os
-import traceback
 import warnings
 
 import pytest
 import torch
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from diff_transformer.training.host_reads import HostReads
 from diff_transformer.training.profiling import (OUTSIDE_OPERATORS, Launchers, StepProfiler, breakdown, device_fills,
                                                  host_syncs, idle_gaps, launch_site, zero_fills)
 
@@ -232,26 +229,6 @@ def test_module_ranges_name_the_place_but_not_the_kind_of_work(tmp_path):
     assert record["sync_sites"] == [{"site": f"tests/test_profiling.py:{sync_line}", "count": 1}]
 
 
-# the operators that read a tensor's values on the host: on a GPU each waits for the device
-SYNCING_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "_unique2", "unique_dim",
-               "allclose"}
-
-
-class HostReads(TorchDispatchMode):
-    """Records every operator that would make a host sync on a GPU, with the repository's frames that called it."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._overloadpacket.__name__ in SYNCING_OPS:
-            frames = [f"{os.path.basename(f.filename)}:{f.lineno}" for f in traceback.extract_stack()
-                      if "/diff_transformer/" in f.filename or "/kernels/" in f.filename or "megatron" in f.filename]
-            self.seen[(func._overloadpacket.__name__, " <- ".join(frames[-3:]))] += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("kind, backend", [("diff", "sdpa"), ("diff", "triton"), ("diff", "combined"),
                                            ("diff_v2", "sdpa"), ("vanilla", "sdpa")])
 def test_a_layers_forward_and_backward_read_nothing_on_the_host(kind, backend, megatron_single_process):
@@ -271,15 +248,14 @@ def test_a_layers_forward_and_backward_read_nothing_on_the_host(kind, backend, m
     model = build_model_chunk(cfg, 128)
     tokens = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(64).expand(2, 64)
-    reads = HostReads()
-    with gpu_target.simulate("sm_90") if backend == "triton" else contextlib.nullcontext(), reads:
+    with gpu_target.simulate("sm_90") if backend == "triton" else contextlib.nullcontext(), HostReads() as reads:
         model(tokens, positions, None, labels=tokens).mean().backward()
-    assert not reads.seen, dict(reads.seen)
+    assert not reads.reads, str(reads)
     assert all(p.grad is not None or not p.requires_grad for p in model.parameters())
     # the detector sees a host read
-    with reads:
+    with HostReads() as reads:
         torch.ones(2).sum().item()
-    assert sum(reads.seen.values()) == 1
+    assert len(reads.reads) == 1
 
 
 @pytest.mark.gpu
