@@ -934,7 +934,7 @@ class Trainer:
         self._flops_per_token = model_flops_per_token(self.cfg, self.num_non_embedding_parameters, self.padded_vocab,
                                                       self._masked_attention_keys())
         self.write_run_info()
-        writer = self._metrics = self._open_metrics()
+        self._metrics = self._open_metrics()
         signals = PreemptionSignals(self.cfg.failures.signals, grace_period_seconds(self.cfg.failures),
                                     self.checkpoint_root).install()
         train_iter = self._loader(self.train_ds, self.consumed_samples)
@@ -944,7 +944,7 @@ class Trainer:
         try:
             while self.step < self.cfg.trainer.max_steps:
                 record = self._train_and_measure(train_iter)
-                self._log_step(writer, record)
+                self._log_step(record)
                 history.append(record)
                 self._stop_if_diverged()
                 if signals.agreed():
@@ -952,16 +952,16 @@ class Trainer:
                     break
                 self._save_on_interval()
             else:
-                self._write_records()
+                self._write_records()  # every record, whether or not the end is saved
                 if self.cfg.checkpoint.save_at_end:
-                    self.checkpoints.save(reason="end")
+                    self._save("end")
             self.checkpoints.wait()
         except RunLogFailed as err:
             raise RunLogFailed(f"{err}: the run stops at step {self.step}; free space there and "
                                f"{rerun_advice(self.checkpoint_root)}") from None
         finally:
             signals.uninstall()
-            writer.close()
+            self._metrics.close()
         return history
 
     # -- the steps of fit --------------------------------------------------------------------------------------------
@@ -1060,13 +1060,13 @@ class Trainer:
         t = self.cfg.trainer
         return self.step % t.log_interval == 0 or self.step == t.max_steps
 
-    def _log_step(self, writer: MetricsWriter, record: Dict[str, Any]) -> None:
+    def _log_step(self, record: Dict[str, Any]) -> None:
         """Keep the step's record; on logging steps write the records kept and the progress line."""
         self._unwritten.append((record, time.time()))
         if self._logs_this_step():
             self._write_records()
             if self.rank == 0:
-                logger.info(writer.progress_line(record))
+                logger.info(self._metrics.progress_line(record))
 
     def _write_records(self) -> None:
         """Write the records kept since the last logging step to metrics.jsonl (and W&B), their gradient norms read
@@ -1079,11 +1079,16 @@ class Trainer:
         for record, wall_time in kept:
             self._metrics.log(record, wall_time=wall_time)
 
+    def _save(self, reason: str) -> None:
+        """Save a checkpoint of this step, the records up to it written first: metrics.jsonl always reaches a
+        checkpoint's step (``checkpoint.resume=auto`` checks it)."""
+        self._write_records()
+        self.checkpoints.save(reason=reason)
+
     def _stop_if_diverged(self) -> None:
         if not self.bad_steps.exhausted:
             return
-        self._write_records()
-        self.checkpoints.save(reason="diverged")
+        self._save("diverged")
         self.checkpoints.wait()
         raise TrainingDiverged(
             f"{self.bad_steps.consecutive} bad steps in a row up to step {self.step} "
@@ -1094,8 +1099,7 @@ class Trainer:
     def _save_on_interval(self) -> None:
         interval = self.cfg.checkpoint.interval
         if interval and self.step % interval == 0:
-            self._write_records()
-            self.checkpoints.save(reason="interval")
+            self._save("interval")
         self.checkpoints.poll()
 
     def _save_and_exit_on_signal(self, signals: PreemptionSignals) -> None:
@@ -1103,8 +1107,7 @@ class Trainer:
         received = signals.received or "a signal on another rank"
         if self.rank == 0:
             logger.warning("%s: saving step %d before exiting", received, self.step)
-        self._write_records()
-        self.checkpoints.save(reason=received)
+        self._save(received)
         self.checkpoints.wait()
         signals.saved()
         self.stopped_by_signal = True
