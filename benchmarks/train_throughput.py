@@ -48,6 +48,7 @@ from benchmarks.reports import machine_name, write_report  # noqa: E402
 
 from diff_transformer.distributed import free_port  # noqa: E402
 from diff_transformer.figure_style import variant_name  # noqa: E402
+from diff_transformer.training.accounting import USABLE_MEMORY_FRACTION  # noqa: E402
 
 CATEGORIES = ("GEMM", "attention", "DIFF epilogue", "norms", "other elementwise", "optimizer", "communication", "idle")
 
@@ -316,8 +317,8 @@ def report(args, rows) -> str:
     ]
     if getattr(args, "budget_gib", None) is not None:
         lines += [f"Recomputation: the least (fewest recomputed FLOPs) whose memory plan fits {args.budget_what}, "
-                  f"{args.budget_gib:.1f} GiB (`--fit-gib {args.fit_gib}`), filling at most 90% of it "
-                  f"({0.9 * args.budget_gib:.1f} GiB: the margin train.py's check keeps for the CUDA context, the "
+                  f"{args.budget_gib:.1f} GiB (`--fit-gib {args.fit_gib}`), filling at most "
+                  f"{USABLE_MEMORY_FRACTION:.0%} of it ({USABLE_MEMORY_FRACTION * args.budget_gib:.1f} GiB: the margin train.py's check keeps for the CUDA context, the "
                   "allocator and transient tensors); its plan is each row's plan GiB.", ""]
     by = {}
     for r in rows:  # the first row of each kind stands for it in the ratios
@@ -407,7 +408,8 @@ def measure(args, tp: int, spec: str, compile_mode: str, overrides: list[str], f
         overrides = overrides + fitted
         how = "" if recompute == "none" else f" ({' '.join(fitted)})"
         print(f"{kind}: recompute {recompute}{how} fits {args.budget_what}, {args.budget_gib:.1f} GiB "
-              f"(plan {estimate:.1f} GiB of the 90% usable, {0.9 * args.budget_gib:.1f})", flush=True)
+              f"(plan {estimate:.1f} GiB of the {USABLE_MEMORY_FRACTION:.0%} usable, "
+              f"{USABLE_MEMORY_FRACTION * args.budget_gib:.1f})", flush=True)
     try:
         kernels = sdpa_kernels(overrides)
     except Exception as err:  # the attention kinds without an sdpa path (none today), or no memory left
